@@ -1,0 +1,39 @@
+"""The C++ batch manager: requests, KV cache accounting, sequence slots and the two schedulers.
+
+Names and semantics follow TensorRT-LLM's batch manager (snake_case). Pure-Python twins with the
+same interface and decisions live in :mod:`inflight.batch_manager.reference`.
+"""
+
+from __future__ import annotations
+
+from inflight._C import (
+    DEFAULT_RETENTION_PRIORITY,
+    CapacityScheduler,
+    CapacitySchedulerPolicy,
+    ContextChunkingConfig,
+    ContextChunkingPolicy,
+    FinishReason,
+    KvCacheStats,
+    KVCacheManager,
+    LlmRequest,
+    LlmRequestState,
+    MicroBatchScheduler,
+    RequestList,
+    SequenceSlotManager,
+)
+
+__all__ = [
+    "DEFAULT_RETENTION_PRIORITY",
+    "CapacityScheduler",
+    "CapacitySchedulerPolicy",
+    "ContextChunkingConfig",
+    "ContextChunkingPolicy",
+    "FinishReason",
+    "KVCacheManager",
+    "KvCacheStats",
+    "LlmRequest",
+    "LlmRequestState",
+    "MicroBatchScheduler",
+    "RequestList",
+    "SequenceSlotManager",
+]

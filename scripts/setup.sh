@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine (Debian/Ubuntu, Python >= 3.10) and installs inflight from this checkout.
+# Idempotent: what is already there is kept. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+
+# GoogleTest for the C++ unit tests (Debian's libgtest-dev ships a CMake config).
+if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+  echo "== installing libgtest-dev, cmake, ninja"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build >/dev/null
+fi
+
+# torch first, pinned to the local CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
+# Any torch >= 2.4 that is already installed is kept (GPU machines bring their own).
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "== installing torch==2.13.0 (CPU wheel)"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+
+echo "== installing build and test dependencies"
+"$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.24" "tqdm>=4.60" \
+  "pytest>=7" "hypothesis>=6.80"
+
+echo "== building and installing inflight"
+start=$(date +%s)
+# --no-build-isolation: reuse the installed nanobind/scikit-build-core and the fixed build dir, so a
+# rebuild only recompiles what changed.
+"$PY" -m pip install -q --no-build-isolation --no-deps .
+echo "== inflight built and installed in $(( $(date +%s) - start )) s"
