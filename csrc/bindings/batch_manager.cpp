@@ -275,6 +275,15 @@ void bind_batch_manager(nb::module_& m) {
            },
            "index"_a = -1)
       .def("clear", &RequestList::clear)
+      .def("__add__",
+           [](RequestList const& a, RequestList const& b) {
+             RequestList out;
+             out.reserve(a.size() + b.size());
+             for (std::size_t i = 0; i < a.size(); ++i) out.push_back(a.ptrs()[i], a.objs()[i]);
+             for (std::size_t i = 0; i < b.size(); ++i) out.push_back(b.ptrs()[i], b.objs()[i]);
+             return out;
+           },
+           "other"_a, "Concatenation (e.g. context + generation requests of one batch).")
       .def("request_ids",
            [](RequestList const& l) {
              std::vector<bm::RequestIdType> ids;
@@ -348,6 +357,19 @@ void bind_batch_manager(nb::module_& m) {
       .def("get_block_ids", &bm::KVCacheManager::get_block_ids, "request_id"_a,
            "The sequence's block ids, in token order (a copy).")
       .def("get_num_tokens", &bm::KVCacheManager::get_num_tokens, "request_id"_a)
+      .def(
+          "copy_block_tables",
+          [](bm::KVCacheManager const& kv, RequestList const& requests, BlockTableArray out) {
+            std::vector<bm::RequestIdType> request_ids;
+            request_ids.reserve(requests.size());
+            for (auto* p : requests.ptrs()) request_ids.push_back(p->request_id());
+            nb::gil_scoped_release release;
+            kv.copy_block_tables(request_ids, out.data(), static_cast<std::int64_t>(out.shape(0)),
+                                 static_cast<std::int64_t>(out.shape(1)));
+          },
+          "requests"_a, nb::arg("out").noconvert(),
+          "Writes the block ids of each request's sequence into row i of `out` (int32, C-contiguous, "
+          "[rows, cols]); the rest of each written row is set to 0.")
       .def(
           "copy_block_tables",
           [](bm::KVCacheManager const& kv, std::vector<bm::RequestIdType> const& request_ids, BlockTableArray out) {
