@@ -1,0 +1,71 @@
+"""Attention over the paged KV cache: the metadata object and the backend interface.
+
+The executor builds one :class:`AttentionMetadata` per step and the model hands it, unchanged, to
+its attention backend in every layer. The batch is flattened: no padding between sequences.
+Sequences ``0 .. num_contexts-1`` are context chunks (many query tokens each), the rest are decode
+steps (one query token each, or ``1 + draft`` tokens). Token ``t`` of the flattened batch belongs to
+the sequence ``i`` with ``cu_seqlens[i] <= t < cu_seqlens[i+1]`` and sits at ``positions[t]``.
+
+KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
+(index 0 = K, 1 = V). Token ``p`` of a sequence lives in block ``block_tables[i, p // tpb]`` at
+offset ``p % tpb``; ``slot_mapping[t] = block_id * tpb + offset`` is where this step's token ``t``
+is written.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_contexts: int
+    num_tokens: int
+    tokens_per_block: int
+    seq_lens: torch.Tensor  # [batch] int32: query tokens of each sequence in this step
+    cu_seqlens: torch.Tensor  # [batch + 1] int32: prefix sums of seq_lens
+    kv_lens: torch.Tensor  # [batch] int32: tokens in KV after this step (cached + this step's)
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [batch, max_blocks] int32 (unused entries 0)
+    logits_indices: torch.Tensor  # [num_logits] int64: flattened tokens whose logits are returned
+    # Host copies (Python ints), so backends need no device->host sync to plan their work.
+    seq_lens_host: tuple[int, ...]
+    kv_lens_host: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_generations(self) -> int:
+        return self.batch_size - self.num_contexts
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens_host, default=0)
+
+
+class AttentionBackend(abc.ABC):
+    """Stores this step's K/V into the paged cache, then attends over the cache (causally)."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Query token ``t`` at position ``p`` attends to its sequence's tokens ``0..p``."""

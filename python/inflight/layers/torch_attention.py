@@ -1,0 +1,166 @@
+"""TorchAttentionBackend: the plain-torch reference backend over the paged KV cache.
+
+Per layer: store this step's K/V at ``slot_mapping`` (in place), then gather every sequence's
+blocks into a padded ``[batch, max_kv_len]`` view and run one batched SDPA per sequence group with
+a boolean mask. No Python loop over sequences runs per layer.
+
+Groups: the context chunks (sequences ``0 .. num_contexts-1``) and the decode steps are attended in
+two calls rather than one, because padding every decode query up to a long context chunk's length
+would multiply the work by ``max_q_len`` for no output. Within a group queries are padded to the
+group's longest.
+
+The indices and masks depend only on the metadata, so they are built once per step (the first layer
+to see a metadata object) and reused by the other layers: the backend keeps the last plan together
+with a reference to its metadata object, so identity comparison cannot be fooled by id() reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inflight.layers.attention import AttentionBackend, AttentionMetadata
+
+# SDPA grew enable_gqa in torch 2.5; older torches get repeat_interleave instead.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """Work for sequences ``seq_begin .. seq_end-1`` (flattened tokens ``tok_begin .. tok_end-1``)."""
+
+    tok_begin: int
+    tok_end: int
+    batch: int
+    max_q: int
+    gather: torch.Tensor  # [batch, max_kv] int64: cache slot of each sequence's kv index j
+    q_index: (
+        torch.Tensor | None
+    )  # [num_tokens_in_group] int64 rows of the padded [batch*max_q]; None: no padding
+    mask: torch.Tensor | None  # [batch, 1, max_q, max_kv] bool (True = attend); None: attend to all
+    is_causal: bool  # every sequence has q_len == kv_len == max_kv: SDPA's own causal mask is exact
+
+
+def _plan_group(
+    metadata: AttentionMetadata, seq_begin: int, seq_end: int, device: torch.device
+) -> _GroupPlan:
+    seq_lens = metadata.seq_lens_host[seq_begin:seq_end]
+    kv_lens = metadata.kv_lens_host[seq_begin:seq_end]
+    batch = len(seq_lens)
+    max_q, max_kv = max(seq_lens), max(kv_lens)
+    tpb = metadata.tokens_per_block
+    tok_begin = sum(metadata.seq_lens_host[:seq_begin])
+    tok_end = tok_begin + sum(seq_lens)
+
+    num_blocks = -(-max_kv // tpb)
+    if metadata.block_tables.shape[1] < num_blocks:
+        raise ValueError(
+            f"block_tables has {metadata.block_tables.shape[1]} columns, but a kv_len of {max_kv} "
+            f"needs {num_blocks} blocks of {tpb} tokens"
+        )
+    tables = metadata.block_tables[seq_begin:seq_end, :num_blocks].to(device=device, dtype=torch.int64)
+    offsets = torch.arange(tpb, device=device, dtype=torch.int64)
+    gather = (tables[:, :, None] * tpb + offsets).reshape(batch, num_blocks * tpb)[:, :max_kv]
+
+    uniform_q = all(s == max_q for s in seq_lens)
+    q_index = None
+    if not uniform_q:
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens  # first flattened token of each sequence (group-local)
+        row_base = torch.arange(batch, dtype=torch.int64) * max_q
+        q_index = (torch.arange(tok_end - tok_begin) + torch.repeat_interleave(row_base - starts, lens)).to(
+            device
+        )
+
+    all_full = all(k == max_kv for k in kv_lens)
+    is_causal = all_full and max_q == max_kv and uniform_q and max_q > 1
+    mask = None
+    if not is_causal and not (all_full and max_q == 1):
+        q_len = torch.tensor(seq_lens, dtype=torch.int64)
+        kv_len = torch.tensor(kv_lens, dtype=torch.int64)
+        # Query row r of sequence i sits at position kv_len - q_len + r. Padded rows (r >= q_len)
+        # get positions >= kv_len, so they see all kv_len keys: never fully masked, no NaN.
+        q_pos = (kv_len - q_len)[:, None] + torch.arange(max_q)[None, :]
+        j = torch.arange(max_kv)
+        mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+        mask = mask[:, None].to(device)
+    return _GroupPlan(tok_begin, tok_end, batch, max_q, gather, q_index, mask, is_causal)
+
+
+def _check_metadata(metadata: AttentionMetadata) -> None:
+    if sum(metadata.seq_lens_host) != metadata.num_tokens:
+        raise ValueError(
+            f"seq_lens sum to {sum(metadata.seq_lens_host)}, but num_tokens is {metadata.num_tokens}"
+        )
+    for i, (s, k) in enumerate(zip(metadata.seq_lens_host, metadata.kv_lens_host)):
+        if s < 1 or k < s:
+            raise ValueError(f"sequence {i}: need 1 <= seq_len <= kv_len, got seq_len={s}, kv_len={k}")
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        # One-entry memo (metadata object, its plan); see the module docstring.
+        self._planned_for: AttentionMetadata | None = None
+        self._plan: tuple[_GroupPlan, ...] = ()
+
+    def _get_plan(self, metadata: AttentionMetadata, device: torch.device) -> tuple[_GroupPlan, ...]:
+        if self._planned_for is metadata:
+            return self._plan
+        _check_metadata(metadata)
+        nc, bs = metadata.num_contexts, metadata.batch_size
+        groups = [(b, e) for b, e in ((0, nc), (nc, bs)) if e > b]
+        plan = tuple(_plan_group(metadata, b, e, device) for b, e in groups)
+        self._planned_for, self._plan = metadata, plan
+        return plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        _, num_blocks, tpb, num_kv_heads, _ = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+        if k.dtype != flat.dtype:  # a cache kept in another dtype than the activations
+            k, v = k.to(flat.dtype), v.to(flat.dtype)
+        flat[0].index_copy_(0, metadata.slot_mapping, k)
+        flat[1].index_copy_(0, metadata.slot_mapping, v)
+
+        outs = []
+        for g in self._get_plan(metadata, q.device):
+            kv = flat[:, g.gather]  # [2, batch, max_kv, kvh, hd]
+            if kv.dtype != q.dtype:
+                kv = kv.to(q.dtype)
+            key = kv[0].transpose(1, 2)
+            value = kv[1].transpose(1, 2)
+            qg = q[g.tok_begin : g.tok_end]
+            if g.q_index is None:
+                qp = qg.reshape(g.batch, g.max_q, num_heads, head_dim)
+            else:
+                qp = qg.new_zeros(g.batch * g.max_q, num_heads, head_dim)
+                qp = qp.index_copy_(0, g.q_index, qg).view(g.batch, g.max_q, num_heads, head_dim)
+            qp = qp.transpose(1, 2)  # [batch, heads, max_q, hd]
+            if num_heads != num_kv_heads and not _SDPA_HAS_GQA:
+                rep = num_heads // num_kv_heads
+                key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+            gqa = {"enable_gqa": True} if num_heads != num_kv_heads and _SDPA_HAS_GQA else {}
+            out = F.scaled_dot_product_attention(
+                qp, key, value, attn_mask=g.mask, is_causal=g.is_causal, scale=scale, **gqa
+            )
+            out = out.transpose(1, 2)  # [batch, max_q, heads, hd]
+            if g.q_index is None:
+                out = out.reshape(g.tok_end - g.tok_begin, num_heads, head_dim)
+            else:
+                out = out.reshape(g.batch * g.max_q, num_heads, head_dim).index_select(0, g.q_index)
+            outs.append(out)
+        if not outs:
+            return q.new_empty(0, num_heads, head_dim)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -1,0 +1,373 @@
+"""ModelConfig: the subset of a Hugging Face ``config.json`` that the llama-family model uses.
+
+Validated once, at load time. Anything in the checkpoint's config that our model would not compute
+the way ``transformers`` does (another activation, rope type, a sliding window that the run would
+actually hit, quantised weights) is refused here with a ``ValueError`` naming the field and value,
+so a model never loads and then silently produces different outputs.
+
+RoPE parameters come in two forms and both are read:
+- Hub checkpoints (transformers 4): top-level ``rope_theta`` and ``rope_scaling`` (``{"type"|"rope_type": ...}``).
+- transformers 5 ``save_pretrained``: ``rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`` and no
+  top-level ``rope_theta``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> model_type. One model class covers all three: they differ only in which
+# projections carry a bias, the tied LM head and the sliding-window fields, all of which are config.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+
+# Rope types we compute exactly as transformers does; "default" is stored as rope_scaling=None.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# transformers' class default when a (very old) checkpoint names no theta at all.
+_HF_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Frozen and validated on construction. Use :meth:`from_hf_dir` / :meth:`from_dict` for checkpoints."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else a normalised dict with "rope_type" ("linear" | "llama3") and its
+    # parameters ("factor", and for llama3 "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"). Treat as read-only: it is copied on construction.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias covers it; Qwen2 has none)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # The window that the model actually applies (None: full attention in every layer).
+    sliding_window: int | None = None
+    # The checkpoint's stored dtype ("bfloat16", ...), for dtype="auto"; None when not stated.
+    checkpoint_dtype: str | None = None
+    model_type: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if not self.model_type:
+            object.__setattr__(self, "model_type", SUPPORTED_ARCHITECTURES[self.architecture])
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps!r}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window!r}")
+        if self.bos_token_id is not None and not (0 <= self.bos_token_id < self.vocab_size):
+            raise ValueError(f"bos_token_id must be in [0, {self.vocab_size}), got {self.bos_token_id}")
+        for t in self.eos_token_ids:
+            if not (0 <= t < self.vocab_size):
+                raise ValueError(f"eos_token_id must be in [0, {self.vocab_size}), got {t}")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+            _validate_rope_scaling(self.rope_scaling)
+
+    def __hash__(self) -> int:
+        # The generated hash would fail on the rope_scaling dict; hash its items instead.
+        items = tuple(
+            (f, tuple(sorted(v.items())) if isinstance(v, dict) else v) for f, v in self.__dict__.items()
+        )
+        return hash(items)
+
+    # ---- derived -------------------------------------------------------------------------------
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def check_max_seq_len(self, max_seq_len: int) -> int:
+        """Raise ValueError if a run with sequences up to ``max_seq_len`` tokens would diverge.
+
+        A sliding window only changes the result once a sequence is longer than the window; we do not
+        implement windowed attention, so such a run is refused instead of computing full attention.
+        """
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
+        if max_seq_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len must be <= max_position_embeddings ({self.max_position_embeddings}), "
+                f"got {max_seq_len}"
+            )
+        if self.sliding_window is not None and self.sliding_window < max_seq_len:
+            raise ValueError(
+                f"sliding_window attention is not supported: the model's sliding_window "
+                f"({self.sliding_window}) is smaller than max_seq_len ({max_seq_len}); pass "
+                f"max_seq_len <= {self.sliding_window}"
+            )
+        return max_seq_len
+
+    # ---- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
+        with open(config_path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face config dict (either rope form), refusing what we would compute differently."""
+        architecture = _parse_architecture(d)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        if d.get("quantization_config"):
+            method = d["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"quantization_config (quant_method {method!r}) is not supported")
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {d['partial_rotary_factor']!r} is not supported")
+
+        hidden_size = _req_int(d, "hidden_size")
+        num_heads = _req_int(d, "num_attention_heads")
+        num_kv_heads = d.get("num_key_value_heads")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({hidden_size}) must be a multiple of num_attention_heads ({num_heads}) "
+                    "when head_dim is not given"
+                )
+            head_dim = hidden_size // num_heads
+        max_pos = _req_int(d, "max_position_embeddings")
+        rope_theta, rope_scaling = _parse_rope(d, max_pos)
+
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias = True, False
+        elif model_type == "llama":
+            attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
+        else:  # mistral: no biases at all in transformers' MistralAttention
+            attention_bias = o_proj_bias = False
+        mlp_bias = bool(d.get("mlp_bias", False)) if model_type == "llama" else False
+
+        eos = d.get("eos_token_id")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, int):
+            eos_ids = (eos,)
+        else:
+            eos_ids = tuple(int(e) for e in eos)
+
+        dtype = d.get("torch_dtype", d.get("dtype"))
+        return cls(
+            architecture=architecture,
+            vocab_size=_req_int(d, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_req_int(d, "intermediate_size"),
+            num_hidden_layers=_req_int(d, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            # transformers' Llama/Mistral/Qwen2 configs all default to an untied head.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=mlp_bias,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=_parse_sliding_window(d, model_type),
+            checkpoint_dtype=dtype if isinstance(dtype, str) else None,
+            model_type=model_type,
+        )
+
+
+def _req_int(d: dict[str, Any], key: str) -> int:
+    if key not in d or d[key] is None:
+        raise ValueError(f"config.json lacks required field {key!r}")
+    value = d[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")  # noqa: TRY004 (a bad config value)
+    return value
+
+
+def _parse_architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if archs:
+        if len(archs) != 1:
+            raise ValueError(f"architectures must name exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = d.get("model_type")
+        if model_type is not None and model_type != SUPPORTED_ARCHITECTURES[arch]:
+            raise ValueError(f"model_type {model_type!r} does not match architecture {arch!r}")
+        return arch
+    model_type = d.get("model_type")
+    if model_type not in _MODEL_TYPE_TO_ARCH:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (and no architectures given); supported: "
+            f"{sorted(_MODEL_TYPE_TO_ARCH)}"
+        )
+    return _MODEL_TYPE_TO_ARCH[model_type]
+
+
+def _parse_rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """Merge both rope forms into (theta, normalised scaling dict or None)."""
+    params: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = d.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a dict or null, got {value!r}")  # noqa: TRY004
+        if any(isinstance(v, dict) for v in value.values()):
+            raise ValueError(f"{key} per layer type ({sorted(value)}) is not supported")
+        params.update(value)
+
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta")
+    elif params.get("rope_theta") is not None and float(params["rope_theta"]) != float(theta):
+        raise ValueError(
+            f"rope_theta ({theta}) disagrees with rope_parameters.rope_theta ({params['rope_theta']})"
+        )
+    if theta is None:
+        warnings.warn(
+            f"config.json names no rope_theta (neither top-level nor in rope_parameters); using "
+            f"transformers' default {_HF_DEFAULT_ROPE_THETA}",
+            stacklevel=3,
+        )
+        theta = _HF_DEFAULT_ROPE_THETA
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']!r} is not supported")
+
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} (rope scaling) is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    scaling: dict[str, Any] = {"rope_type": rope_type}
+    if "factor" not in params:
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks 'factor'")
+    scaling["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in params:
+                raise ValueError(f"rope_scaling of type 'llama3' lacks {key!r}")
+            scaling[key] = float(params[key])
+        # Same precedence as transformers' standardize_rope_params.
+        orig = d.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+        scaling["original_max_position_embeddings"] = int(orig if orig is not None else max_pos)
+    _validate_rope_scaling(scaling)
+    return float(theta), scaling
+
+
+def _validate_rope_scaling(s: dict[str, Any]) -> None:
+    rope_type = s.get("rope_type")
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"rope_type {rope_type!r} (rope scaling) is not supported")
+    required = ["factor"]
+    if rope_type == "llama3":
+        required += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    for key in required:
+        if s.get(key) is None:
+            raise ValueError(f"rope_scaling of type {rope_type!r} lacks {key!r}")
+    if not s["factor"] > 0:
+        raise ValueError(f"rope_scaling factor must be > 0, got {s['factor']!r}")
+    if rope_type == "llama3":
+        if not s["high_freq_factor"] > s["low_freq_factor"] > 0:
+            raise ValueError(
+                f"llama3 rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"{s['high_freq_factor']} and {s['low_freq_factor']}"
+            )
+        if s["original_max_position_embeddings"] < 1:
+            raise ValueError(
+                f"original_max_position_embeddings must be >= 1, got {s['original_max_position_embeddings']}"
+            )
+
+
+def _parse_sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    """The window transformers would actually apply in some layer, or None."""
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "mistral":
+        return int(window)
+    if model_type == "qwen2":
+        # Qwen2 ignores sliding_window unless use_sliding_window, and then only in layers
+        # >= max_window_layers (or those that layer_types marks "sliding_attention").
+        if not d.get("use_sliding_window", False):
+            return None
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            n = d.get("num_hidden_layers", 0)
+            layer_types = [
+                "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+                for i in range(n)
+            ]
+        return int(window) if "sliding_attention" in layer_types else None
+    # Llama has no sliding window in transformers; a stray key would be ignored by it too.
+    return None

@@ -1,0 +1,248 @@
+"""LlamaForCausalLM: one native model for Llama 2/3, Mistral, Qwen2, SmolLM2 and TinyLlama checkpoints.
+
+Numerics follow transformers' implementation op for op where it matters (RMSNorm in fp32 then cast,
+RoPE cos/sin from fp32 tables cast to the model dtype, residual adds in the model dtype), so fp32
+logits agree with ``AutoModelForCausalLM`` to ~1e-5.
+
+Per layer the Python work is a fixed, small number of ops regardless of the batch: q/k/v are one
+matmul and gate/up another (per-op overhead dominates at small sizes), RoPE is applied to q and k
+together, and the attention backend handles all sequences of the flattened batch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.linear import Linear, LinearFactory
+from inflight.layers.norm import RMSNorm
+from inflight.layers.rotary import RotaryEmbedding, apply_rotary
+from inflight.layers.torch_attention import TorchAttentionBackend
+from inflight.models.config import ModelConfig
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Where a checkpoint tensor goes: a fused Linear's shard, or a plain parameter.
+_LinearTarget = tuple[nn.Module, int, str]
+_Target = _LinearTarget | nn.Parameter
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        attention_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        linear_factory: LinearFactory,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.intermediate_size = config.intermediate_size
+        self.scale = config.head_dim**-0.5
+        self.attention_backend = attention_backend
+        d = config.hidden_size
+        kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps, **kw)
+        self.qkv_proj = linear_factory(
+            d, (self.q_size, self.kv_size, self.kv_size), bias=config.attention_bias, **kw
+        )
+        self.o_proj = linear_factory(self.q_size, (d,), bias=config.o_proj_bias, **kw)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, **kw)
+        self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
+        self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, _Target]:
+        """HF tensor name -> where it is loaded."""
+        targets: dict[str, _Target] = {
+            f"{prefix}.input_layernorm.weight": self.input_layernorm.weight,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
+        }
+        shards = [
+            ("self_attn.q_proj", self.qkv_proj, 0),
+            ("self_attn.k_proj", self.qkv_proj, 1),
+            ("self_attn.v_proj", self.qkv_proj, 2),
+            ("self_attn.o_proj", self.o_proj, 0),
+            ("mlp.gate_proj", self.gate_up_proj, 0),
+            ("mlp.up_proj", self.gate_up_proj, 1),
+            ("mlp.down_proj", self.down_proj, 0),
+        ]
+        for hf_name, module, shard in shards:
+            for tensor_name in module.checkpoint_tensor_names():
+                targets[f"{prefix}.{hf_name}.{tensor_name}"] = (module, shard, tensor_name)
+        return targets
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        qk_size = self.q_size + self.kv_size
+        # q and k rotate together: one RoPE application instead of two.
+        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, signed_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        inter = self.intermediate_size
+        return hidden + self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids, positions, metadata, kv_caches) -> logits`` of the ``logits_indices`` rows.
+
+    Parameters are allocated uninitialised; :meth:`load_weights` must fill every one of them (it
+    raises otherwise). ``max_seq_len`` bounds the RoPE table (default: max_position_embeddings).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        attention_backend: AttentionBackend | None = None,
+        *,
+        max_seq_len: int | None = None,
+        device: torch.device | str | None = None,
+        linear_factory: LinearFactory = Linear,
+    ) -> None:
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
+        if max_seq_len is None:
+            max_seq_len = config.max_position_embeddings
+        config.check_max_seq_len(max_seq_len)
+        self.config = config
+        self.dtype = dtype
+        self.max_seq_len = max_seq_len
+        self.attention_backend = (
+            attention_backend if attention_backend is not None else TorchAttentionBackend()
+        )
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        # Tied: the very same tensor, so loading the embedding loads the head (and no memory is doubled).
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_seq_len, config.rope_theta, config.rope_scaling, dtype=dtype, device=device
+        )
+
+    # ---- shapes for the resource manager -------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_cache_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's KV cache tensor (the layout of ``inflight.layers.attention``)."""
+        return (2, num_blocks, tokens_per_block, self.config.num_key_value_heads, self.config.head_dim)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # one per layer
+    ) -> torch.Tensor:  # [len(metadata.logits_indices), vocab] float32
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"kv_caches must hold one tensor per layer ({len(self.layers)}), got {len(kv_caches)}"
+            )
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, signed_sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
+        # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.
+        hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
+        return F.linear(hidden, self.lm_head).float()
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def checkpoint_targets(self) -> dict[str, _Target]:
+        """HF tensor name -> destination, for every tensor a checkpoint must provide."""
+        targets: dict[str, _Target] = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.norm.weight,
+        }
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.checkpoint_targets(f"model.layers.{i}"))
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (cast to the model dtype); every expected tensor exactly once.
+
+        Raises ValueError naming the tensors on missing, unexpected or duplicate names and on a
+        shape mismatch. Rotary ``inv_freq`` buffers are ignored (we compute our own), as is a
+        ``lm_head.weight`` saved alongside tied embeddings (transformers ignores it too).
+        """
+        targets = self.checkpoint_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            if name in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} appears twice")
+            if isinstance(target, nn.Parameter):
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"shape mismatch for {name!r}: model expects {tuple(target.shape)}, "
+                        f"checkpoint has {tuple(tensor.shape)}"
+                    )
+                target.copy_(tensor)
+            else:
+                module, shard, tensor_name = target
+                try:
+                    module.load_shard(shard, tensor_name, tensor)
+                except ValueError as e:
+                    raise ValueError(f"shape mismatch for {name!r}: {e}") from None
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if unexpected or missing:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors ({len(missing)}): {_preview(missing)}")
+            if unexpected:
+                parts.append(f"unexpected tensors ({len(unexpected)}): {_preview(sorted(unexpected))}")
+            raise ValueError("checkpoint does not match the model config: " + "; ".join(parts))
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
