@@ -1,0 +1,359 @@
+"""The sampler: one step's logits for a batch of requests in, one token per request out.
+
+Order of processing (as vLLM), every stage batched over rows with per-row parameter tensors:
+
+1. log-probabilities, when any row asks: ``log_softmax`` of the *raw* logits (vLLM v1's default
+   ``raw_logprobs``), so they describe the model, not the sampling knobs;
+2. penalties: repetition over tokens of prompt + output (a positive logit is divided by the penalty,
+   a negative one multiplied), then ``frequency * count`` and ``presence * (count > 0)`` over the
+   output;
+3. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are set to -inf while fewer
+   than ``min_tokens`` tokens were generated;
+4. greedy rows: argmax of those logits (ties: the first index, as ``torch.argmax``);
+5. sampling rows: divide by temperature, top-k, top-p (the smallest set of most likely tokens whose
+   mass reaches ``top_p``; at least one), min-p (drop tokens below ``min_p`` times the largest
+   probability), then draw with the exponential trick ``argmax(p / E)``, ``E ~ Exp(1)``, which is an
+   exact draw from ``p``. Rows with a seed draw their ``E`` from their own generator, V values per
+   step, so a seeded request's tokens do not depend on the rest of the batch; the other rows share
+   one draw from torch's default generator.
+
+An all-greedy batch with no penalties, no pending ``min_tokens`` and no logprobs is one ``argmax``:
+that is every decode step of a plain greedy run.
+
+The sampler never mutates its inputs (the generators aside, which advance); the executor appends
+each accepted token with :meth:`SamplingState.append`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from inflight.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """What the sampler needs to know about one request, kept for the request's lifetime.
+
+    Create it with :meth:`create` (which validates the ids against the vocabulary once); call
+    :meth:`append` for every token the request keeps. Output tokens live in a growable int64 numpy
+    buffer so that building the penalty counts each step is one concatenation, not a list walk.
+    """
+
+    params: SamplingParams
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    # From params.seed, once per request; None: the shared default generator.
+    generator: torch.Generator | None
+    # Unique prompt ids, kept only when the repetition penalty needs them.
+    prompt_token_ids_unique: np.ndarray | None
+    # The ids that min_tokens masks: stop_token_ids, plus EOS unless ignore_eos.
+    min_tokens_mask_ids: tuple[int, ...]
+    _output: np.ndarray = field(default_factory=lambda: np.empty(16, dtype=np.int64), repr=False)
+    _num_generated: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int] = (),
+        *,
+        device: torch.device | str | None = None,
+    ) -> SamplingState:
+        """The state of a new request. ``device`` is where the logits will be (for the generator)."""
+        eos = tuple(int(t) for t in eos_token_ids)
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("eos_token_ids", eos)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad!r}")
+        prompt_unique = None
+        if params.repetition_penalty != 1.0:
+            prompt = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+            if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab_size):
+                raise ValueError(
+                    f"prompt_token_ids must be in [0, {vocab_size}), "
+                    f"got a token {int(prompt.min() if prompt.min() < 0 else prompt.max())}"
+                )
+            prompt_unique = np.unique(prompt)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=torch.device(device) if device is not None else "cpu")
+            generator.manual_seed(params.seed)
+        mask_ids = params.stop_token_ids + (() if params.ignore_eos else eos)
+        return cls(
+            params=params,
+            vocab_size=vocab_size,
+            eos_token_ids=eos,
+            generator=generator,
+            prompt_token_ids_unique=prompt_unique,
+            min_tokens_mask_ids=tuple(dict.fromkeys(mask_ids)),
+        )
+
+    @property
+    def num_generated(self) -> int:
+        return self._num_generated
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output[: self._num_generated].tolist()
+
+    def output_token_ids_array(self) -> np.ndarray:
+        """The generated ids as a read-only view (valid until the next append)."""
+        view = self._output[: self._num_generated]
+        view.flags.writeable = False
+        return view
+
+    def append(self, token_id: int) -> None:
+        if self._num_generated == len(self._output):
+            self._output = np.concatenate([self._output, np.empty_like(self._output)])
+        self._output[self._num_generated] = token_id
+        self._num_generated += 1
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        for t in token_ids:
+            self.append(t)
+
+    @property
+    def needs_min_tokens_mask(self) -> bool:
+        return self._num_generated < self.params.min_tokens and bool(self.min_tokens_mask_ids)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, row i for ``states[i]``.
+
+    ``logprobs`` (when any row asked) is the sampled token's log-probability under the raw model
+    distribution, for every row. ``top_logprobs`` is ``(values, ids)``, each ``[N, K]`` with K the
+    largest ``params.logprobs`` in the batch, best first; row i's first ``num_top_logprobs[i]``
+    columns are the ones it asked for.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_top_logprobs: list[int] | None = None
+
+
+class Sampler:
+    """Batched sampling over ``[N, V]`` logits, one row per :class:`SamplingState`."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+
+    # -- public -------------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        logits = self._check_logits(logits, states)
+        if self._plain_greedy(states):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+
+        want_logprobs = [s.params.logprobs for s in states]
+        raw_logprobs = None
+        if any(k is not None for k in want_logprobs):
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        x = self._process(logits, states)
+        tokens = self._draw(x, states)
+
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            k = max(k or 0 for k in want_logprobs)
+            out.num_top_logprobs = [k_i or 0 for k_i in want_logprobs]
+            if k > 0:
+                values, ids = raw_logprobs.topk(k, dim=-1)
+                out.top_logprobs = (values, ids)
+        return out
+
+    def process_logits(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """The logits each row's token is drawn from (-inf where masked), as ``sample`` computes them.
+
+        Greedy rows: penalized and min_tokens-masked logits (their argmax is the token). Sampling
+        rows: the same, divided by temperature and filtered by top-k, top-p and min-p (the token is
+        a draw from their softmax). A fresh float32 tensor; ``logits`` is not modified.
+        """
+        logits = self._check_logits(logits, states)
+        return self._process(logits, states)
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def _check_logits(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        # A programming error in the executor, not user input: checked because it is cheap and
+        # otherwise surfaces as an index error deep in a scatter.
+        if logits.dim() != 2 or logits.shape[0] != len(states) or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [len(states)={len(states)}, >= vocab_size={self.vocab_size}], "
+                f"got {tuple(logits.shape)}"
+            )
+        # Models pad the embedding to a multiple of 64 or so; the padding is not the vocabulary.
+        return logits[:, : self.vocab_size]
+
+    @staticmethod
+    def _plain_greedy(states: Sequence[SamplingState]) -> bool:
+        for s in states:
+            p = s.params
+            if not p.greedy or p.has_penalties or p.logprobs is not None or s.needs_min_tokens_mask:
+                return False
+        return True
+
+    def _process(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """See :meth:`process_logits`."""
+        device = logits.device
+        x = logits.to(torch.float32, copy=True)
+        pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if pen_rows:
+            self._apply_penalties(x, [states[i] for i in pen_rows], pen_rows)
+        mask_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask]
+        if mask_rows:
+            rows = [i for i in mask_rows for _ in states[i].min_tokens_mask_ids]
+            cols = [t for i in mask_rows for t in states[i].min_tokens_mask_ids]
+            x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+        samp_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if samp_rows:
+            params = [states[i].params for i in samp_rows]
+            whole = len(samp_rows) == len(states)
+            idx = None if whole else torch.tensor(samp_rows, device=device)
+            xs = x if whole else x[idx]
+            xs = apply_temperature_top_k_top_p_min_p(
+                xs,
+                temperature=torch.tensor([p.temperature for p in params], device=device),
+                top_k=torch.tensor([p.top_k for p in params], device=device)
+                if any(p.top_k for p in params)
+                else None,
+                top_p=torch.tensor([p.top_p for p in params], device=device)
+                if any(p.top_p < 1.0 for p in params)
+                else None,
+                min_p=torch.tensor([p.min_p for p in params], device=device)
+                if any(p.min_p > 0.0 for p in params)
+                else None,
+            )
+            if not whole:
+                x[idx] = xs
+            else:
+                x = xs
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
+        """Penalize rows ``rows`` of ``x`` in place; ``states[j]`` belongs to row ``rows[j]``."""
+        device, vocab = x.device, self.vocab_size
+        whole = len(rows) == x.shape[0]
+        idx = None if whole else torch.tensor(rows, device=device)
+        sub = x if whole else x[idx]
+        n = len(states)
+
+        # Output counts: one flat (row * V + token) index over all rows, one scatter.
+        outs = [s.output_token_ids_array() for s in states]
+        lens = np.fromiter((len(o) for o in outs), dtype=np.int64, count=n)
+        flat = np.concatenate(outs) + np.repeat(np.arange(n, dtype=np.int64) * vocab, lens)
+        counts = torch.zeros(n * vocab, dtype=torch.float32, device=device)
+        if flat.size:
+            flat_t = torch.from_numpy(flat).to(device)
+            counts.scatter_add_(0, flat_t, torch.ones(flat_t.shape, dtype=torch.float32, device=device))
+        counts = counts.view(n, vocab)
+
+        rep = [s.params.repetition_penalty for s in states]
+        if any(r != 1.0 for r in rep):
+            seen = (counts > 0).view(-1)
+            prompts = [s.prompt_token_ids_unique for s in states]
+            plens = np.fromiter((0 if p is None else len(p) for p in prompts), dtype=np.int64, count=n)
+            if plens.sum():
+                pflat = np.concatenate([p for p in prompts if p is not None]) + np.repeat(
+                    np.arange(n, dtype=np.int64) * vocab, plens
+                )
+                seen[torch.from_numpy(pflat).to(device)] = True
+            seen = seen.view(n, vocab)
+            rep_t = torch.tensor(rep, dtype=torch.float32, device=device).unsqueeze(1)
+            factor = torch.where(seen, rep_t, torch.ones_like(rep_t))
+            sub = torch.where(sub > 0, sub / factor, sub * factor)
+        freq = torch.tensor([s.params.frequency_penalty for s in states], device=device).unsqueeze(1)
+        pres = torch.tensor([s.params.presence_penalty for s in states], device=device).unsqueeze(1)
+        sub = sub - freq * counts - pres * (counts > 0).to(torch.float32)
+
+        if whole:
+            x.copy_(sub)
+        else:
+            x[idx] = sub
+
+    @staticmethod
+    def _draw(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Argmax for greedy rows, an exponential-race draw from softmax(x) for the others."""
+        samp_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if not samp_rows:
+            return x.argmax(dim=-1)
+        device = x.device
+        whole = len(samp_rows) == len(states)
+        idx = None if whole else torch.tensor(samp_rows, device=device)
+        probs = torch.softmax(x if whole else x[idx], dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(samp_rows) if states[i].generator is None]
+        if len(shared) == len(samp_rows):
+            noise.exponential_()
+        elif shared:
+            noise[torch.tensor(shared, device=device)] = torch.empty(
+                len(shared), probs.shape[1], device=device
+            ).exponential_()
+        for j, i in enumerate(samp_rows):
+            gen = states[i].generator
+            if gen is not None:
+                # Exactly V values per step per seeded request: its stream of noise, hence its
+                # tokens, is the same whatever else is in the batch.
+                noise[j].exponential_(generator=gen)
+        # Exp(1) can underflow to 0 on some backends; 0/0 would be NaN and win the argmax.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        sampled = probs.div_(noise).argmax(dim=-1)
+        if whole:
+            return sampled
+        tokens = x.argmax(dim=-1)
+        tokens[idx] = sampled
+        return tokens
+
+
+def apply_temperature_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf), batched with per-row ``[N]`` tensors.
+
+    ``top_k`` 0 keeps all tokens; ``top_p`` 1 and ``min_p`` 0 are no-ops (pass None when no row
+    uses a filter, to skip its sort or softmax). Rows must not be greedy (temperature > 0).
+    Among equal logits the lower token id ranks first (a stable sort), as ``torch.argmax``.
+    """
+    x = logits / temperature.to(logits.dtype).unsqueeze(1)
+    vocab = x.shape[1]
+    if top_k is not None or top_p is not None:
+        vals, order = x.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(vals, dtype=torch.bool)
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp_max(vocab)
+            drop |= torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)
+            vals = vals.masked_fill(drop, float("-inf"))
+        if top_p is not None:
+            probs = torch.softmax(vals, dim=-1)
+            # Mass strictly before each token: it is kept while that is short of top_p, so the first
+            # (most likely) token always stays. top_p == 1 keeps everything even when rounding
+            # makes the cumulative sum reach 1 early.
+            cum = probs.cumsum(dim=-1)
+            before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+            p = top_p.to(vals.dtype).unsqueeze(1)
+            drop |= (before >= p) & (p < 1.0)
+            vals = vals.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, vals)
+    if min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        # Relative to the largest probability, so it does not matter that top-k/top-p above did
+        # not renormalize: the ratio p_i / p_max is the same before and after.
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(1)
+        x = x.masked_fill(probs < threshold, float("-inf"))
+    return x

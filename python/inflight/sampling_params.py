@@ -1,0 +1,173 @@
+"""Per-request sampling options, with vLLM / TensorRT-LLM names, validated once on construction.
+
+`SamplingParams` is the boundary: every field is type- and range-checked here, with a `ValueError`
+naming the field, the value and the allowed range, so the sampler and the executor can trust it.
+Unknown keywords are a `TypeError` naming them (the dataclass ``__init__``), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by a tiny temperature gives a
+# one-hot distribution anyway, and by a denormal one overflows to inf and NaN probabilities.
+SAMPLING_EPS = 1e-5
+
+# vLLM's default `max_logprobs`: top-N beyond this costs a large top-k per step for little use.
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, *, what: str) -> int:
+    # bool is an Integral, but `max_tokens=True` is a bug in the caller, not the number 1.
+    # ValueError, not TypeError: the API promises ValueError for every bad argument (api.md).
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int {what}, got {value!r}")  # noqa: TRY004
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: Any, ok: Any, *, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number {what}, got {value!r}")  # noqa: TRY004
+    as_float = float(value)
+    # NaN fails every comparison, so it would slip through a plain range check.
+    if not math.isfinite(as_float) or not ok(as_float):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return as_float
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output tokens (names and ranges as in vLLM / TensorRT-LLM).
+
+    Fields, with their allowed values:
+
+    - ``max_tokens`` (int >= 1, or None: until a stop condition or ``max_seq_len``).
+    - ``min_tokens`` (int >= 0, <= ``max_tokens``): EOS and ``stop_token_ids`` are masked until this
+      many tokens were generated (EOS is not masked under ``ignore_eos``, where it stops nothing).
+    - ``ignore_eos``: EOS does not stop generation; it can still be sampled.
+    - ``temperature`` (>= 0; below 1e-5 means greedy), ``top_k`` (0 or -1: all tokens, else >= 1;
+      -1 is stored as 0), ``top_p`` in (0, 1], ``min_p`` in [0, 1].
+    - ``repetition_penalty`` (> 0), ``presence_penalty`` and ``frequency_penalty`` in [-2, 2].
+    - ``seed`` (0 <= seed < 2**63, or None): a seeded request draws from its own generator, so its
+      tokens do not depend on the rest of the batch.
+    - ``stop`` (str or list of non-empty str) and ``stop_token_ids`` (list of int >= 0), both stored
+      as tuples; ``include_stop_str_in_output``.
+    - ``logprobs`` (None, or 0..20 top log-probabilities per token; 0: only the sampled token's).
+    - ``n`` (>= 1; n > 1 needs random sampling, temperature > 0), ``skip_special_tokens``,
+      ``detokenize``.
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    # Accepts a str or a sequence of str; stored as a tuple (hashable, and one shape to consume).
+    stop: str | Sequence[str] | None = None
+    # Accepts any sequence of ints; stored as a tuple.
+    stop_token_ids: Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # Frozen: normalized values go in through object.__setattr__, once, here.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.max_tokens is not None:
+            put("max_tokens", _check_int("max_tokens", self.max_tokens, 1, what=">= 1 (or None)"))
+        put("min_tokens", _check_int("min_tokens", self.min_tokens, 0, what=">= 0"))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            put(name, _check_bool(name, getattr(self, name)))
+
+        put("temperature", _check_float("temperature", self.temperature, lambda v: v >= 0, what=">= 0"))
+        top_k = _check_int("top_k", self.top_k, what="-1 or 0 (all tokens) or >= 1")
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (all tokens) or >= 1, got {top_k!r}")
+        put("top_k", max(top_k, 0))
+        put("top_p", _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, what="in (0, 1]"))
+        put("min_p", _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, what="in [0, 1]"))
+        put(
+            "repetition_penalty",
+            _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, what="> 0"),
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, what="in [-2, 2]"))
+
+        if self.seed is not None:
+            put("seed", _check_int("seed", self.seed, 0, 2**63 - 1, what="in [0, 2**63)"))
+
+        put("stop", self._normalize_stop(self.stop))
+        put("stop_token_ids", self._normalize_stop_token_ids(self.stop_token_ids))
+
+        if self.logprobs is not None:
+            put(
+                "logprobs",
+                _check_int(
+                    "logprobs", self.logprobs, 0, MAX_LOGPROBS, what=f"in [0, {MAX_LOGPROBS}] (or None)"
+                ),
+            )
+        put("n", _check_int("n", self.n, 1, what=">= 1"))
+        if self.n > 1 and self.temperature < SAMPLING_EPS:
+            # n identical greedy sequences are never what the caller meant (vLLM refuses it too).
+            raise ValueError(
+                f"n must be 1 with greedy sampling (temperature {self.temperature!r} < {SAMPLING_EPS}), "
+                f"got {self.n!r}"
+            )
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+            raise ValueError(f"stop must be a non-empty str or a list of non-empty str, got {stop!r}")
+        return tuple(items)
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of int >= 0, got {ids!r}")
+        return tuple(int(t) for t in ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the argmax of the (penalized) logits: temperature ~0 or top_k == 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied, validated again (an unknown field is a TypeError)."""
+        return dataclasses.replace(self, **changes)
