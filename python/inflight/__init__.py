@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from inflight import _C  # noqa: F401  (fails loudly here if the native module is missing)
 from inflight.cuda import cuda_available
+from inflight.llm import LLM, RequestHandle
+from inflight.llm_args import KvCacheConfig, SchedulerConfig
+from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "cuda_available"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "KvCacheConfig",
+    "RequestHandle",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "__version__",
+    "cuda_available",
+]

@@ -1,0 +1,128 @@
+"""Sizing the KV pool: how many blocks fit, and the start-up log line that says so.
+
+GPU: a two-pass estimate, as TensorRT-LLM does: after the weights are loaded, a warm-up forward of
+``max_num_tokens`` dummy tokens with a minimal KV pool measures the activation peak; the pool then
+gets ``free_memory_fraction`` of what is free afterwards. CPU: ``free_memory_fraction`` of the
+available memory (honouring a cgroup limit), capped at ``CPU_POOL_CAP_BYTES`` so that a laptop is not
+swamped; the tensor is allocated lazily. ``max_tokens`` caps both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("inflight")
+
+CPU_POOL_CAP_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    num_blocks: int
+    tokens_per_block: int
+    bytes_per_token: int
+    max_seq_len: int
+    source: str  # how the size was chosen
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.tokens_per_block
+
+    @property
+    def bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of max_seq_len tokens that fit at once."""
+        blocks_per_seq = -(-self.max_seq_len // self.tokens_per_block)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.tokens_per_block} tokens = {self.num_tokens} tokens, "
+            f"{self.bytes / 2**20:.1f} MiB ({self.bytes_per_token} B/token); max concurrency at "
+            f"max_seq_len={self.max_seq_len}: {self.max_concurrency:.2f} sequences [{self.source}]"
+        )
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cgroup_memory_limit() -> int | None:
+    """The container's memory limit minus its current usage, or None when unlimited/unknown."""
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            if raw == "max":
+                return None
+            limit = int(raw)
+            if limit >= 1 << 60:  # cgroup v1's "unlimited"
+                return None
+            usage = 0
+            if os.path.exists(usage_path):
+                with open(usage_path) as f:
+                    usage = int(f.read().strip())
+            return max(limit - usage, 0)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_host_memory() -> int:
+    """MemAvailable, bounded by the cgroup limit when there is one."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    limit = cgroup_memory_limit()
+    return min(avail, limit) if limit is not None else avail
+
+
+def cpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int) -> KvBudget:
+    avail = available_host_memory()
+    budget = min(int(avail * kv_config.free_memory_fraction), CPU_POOL_CAP_BYTES)
+    source = f"CPU: min({kv_config.free_memory_fraction:g} x {avail / 2**30:.1f} GiB available, {CPU_POOL_CAP_BYTES >> 30} GiB cap)"
+    return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
+
+
+def gpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int, device: torch.device) -> KvBudget:
+    """Call after the warm-up forward (the activation peak is then in the allocator's statistics)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    # Memory the allocator holds but does not use is also available to the pool.
+    reserved_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    usable = max(free + reserved_unused - peak_extra, 0)
+    budget = int(usable * kv_config.free_memory_fraction)
+    source = f"GPU: {kv_config.free_memory_fraction:g} x {usable / 2**30:.2f} GiB free after weights and warm-up"
+    return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
+
+
+def _budget(kv_config, tokens: int, bytes_per_token: int, max_seq_len: int, source: str) -> KvBudget:
+    if kv_config.max_tokens is not None and kv_config.max_tokens < tokens:
+        tokens = kv_config.max_tokens
+        source += f", capped by max_tokens={kv_config.max_tokens}"
+    tpb = kv_config.tokens_per_block
+    num_blocks = -(-tokens // tpb) if kv_config.max_tokens is not None and tokens == kv_config.max_tokens else tokens // tpb
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({tokens} tokens from {source}) is smaller than one block of "
+            f"tokens_per_block={tpb}; raise KvCacheConfig.max_tokens or free_memory_fraction"
+        )
+    return KvBudget(num_blocks, tpb, bytes_per_token, max_seq_len, source)

@@ -1,0 +1,474 @@
+"""PyExecutor: the step loop on a worker thread.
+
+One iteration, in order: fetch new requests (queue -> waiting -> active; cancels) -> schedule
+(capacity, then micro-batch) -> free and pause what was paused -> prepare resources -> forward ->
+sample -> update request states (advance chunks, context -> generation) -> append tokens and check
+stop conditions -> responses -> free finished requests -> update resources (store context blocks
+for reuse) -> iteration stats.
+
+Overlap mode (``disable_overlap_scheduler=False``): step N's forward is launched (on a second
+thread) before the host work of step N-1, which then runs while N computes. N's decode inputs come
+from N-1's sampled-token tensor (no host round trip); a request that met a stop condition at N-1
+but was already scheduled into N has its step-N token discarded, and is freed only once N is done.
+
+Failure handling: an exception in forward or sampling fails the requests of that batch
+(``finish_reason="error"``), frees them, and the loop goes on. If the loop itself dies, every waiter
+gets an error and later calls raise at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inflight.batch_manager import LlmRequestState, RequestList
+from inflight.executor.llm_request import ExecutorRequest, Response
+from inflight.executor.model_engine import ModelEngine, ModelInputs
+from inflight.executor.resource_manager import ResourceManager, ScheduledBatch
+
+logger = logging.getLogger("inflight")
+
+_SHUTDOWN = object()
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose host work (tokens, stop checks, responses) is not done yet."""
+
+    batch: ScheduledBatch
+    inputs: ModelInputs
+    future: concurrent.futures.Future | None = None
+    output: Any = None  # SamplerOutput once finished
+    processed: set[int] = field(default_factory=set)  # request ids whose token was taken
+
+    def pending_rows(self) -> dict[int, int]:
+        return {r.request_id: i for i, r in enumerate(self.inputs.sampled_requests)}
+
+
+class PyExecutor:
+    def __init__(
+        self,
+        model_engine: ModelEngine,
+        resource_manager: ResourceManager,
+        scheduler: Any,
+        sampler: Any,
+        *,
+        max_seq_len: int,
+        max_num_active_requests: int,
+        disable_overlap_scheduler: bool = True,
+        response_callback: Callable[[Response], None] | None = None,
+        stats_window: int = 1024,
+        log_stats_every: int = 0,
+    ):
+        self.model_engine = model_engine
+        self.resource_manager = resource_manager
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.max_seq_len = max_seq_len
+        self.max_num_active_requests = max_num_active_requests
+        self.overlap = not disable_overlap_scheduler
+        self.log_stats_every = log_stats_every
+        self._responses: queue.Queue[Response] = queue.Queue()
+        self._callback = response_callback or self._responses.put
+        self._queue: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[ExecutorRequest] = collections.deque()
+        self.active = RequestList()
+        self._deferred_free: list[ExecutorRequest] = []
+        self._prev: _InFlight | None = None
+        self._stats: collections.deque[dict] = collections.deque(maxlen=stats_window)
+        self._iter = 0
+        self._step_num_tokens = 0
+        self._outbox: list[Response] = []
+        self._error: BaseException | None = None
+        self._closing = False  # no new requests accepted
+        self._draining = False  # the loop saw the shutdown marker: stop once idle
+        self._lock = threading.Lock()
+        self._forward_pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inflight-forward") if self.overlap else None
+        )
+        self._thread = threading.Thread(target=self._loop, name="inflight-executor", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API (any thread)
+    def enqueue_request(self, request: ExecutorRequest) -> int:
+        with self._lock:
+            self._check_alive()
+            self._queue.put(request)
+        return request.request_id
+
+    def cancel_request(self, request_id: int) -> None:
+        with self._lock:
+            if self._error is None and not self._closing:
+                self._queue.put(("cancel", request_id))
+
+    def await_responses(self, timeout: float | None = None) -> list[Response]:
+        """Responses gathered so far (at least one, unless ``timeout`` passes); only when the
+        executor was built without a response callback."""
+        out = []
+        try:
+            out.append(self._responses.get(timeout=timeout))
+            while True:
+                out.append(self._responses.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def get_stats(self) -> list[dict]:
+        return list(self._stats)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finishes every queued and running request, then stops the loop and frees memory."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._queue.put(_SHUTDOWN)
+        self._thread.join(timeout)
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown(wait=True)
+        self.resource_manager.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the executor loop died: {self._error!r}") from self._error
+        if self._closing:
+            raise RuntimeError("the executor is shut down")
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._fetch_new_requests():
+                    break
+                if self.overlap:
+                    self._step_overlap()
+                else:
+                    self._step()
+                self._flush_responses()
+        except BaseException as exc:  # noqa: BLE001  (the loop must report any death)
+            logger.error("executor loop died:\n%s", traceback.format_exc())
+            with self._lock:
+                self._error = exc
+            self._fail_everything(exc)
+
+    def _step(self) -> None:
+        if len(self.active) == 0:
+            return
+        t0 = time.perf_counter()
+        self._step_num_tokens = 0
+        out = self.scheduler.schedule_request(self.active, set())
+        batch = ScheduledBatch(out.context_requests, out.generation_requests)
+        self._pause(out.paused_requests)
+        if len(batch):
+            try:
+                self.resource_manager.prepare_resources(batch)
+                inputs = self.model_engine.prepare(batch)
+                self._step_num_tokens = inputs.metadata.num_tokens
+                sampler_output = self._forward_and_sample(inputs, None)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_batch(batch, exc)
+            else:
+                finished_contexts = self._update_request_states(batch)
+                self._process_output(_InFlight(batch, inputs, output=sampler_output))
+                self._free_finished()
+                self.resource_manager.update_resources(batch, finished_contexts)
+        self._record_stats(out, batch, t0)
+
+    def _step_overlap(self) -> None:
+        prev = self._prev
+        if len(self.active) == 0 and prev is None:
+            return
+        t0 = time.perf_counter()
+        self._step_num_tokens = 0
+        out = self.scheduler.schedule_request(self.active, set())
+        batch = ScheduledBatch(out.context_requests, out.generation_requests)
+        self._pause(out.paused_requests, prev)
+        launched = None
+        if len(batch):
+            try:
+                self.resource_manager.prepare_resources(batch)
+                inputs = self.model_engine.prepare(batch, prev.pending_rows() if prev else None)
+                self._step_num_tokens = inputs.metadata.num_tokens
+                prev_tokens = prev.output.token_ids if prev else None
+                launched = _InFlight(batch, inputs)
+                launched.future = self._forward_pool.submit(self._forward_and_sample, inputs, prev_tokens)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_batch(batch, exc)
+                launched = None
+        finished_contexts = self._update_request_states(launched.batch) if launched else []
+        if prev is not None:  # N-1's host work, while N computes
+            self._process_output(prev)
+        self._prev = None
+        if launched is not None:
+            try:
+                launched.output = launched.future.result()
+                self._prev = launched
+            except Exception as exc:  # noqa: BLE001
+                self._fail_batch(launched.batch, exc)
+        self._free_finished()
+        if launched is not None:
+            self.resource_manager.update_resources(launched.batch, finished_contexts)
+        self._record_stats(out, batch, t0)
+
+    # ------------------------------------------------------------------ components of a step
+    def _fetch_new_requests(self) -> bool:
+        """Moves queued requests into the waiting queue and (up to the limit) into the active list.
+        Blocks while there is nothing to do. Returns False when the loop should stop."""
+        idle = len(self.active) == 0 and not self._waiting and self._prev is None
+        # Block only while nothing is running and no shutdown is pending: once the marker has been
+        # taken (while requests were still running), nothing else may ever arrive.
+        block = idle and not self._draining
+        stop = False
+        while True:
+            try:
+                item = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            if item is _SHUTDOWN:
+                stop = True  # drain: keep stepping until everything queued before it is done
+            elif isinstance(item, tuple):
+                self._cancel(item[1])
+            else:
+                self._waiting.append(item)
+        while self._waiting and len(self.active) < self.max_num_active_requests:
+            req = self._waiting.popleft()
+            self.active.insert_by_priority(req)
+        if stop:
+            self._draining = True
+        idle = len(self.active) == 0 and not self._waiting and self._prev is None
+        return not (self._draining and idle and self._queue.empty())
+
+    def _cancel(self, request_id: int) -> None:
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                self._finish(req, "cancelled")
+                return
+        for req in self.active:
+            if req.request_id == request_id:
+                if not req.py_done:
+                    self._finish(req, "cancelled")
+                    # In overlap mode the running step may still use its KV: free after it.
+                    self._deferred_free.append(req)
+                    if self._prev is None:
+                        self._free_finished()
+                return
+
+    def _pause(self, paused, prev: _InFlight | None = None) -> None:
+        for req in paused:
+            if prev is not None and prev.output is not None:
+                # Its last sampled token is not appended yet: take it before folding the prompt.
+                self._process_output(prev, only=req.request_id)
+            if req.py_done:
+                continue
+            logger.warning("request %d preempted (KV cache full); it will be recomputed", req.request_id)
+            self.resource_manager.free_resources(req)
+            req.pause(self.max_seq_len)
+            req.py_num_preemptions += 1
+
+    def _forward_and_sample(self, inputs: ModelInputs, prev_tokens):
+        logits = self.model_engine.forward(inputs, prev_tokens)
+        return self.sampler.sample(logits, [r.py_sampling_state for r in inputs.sampled_requests])
+
+    def _update_request_states(self, batch: ScheduledBatch) -> list:
+        finished_contexts = []
+        now = time.monotonic()
+        for req in batch.context_requests:
+            if req.py_first_scheduled_time is None:
+                req.py_first_scheduled_time = now
+            last = req.is_last_context_chunk
+            req.move_to_next_context_chunk()
+            if last:
+                req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                finished_contexts.append(req)
+        return finished_contexts
+
+    def _process_output(self, step: _InFlight, only: int | None = None) -> None:
+        """Appends a step's sampled tokens, checks stop conditions, sends responses."""
+        output = step.output
+        tokens = output.token_ids.tolist()
+        logprobs = _LogprobRows(output) if output.logprobs is not None else None
+        now = time.monotonic()
+        for row, (req, tok) in enumerate(zip(step.inputs.sampled_requests, tokens)):
+            if only is not None and req.request_id != only:
+                continue
+            if req.py_done or req.request_id in step.processed:
+                continue  # finished before this step's token (overlap), or already taken
+            step.processed.add(req.request_id)
+            req.add_new_token(tok)
+            state = req.py_sampling_state
+            state.append(tok)
+            if logprobs is not None and state.params.logprobs is not None:
+                entry = logprobs.entry(row, tok, state.params.logprobs)
+                req.py_logprobs.append(entry)
+                req.py_cumulative_logprob += entry[tok]
+            if req.py_first_token_time is None:
+                req.py_first_token_time = now
+            reason, stop_reason = self._stop_condition(req, tok)
+            if reason is not None:
+                req.py_stop_reason = stop_reason
+                self._finish(req, reason)
+                self._deferred_free.append(req)
+            elif req.py_streaming:
+                self._respond(req)
+
+    def _stop_condition(self, req: ExecutorRequest, tok: int) -> tuple[str | None, Any]:
+        state = req.py_sampling_state
+        params = state.params
+        if tok in state.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if params.stop_token_ids and tok in params.stop_token_ids:
+            return "stop", tok
+        if req.py_num_output_tokens >= req.py_max_new_tokens or req.num_tokens >= self.max_seq_len:
+            return "length", None
+        return None, None
+
+    def _respond(self, req: ExecutorRequest) -> None:
+        n = req.py_num_output_tokens
+        start = req.py_num_returned
+        if not req.py_streaming and not req.py_done:
+            return
+        if req.py_streaming and n == start and not req.py_done:
+            return
+        new_ids = req.get_tokens(req.orig_prompt_len + start) if n > start else []
+        req.py_num_returned = n
+        resp = Response(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            num_output_tokens=n,
+            finished=req.py_done,
+            finish_reason=req.py_finish_reason,
+            stop_reason=req.py_stop_reason,
+            new_logprobs=req.py_logprobs[start:n] if req.py_sampling_state.params.logprobs is not None else None,
+            cumulative_logprob=req.py_cumulative_logprob if req.py_sampling_state.params.logprobs is not None else None,
+            error=req.py_error,
+        )
+        if req.py_done:
+            resp.metrics = self._request_metrics(req)
+        # Sent at the end of the step, once finished requests are freed and the step's stats are
+        # recorded, so a caller woken by a final response sees a consistent engine.
+        self._outbox.append(resp)
+
+    def _flush_responses(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for resp in outbox:
+            try:
+                self._callback(resp)
+            except Exception:  # noqa: BLE001  (one bad consumer must not stop the loop)
+                logger.exception("response callback failed for request %d", resp.request_id)
+
+    def _finish(self, req: ExecutorRequest, reason: str, error: str | None = None) -> None:
+        req.py_finish_reason = reason
+        req.py_error = error
+        req.py_finish_time = time.monotonic()
+        req.state = LlmRequestState.GENERATION_COMPLETE
+        self._respond(req)
+
+    def _free_finished(self) -> None:
+        if not self._deferred_free:
+            return
+        done = self._deferred_free
+        self._deferred_free = []
+        for req in done:
+            self.resource_manager.free_resources(req, store_for_reuse=req.py_finish_reason != "error")
+        self.active.remove_ids({r.request_id for r in done})
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: BaseException) -> None:
+        logger.error("step failed for requests %s: %r", [r.request_id for r in batch.all_requests], exc)
+        message = f"{type(exc).__name__}: {exc}"
+        for req in batch.all_requests:
+            if not req.py_done:
+                self._finish(req, "error", message)
+                self._deferred_free.append(req)
+        self._free_finished()
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        message = f"executor loop died: {type(exc).__name__}: {exc}"
+        pending = list(self.active) + list(self._waiting)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, ExecutorRequest):
+                pending.append(item)
+        for req in pending:
+            if not req.py_done:
+                try:
+                    self._finish(req, "error", message)
+                except Exception:  # noqa: BLE001  (keep waking the others)
+                    logger.exception("could not report the failure of request %d", req.request_id)
+        self._flush_responses()
+
+    # ------------------------------------------------------------------ stats
+    def _record_stats(self, out, batch: ScheduledBatch, t0: float) -> None:
+        kv = self.resource_manager.get("kv_cache_manager")
+        kv_stats = kv.impl.get_kv_cache_stats().to_dict() if kv is not None else {}
+        stat = {
+            "iter": self._iter,
+            "timestamp": time.time(),
+            "iter_latency_ms": (time.perf_counter() - t0) * 1e3,
+            "num_active_requests": len(self.active),
+            "num_waiting_requests": len(self._waiting) + self._queue.qsize(),
+            "num_scheduled_requests": len(batch),
+            "num_context_requests": len(batch.context_requests),
+            "num_generation_requests": len(batch.generation_requests),
+            "num_paused_requests": len(out.paused_requests),
+            "num_tokens": self._step_num_tokens,
+            "kv_cache_stats": kv_stats,
+        }
+        self._stats.append(stat)
+        if self.log_stats_every and self._iter % self.log_stats_every == 0:
+            logger.info(
+                "iter %d: running %d (ctx %d, gen %d), waiting %d, paused %d, tokens %d, KV used %d/%d blocks, "
+                "prefix hit rate %.1f%%, %.1f ms",
+                stat["iter"], stat["num_scheduled_requests"], stat["num_context_requests"],
+                stat["num_generation_requests"], stat["num_waiting_requests"], stat["num_paused_requests"],
+                stat["num_tokens"], kv_stats.get("used_num_blocks", 0), kv_stats.get("max_num_blocks", 0),
+                100 * kv_stats.get("cache_hit_rate", 0.0), stat["iter_latency_ms"],
+            )
+        self._iter += 1
+
+    @staticmethod
+    def _request_metrics(req: ExecutorRequest) -> dict[str, float]:
+        m = {"arrival_time": req.py_arrival_time, "num_preemptions": req.py_num_preemptions}
+        if req.py_first_scheduled_time is not None:
+            m["queue_time"] = req.py_first_scheduled_time - req.py_arrival_time
+        if req.py_first_token_time is not None:
+            m["ttft"] = req.py_first_token_time - req.py_arrival_time
+        if req.py_finish_time is not None:
+            m["e2e_latency"] = req.py_finish_time - req.py_arrival_time
+        return m
+
+
+class _LogprobRows:
+    """A step's logprobs as Python values, converted once per step (not once per row)."""
+
+    def __init__(self, output):
+        self.sampled = output.logprobs.tolist()
+        self.top_values = self.top_ids = None
+        if output.top_logprobs is not None:
+            self.top_values = output.top_logprobs[0].tolist()
+            self.top_ids = output.top_logprobs[1].tolist()
+
+    def entry(self, row: int, token: int, num_top: int) -> dict[int, float]:
+        """{token: logprob} for the sampled token and the row's top ``num_top`` tokens."""
+        entry = {token: self.sampled[row]}
+        if num_top and self.top_ids is not None:
+            for tid, val in zip(self.top_ids[row][:num_top], self.top_values[row][:num_top]):
+                entry.setdefault(tid, val)
+        return entry

@@ -1,0 +1,174 @@
+"""Resource managers: what a request holds besides its C++ state (sequence slot, KV blocks).
+
+``ResourceManager`` keeps them in order and calls them in that order to prepare a step, and in the
+reverse order to free a request. The KV cache manager is last, so everything else is in place
+before blocks are taken, and blocks are returned first.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inflight.batch_manager import KVCacheManager, RequestList, SequenceSlotManager
+
+logger = logging.getLogger("inflight")
+
+
+@dataclass
+class ScheduledBatch:
+    """This step's requests, as the scheduler chose them (contexts first)."""
+
+    context_requests: Sequence
+    generation_requests: Sequence
+
+    @property
+    def all_requests(self) -> list:
+        return list(self.context_requests) + list(self.generation_requests)
+
+    def __len__(self) -> int:
+        return len(self.context_requests) + len(self.generation_requests)
+
+
+class BaseResourceManager(abc.ABC):
+    @abc.abstractmethod
+    def prepare_resources(self, batch: ScheduledBatch) -> None: ...
+
+    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+        """After a step: ``finished_contexts`` are the requests whose last context chunk just ran."""
+
+    @abc.abstractmethod
+    def free_resources(self, request, store_for_reuse: bool = True) -> None: ...
+
+    def shutdown(self) -> None:
+        """Releases memory; the manager is unusable afterwards."""
+
+
+class ResourceManager:
+    """Ordered resource managers; ``free_resources`` walks them in reverse."""
+
+    def __init__(self, managers: dict[str, BaseResourceManager]):
+        self.managers = dict(managers)
+
+    def get(self, name: str):
+        return self.managers.get(name)
+
+    def prepare_resources(self, batch: ScheduledBatch) -> None:
+        for m in self.managers.values():
+            m.prepare_resources(batch)
+
+    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+        for m in self.managers.values():
+            m.update_resources(batch, finished_contexts)
+
+    def free_resources(self, request, store_for_reuse: bool = True) -> None:
+        for m in reversed(list(self.managers.values())):
+            m.free_resources(request, store_for_reuse)
+
+    def shutdown(self) -> None:
+        for m in reversed(list(self.managers.values())):
+            m.shutdown()
+
+
+class SeqSlotManager(BaseResourceManager):
+    """Dense slot per running request (C++ SequenceSlotManager)."""
+
+    def __init__(self, max_num_sequences: int):
+        self.impl = SequenceSlotManager(max_num_sequences, 180.0)
+
+    def prepare_resources(self, batch: ScheduledBatch) -> None:
+        for req in batch.context_requests:
+            if req.seq_slot is None:
+                slot = self.impl.get_sequence_slot(True, req.request_id)
+                if slot is None:
+                    raise RuntimeError(f"no free sequence slot for request {req.request_id}")
+                req.seq_slot = slot
+
+    def free_resources(self, request, store_for_reuse: bool = True) -> None:
+        self.impl.free_sequence_slot(request.request_id)
+        request.seq_slot = None
+
+
+def _zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by an anonymous mmap (pages committed on first write)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+class KVCacheResourceManager(BaseResourceManager):
+    """Owns the KV pool (torch tensors, one per layer) and drives the C++ KVCacheManager.
+
+    Pool layout per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        enable_block_reuse: bool,
+    ):
+        self.impl = KVCacheManager(num_blocks, tokens_per_block, max_seq_len, enable_block_reuse)
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        self.max_seq_len = max_seq_len
+        self.dtype = dtype
+        self.device = device
+        shape = (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+        # Never-written slots must not hold NaN/Inf patterns: attention gathers whole blocks (and
+        # padding up to the longest sequence of the batch), and a masked-out NaN value still poisons
+        # softmax @ V. On a CPU the pool is an anonymous mapping: zero pages, committed only when
+        # first written (lazy allocation). torch.empty is not enough there: an allocation below
+        # malloc's mmap threshold (up to 32 MiB) recycles freed heap memory, garbage included.
+        # GPU memory may hold anything, so it is cleared once.
+        if device.type == "cpu":
+            self.pool = _zeroed_host_tensor(shape, dtype)
+        else:
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = list(self.pool.unbind(0))
+
+    @property
+    def bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def prepare_resources(self, batch: ScheduledBatch) -> None:
+        kv = self.impl
+        for req in batch.context_requests:
+            if not kv.has_sequence(req.request_id):
+                # With reuse this may move the request's context position past cached blocks.
+                kv.add_sequence(req.request_id, req.prompt_len, 1, req)
+        for req in batch.generation_requests:
+            kv.add_token(req.request_id)
+
+    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+        if self.impl.enable_block_reuse:
+            for req in finished_contexts:
+                if self.impl.has_sequence(req.request_id):
+                    self.impl.store_context_blocks(req)
+
+    def free_resources(self, request, store_for_reuse: bool = True) -> None:
+        if self.impl.has_sequence(request.request_id):
+            # Blocks of a request that failed mid-step may hold half-written KV: never publish them.
+            self.impl.remove_sequence(request.request_id, request if store_for_reuse else None)
+
+    def copy_block_tables(self, requests: RequestList, out) -> None:
+        self.impl.copy_block_tables(requests, out)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.pool = torch.empty(0, dtype=self.dtype)

@@ -1,0 +1,37 @@
+"""Results of the LLM API (vLLM / TensorRT-LLM shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. ``token_ids`` include a final EOS/stop token when generation stopped
+    on it; ``text`` excludes it. ``text_diff`` / ``token_ids_diff``: what is new since the previous
+    streamed output of this request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    text_diff: str = ""
+    token_ids_diff: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)
