@@ -163,7 +163,19 @@ void bind_batch_manager(nb::module_& m) {
       .def_prop_ro("is_context_init_state", &bm::LlmRequest::is_context_init_state)
       .def_prop_ro("is_generation_in_progress_state", &bm::LlmRequest::is_generation_in_progress_state)
       .def_prop_ro("is_finished", &bm::LlmRequest::is_finished)
-      .def("get_tokens", &bm::LlmRequest::tokens, "All tokens: the prompt followed by the generated ones.")
+      .def(
+          "get_tokens",
+          [](bm::LlmRequest const& r, bm::SizeType32 start, std::optional<bm::SizeType32> end) {
+            auto const& t = r.tokens();
+            auto const n = static_cast<bm::SizeType32>(t.size());
+            bm::SizeType32 e = end ? std::clamp(*end, 0, n) : n;
+            bm::SizeType32 b = std::clamp(start, 0, e);
+            return std::vector<bm::TokenIdType>(t.begin() + b, t.begin() + e);
+          },
+          "start"_a = 0, nb::arg("end").none() = nb::none(),
+          "Tokens [start, end): the prompt followed by the generated ones.")
+      .def_prop_ro("last_token",
+                   [](bm::LlmRequest const& r) { return r.tokens().back(); })
       .def_prop_ro("num_tokens", &bm::LlmRequest::num_tokens)
       .def_prop_ro("num_generated_tokens", &bm::LlmRequest::num_generated_tokens)
       .def("add_new_token", &bm::LlmRequest::add_new_token, "token"_a)
