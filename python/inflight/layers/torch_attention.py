@@ -27,6 +27,28 @@ from inflight.layers.attention import AttentionBackend, AttentionMetadata
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+def _decode_attention(q: torch.Tensor, flat: torch.Tensor, g: _GroupPlan, scale: float) -> torch.Tensor:
+    """One query token per sequence: two small batched matmuls instead of SDPA, whose CPU kernel
+    spends milliseconds on a masked single-row query. GQA without copies: the query heads of one KV
+    head form the rows of one matmul."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = flat.shape[2]
+    group = num_heads // num_kv_heads
+    max_kv = g.gather.shape[1]
+    # index_select on the flat slot axis is a plain row gather (much cheaper than advanced indexing).
+    kv = flat.index_select(1, g.gather.reshape(-1)).view(2, batch, max_kv, num_kv_heads, head_dim)
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
+    key = kv[0].permute(0, 2, 3, 1)  # [batch, kvh, hd, max_kv]
+    value = kv[1].transpose(1, 2)  # [batch, kvh, max_kv, hd]
+    qh = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qh, key).float() * scale  # [batch, kvh, group, max_kv]
+    if g.mask is not None:
+        scores.masked_fill_(~g.mask.view(batch, 1, 1, max_kv), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, value).reshape(batch, num_heads, head_dim)
+
+
 @dataclass(frozen=True)
 class _GroupPlan:
     """Work for sequences ``seq_begin .. seq_end-1`` (flattened tokens ``tok_begin .. tok_end-1``)."""
@@ -136,6 +158,9 @@ class TorchAttentionBackend(AttentionBackend):
 
         outs = []
         for g in self._get_plan(metadata, q.device):
+            if g.max_q == 1:
+                outs.append(_decode_attention(q[g.tok_begin : g.tok_end], flat, g, scale))
+                continue
             kv = flat[:, g.gather]  # [2, batch, max_kv, kvh, hd]
             if kv.dtype != q.dtype:
                 kv = kv.to(q.dtype)

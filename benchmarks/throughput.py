@@ -1,0 +1,112 @@
+"""Offline throughput on SmolLM2-135M: inflight vs transformers `generate` (left padding), same dtype,
+same prompts, same machine, in one run.
+
+Cases:
+  (a) 16 prompts of 16-200 tokens x 128 new tokens (ignore_eos)
+  (b) 64 prompts of 16-500 tokens, output lengths 32-256; transformers runs batches of 16 in arrival
+      order, each to its longest requested output, and only the requested tokens count
+  (c) one prompt, 128 new tokens
+
+    python benchmarks/throughput.py [--dtypes float32 bfloat16] [--cases a b c] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def make_cases(seed: int = 0) -> dict[str, list[tuple[list[int], int]]]:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 49000) for _ in range(n)]  # ordinary (non-special) token ids
+
+    return {
+        "a": [(prompt(rng.randint(16, 200)), 128) for _ in range(16)],
+        "b": [(prompt(rng.randint(16, 500)), rng.randint(32, 256)) for _ in range(64)],
+        "c": [(prompt(61), 128)],
+    }
+
+
+def run_inflight(llm, reqs) -> tuple[float, int]:
+    from inflight import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n == sum(m for _, m in reqs), "inflight did not produce exactly the requested tokens"
+    return dt, n
+
+
+def run_transformers(model, reqs, batch_size: int = 16) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    counted = 0
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (p, _) in enumerate(batch):  # left padding
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        longest = max(n for _, n in batch)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                 do_sample=False, pad_token_id=0)
+        assert out.shape[1] - width == longest
+        counted += sum(n for _, n in batch)  # only the requested tokens count
+    return time.perf_counter() - t0, counted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--cases", nargs="+", default=["a", "b", "c"])
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from inflight import LLM, KvCacheConfig
+    from inflight.models.gguf_loader import resolve_known_model
+
+    path = resolve_known_model("smollm2")
+    cases = make_cases()
+    rows = []
+    print(f"threads: {torch.get_num_threads()}")
+    print(f"{'case':>4} {'dtype':>9} {'inflight tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
+    for dtype in args.dtypes:
+        llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
+        hf = None
+        if not args.skip_transformers:
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=getattr(torch, dtype)).eval()
+            hf.generation_config.eos_token_id = None
+        run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
+        for case in args.cases:
+            reqs = cases[case]
+            t_if, n_if = run_inflight(llm, reqs)
+            row = dict(case=case, dtype=dtype, inflight_tok_s=n_if / t_if, inflight_s=t_if, tokens=n_if)
+            if hf is not None:
+                t_hf, n_hf = run_transformers(hf, reqs)
+                row.update(transformers_tok_s=n_hf / t_hf, transformers_s=t_hf, ratio=(n_if / t_if) / (n_hf / t_hf))
+            rows.append(row)
+            hf_s = f"{row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x" if hf is not None else ""
+            print(f"{case:>4} {dtype:>9} {row['inflight_tok_s']:>15.1f} {hf_s}", flush=True)
+        llm.shutdown()
+        del hf
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
