@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "fill.h"
+#include "registry.h"
 
 namespace nb = nanobind;
 namespace ck = inflight::kernels::cuda;
@@ -58,4 +59,5 @@ NB_MODULE(_C_cuda, m) {
       },
       nb::arg("out_ptr"), nb::arg("num_elements"), nb::arg("value"), nb::arg("dtype"), nb::arg("stream") = 0,
       "Fills num_elements elements at device pointer out_ptr with value (dtype 0: int32, 1: float32) on stream.");
+  inflight::bindings::bind_registered_ops(m);  // CUDA ops (csrc/bindings/cuda_ops_*.cpp)
 }

@@ -1,6 +1,8 @@
 // inflight._C: the always-importable native module (no CUDA, no torch).
 #include <nanobind/nanobind.h>
 
+#include "registry.h"
+
 namespace nb = nanobind;
 
 namespace inflight::bindings {
@@ -13,4 +15,5 @@ NB_MODULE(_C, m) {
   // report on every exit.
   nb::set_leak_warnings(false);
   inflight::bindings::bind_batch_manager(m);
+  inflight::bindings::bind_registered_ops(m);  // CPU kernels (csrc/bindings/ops_*.cpp)
 }
