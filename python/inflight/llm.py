@@ -232,6 +232,9 @@ class LLM:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got {bad_stop!r}")
         n = len(ids)
         if n >= self.max_seq_len:
             raise ValueError(f"prompt length {n} must be < max_seq_len={self.max_seq_len} (room for one output token)")
@@ -292,6 +295,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
         """One prompt (a str or a list of token ids) in -> one RequestOutput; a list in -> a list."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError("prompts must be a str, a list of token ids, or a list of those, got "  # noqa: TRY004
+                             f"{type(prompts).__name__}")
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and len(prompts) > 0
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))
@@ -300,10 +306,17 @@ class LLM:
             return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(plist)} prompts")
+        else:
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
+        for sp in params:
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise ValueError(
+                    f"sampling_params must be SamplingParams, got an item of type {type(sp).__name__}")
         # Validate everything before submitting anything: a bad prompt fails the call, not half of it.
         prepared = [self._tokenize(p) for p in plist]
         for (_, ids), sp in zip(prepared, params):
@@ -474,7 +487,11 @@ class RequestHandle:
             if self._loop is None:
                 self._loop, self._event = loop, asyncio.Event()
             elif self._loop is not loop:
-                raise RuntimeError("this request handle is bound to another event loop")
+                # A finished request, or one whose loop is gone (asyncio.run returned), will never
+                # signal the old loop again: the new one may take it over.
+                if self._final is None and not self._loop.is_closed():
+                    raise RuntimeError("this request handle is bound to another event loop")
+                self._loop, self._event = loop, asyncio.Event()
             return self._event
 
     def __await__(self):

@@ -19,3 +19,71 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- LLM API fixtures (test_llm_*.py) -------------------------------------------------------------
+#
+# Tiny random checkpoints are written once per session; the transformers greedy references of
+# llm_utils.LLM_PROMPTS are computed once per architecture and shared by every test that needs them.
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``tiny_model_dir(arch, with_tokenizer=True, **overrides)`` -> checkpoint path, cached per session."""
+    from model_utils import make_tiny_model
+
+    cache: dict = {}
+
+    def get(arch: str = "llama", with_tokenizer: bool = True, **overrides):
+        key = (arch, with_tokenizer, tuple(sorted(overrides.items())))
+        if key not in cache:
+            base = tmp_path_factory.mktemp(f"{arch}-{'tok' if with_tokenizer else 'notok'}")
+            cache[key] = make_tiny_model(base, arch, with_tokenizer=with_tokenizer, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_refs(tiny_model_dir):
+    """``hf_greedy_refs(arch)`` -> transformers' greedy outputs (LLM_MAX_NEW tokens) for LLM_PROMPTS,
+    computed once per architecture per session."""
+    from llm_utils import LLM_MAX_NEW, LLM_PROMPTS, hf_greedy
+
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = hf_greedy(tiny_model_dir(arch), LLM_PROMPTS, LLM_MAX_NEW)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture
+def make_llm(tiny_model_dir):
+    """``make_llm(arch="llama", model=None, **llm_kwargs)`` -> an LLM (fp32, a 4096-token pool of
+    8-token blocks unless given) that is shut down when the test ends, whatever happened; a shutdown
+    that hangs fails the test instead of hanging the suite."""
+    import threading
+
+    from inflight.llm import LLM
+    from inflight.llm_args import KvCacheConfig
+    from llm_utils import LLM_TPB
+
+    made = []
+
+    def make(arch: str = "llama", model=None, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("kv_cache_config", KvCacheConfig(max_tokens=4096, tokens_per_block=LLM_TPB))
+        llm = LLM(model if model is not None else tiny_model_dir(arch), **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        t = threading.Thread(target=llm.shutdown, daemon=True)
+        t.start()
+        t.join(60)
+        if t.is_alive():
+            pytest.fail("LLM.shutdown() did not return within 60 s")
