@@ -245,12 +245,26 @@ class PyExecutor:
             else:
                 self._waiting.append(item)
         while self._waiting and len(self.active) < self.max_num_active_requests:
-            req = self._waiting.popleft()
-            self.active.insert_by_priority(req)
+            self._admit(self._waiting.popleft())
         if stop:
             self._draining = True
         idle = len(self.active) == 0 and not self._waiting and self._prev is None
         return not (self._draining and idle and self._queue.empty())
+
+    def _admit(self, req: ExecutorRequest) -> None:
+        """Inserts into the active list: descending priority, FIFO within equal priority, but never
+        ahead of a request that has started (holds KV). Otherwise a high-priority request that cannot
+        fit would stop GUARANTEED_NO_EVICT admission in front of a half-prefilled context whose
+        blocks it is waiting for, and neither would ever run."""
+        active = self.active
+        pos = len(active)
+        while pos > 0:
+            other = active[pos - 1]
+            started = other.state != LlmRequestState.CONTEXT_INIT or not other.is_first_context_chunk
+            if started or other.priority >= req.priority:
+                break
+            pos -= 1
+        active.insert(pos, req)
 
     def _cancel(self, request_id: int) -> None:
         for req in self._waiting:
