@@ -388,8 +388,8 @@ class LLM:
         self._shutdown = True
         if self.executor is not None:
             self.executor.shutdown()
+            self.executor.model_engine.model = None
         self.model = None
-        self.executor.model_engine.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
