@@ -1,0 +1,57 @@
+// paged_attention: decode attention, one query token per sequence, over the paged KV cache.
+//   out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, keys 0 .. kv_lens[b]-1 of sequence b, read from
+//   kv_cache[0/1, block_tables[b, j // tpb], j % tpb, h // (num_heads / num_kv_heads)].
+//
+// Work split: one CTA per (partition, KV head, 16-head chunk of its query group, sequence). The query
+// heads that share a KV head are the 16 rows of one tensor-core tile, so each K/V row is read from
+// memory once per KV head. Long contexts are split over `num_partitions` CTAs (flash-decoding): CTA p
+// takes key tiles p, p + P, p + 2P, ..., writes its normalised partial output and log-sum-exp to the
+// workspace, and a second kernel merges the partitions. The partition count is chosen by the launcher
+// from the grid size, the block-table width and the workspace it is given; no workspace means no split.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "scalar_type.h"
+
+namespace inflight::kernels::cuda {
+
+struct PagedAttentionParams {
+  void const* q;                   // [batch_size, num_heads, head_dim], token rows q_token_stride apart
+  std::int64_t q_token_stride;     // elements
+  void const* kv_cache;            // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+  std::int64_t num_blocks;
+  int tokens_per_block;
+  int const* block_tables;         // [batch_size, max_blocks_per_seq], rows block_table_stride apart
+  std::int64_t block_table_stride; // elements
+  int max_blocks_per_seq;          // kv_lens are clamped to max_blocks_per_seq * tokens_per_block
+  int const* kv_lens;              // [batch_size]; 0 gives a zero output row
+  void* out;                       // [batch_size, num_heads, head_dim], contiguous
+  void* workspace;                 // may be null; see paged_attention_workspace_size
+  std::int64_t workspace_bytes;
+  int batch_size;
+  int num_heads;
+  int num_kv_heads;                // divides num_heads
+  int head_dim;                    // 64 or 128
+  float scale;
+};
+
+// Keys per partition below which splitting stops paying, and the most partitions ever used.
+constexpr int kPagedAttentionMinPartitionKeys = 256;
+constexpr int kPagedAttentionMaxPartitions = 64;
+
+// Bytes of workspace that let the launcher split a batch whose longest context is max_kv_len as far
+// as it may want to (0: it never splits such a batch).
+std::int64_t paged_attention_workspace_size(int batch_size, int num_heads, int max_kv_len, int head_dim);
+
+// Tensor cores for float16/bfloat16, the CUDA-core kernel (attention_simt) for float32.
+cudaError_t launch_paged_attention(PagedAttentionParams const& params, ScalarType dtype, cudaStream_t stream);
+
+// The CUDA-core kernel for every dtype (no split, workspace unused): a slow, simple twin kept for
+// tests and as a fallback.
+cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, ScalarType dtype,
+                                        cudaStream_t stream);
+
+}  // namespace inflight::kernels::cuda

@@ -1,0 +1,32 @@
+// w8a16_gemm: out[M, N] = x[M, K] @ W^T (+ bias[N]) with W [N, K] stored as int8, w = scale * q (symmetric), one
+// scale per group_size consecutive k of a row. Same kernel structure as w4a16_gemm (see there): tensor
+// cores, weights as the A operand, each lane dequantising the 16 k of one 16-byte load.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "scalar_type.h"
+
+namespace inflight::kernels::cuda {
+
+struct W8A16GemmParams {
+  void const* x;                 // [m, k], rows x_row_stride elements apart, 16-byte aligned rows
+  std::int64_t x_row_stride;
+  std::int8_t const* qweight;    // [n, k], contiguous
+  void const* scales;            // [n, k / group_size], contiguous, of scale_type
+  ScalarType scale_type;         // float16, bfloat16 or float32 (rounded to x's dtype when loaded)
+  void const* bias;              // [n] of x's dtype, or null
+  void* out;                     // [m, n], rows out_row_stride elements apart
+  std::int64_t out_row_stride;
+  int m;
+  int n;
+  int k;                         // a multiple of group_size
+  int group_size;                // a multiple of 16
+};
+
+// dtype: float16 or bfloat16 (x, bias and out).
+cudaError_t launch_w8a16_gemm(W8A16GemmParams const& params, ScalarType dtype, cudaStream_t stream);
+
+}  // namespace inflight::kernels::cuda
