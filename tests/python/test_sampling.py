@@ -498,6 +498,87 @@ def test_unseeded_rows_follow_torch_manual_seed():
     assert torch.equal(a, b)
 
 
+def test_seeded_sequence_independent_of_batch_large_vocab():
+    # A real vocabulary: alone, one row is split over threads; in a batch, each thread owns rows.
+    vocab = 49152
+
+    def run(batch_builder, steps=8):
+        sampler = Sampler(vocab)
+        states, target = batch_builder()
+        tokens = []
+        for step in range(steps):
+            logits = torch.randn(len(states), vocab, generator=torch.Generator().manual_seed(step)) * 4
+            logits[target] = torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step)) * 2
+            out = sampler.sample(logits, states).token_ids.tolist()
+            tokens.append(out[target])
+            for st, t in zip(states, out):
+                st.append(t)
+        return tokens
+
+    def target():
+        return state(vocab=vocab, eos=(), seed=77, temperature=0.9, top_k=40, top_p=0.9)
+
+    alone = run(lambda: ([target()], 0))
+    batched = run(
+        lambda: (
+            [state(vocab=vocab, eos=()), state(vocab=vocab, eos=(), temperature=0.0), target()]
+            + [state(vocab=vocab, eos=(), top_p=0.5, repetition_penalty=1.2) for _ in range(5)],
+            2,
+        )
+    )
+    assert alone == batched
+    assert len(set(alone)) > 3
+
+
+def test_unseeded_requests_reproducible_under_manual_seed():
+    def run(manual_seed):
+        torch.manual_seed(manual_seed)
+        states = [state(top_p=0.9) for _ in range(6)]  # keys drawn here, once per request
+        sampler = Sampler(V)
+        seq = []
+        for step in range(10):
+            out = sampler.sample(fixed_logits(6, seed=step), states).token_ids.tolist()
+            seq.append(out)
+            for st, t in zip(states, out):
+                st.append(t)
+        return seq
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_same_key_same_token():
+    # The draw is keyed by (rng_seed, num_generated): sampling again before appending repeats it.
+    s = state(seed=3)
+    logits = fixed_logits(1)
+    first = Sampler(V).sample(logits, [s]).token_ids.item()
+    assert all(Sampler(V).sample(logits, [s]).token_ids.item() == first for _ in range(5))
+    s.append(first)
+    assert len({Sampler(V).sample(logits, [s]).token_ids.item() for _ in range(3)}) == 1
+
+
+def test_cpu_draw_is_the_twin_on_penalized_logits():
+    from inflight.ops.reference import sampling as twin
+
+    logits = fixed_logits(len(FILTER_ROWS), seed=3)
+    states = [state(**r, output=[1, 2, 2], frequency_penalty=0.5) for r in FILTER_ROWS]
+    states[0] = state(min_tokens=5, temperature=1.3)  # EOS masked this step
+    got = Sampler(V).sample(logits, states).token_ids
+    x = Sampler(V)._penalize(logits, states, copy=True)
+    fused = torch.tensor([s.fused_params for s in states], dtype=torch.float64)
+    want = twin.sample(
+        x,
+        fused[:, 0].float(),
+        fused[:, 1].int(),
+        fused[:, 2].float(),
+        fused[:, 3].float(),
+        torch.tensor([s.rng_seed for s in states]),
+        torch.tensor([s.num_generated for s in states]),
+    )
+    assert torch.equal(got, want)
+    assert got[0] != EOS
+
+
 # ---------------------------------------------------------------------------------------------
 # Distributions
 # ---------------------------------------------------------------------------------------------
@@ -508,8 +589,10 @@ DRAWS = 20_000
 
 def draw_counts(n_vocab_probs, draws=DRAWS, seed=0, **kw):
     logits = n_vocab_probs.log().float().expand(draws, -1).contiguous()
-    states = [state(vocab=len(n_vocab_probs), eos=(), **kw)] * draws
+    # One request per draw: each draws with its own key (a seed from the default generator, step 0).
     torch.manual_seed(seed)
+    params = SamplingParams(**kw)
+    states = [SamplingState.create(params, len(n_vocab_probs), [], ()) for _ in range(draws)]
     tokens = Sampler(len(n_vocab_probs)).sample(logits, states).token_ids
     return torch.bincount(tokens, minlength=len(n_vocab_probs))
 
@@ -552,13 +635,17 @@ def test_top_k_and_min_p_restrict_support():
 
 
 def test_seeded_row_draws_match_distribution():
-    # The per-request generator path, one step at a time.
+    # One seeded request, one step at a time: its draws over steps follow the distribution.
     s = state(vocab=len(PROBS), eos=(), seed=2024)
     logits = PROBS.log().float().unsqueeze(0)
     sampler = Sampler(len(PROBS))
     draws = 4000
-    tokens = torch.tensor([sampler.sample(logits, [s]).token_ids.item() for _ in range(draws)])
-    assert chi2(torch.bincount(tokens, minlength=len(PROBS)), PROBS) < CHI2_CRIT_1E3[len(PROBS) - 1]
+    tokens = []
+    for _ in range(draws):
+        tokens.append(sampler.sample(logits, [s]).token_ids.item())
+        s.append(tokens[-1])
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(PROBS))
+    assert chi2(counts, PROBS) < CHI2_CRIT_1E3[len(PROBS) - 1]
 
 
 # ---------------------------------------------------------------------------------------------

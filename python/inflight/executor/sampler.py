@@ -1,6 +1,6 @@
 """The sampler: one step's logits for a batch of requests in, one token per request out.
 
-Order of processing (as vLLM), every stage batched over rows with per-row parameter tensors:
+Order of processing (as vLLM), every stage batched over rows with per-row parameters:
 
 1. log-probabilities, when any row asks: ``log_softmax`` of the *raw* logits (vLLM v1's default
    ``raw_logprobs``), so they describe the model, not the sampling knobs;
@@ -12,16 +12,23 @@ Order of processing (as vLLM), every stage batched over rows with per-row parame
 4. greedy rows: argmax of those logits (ties: the first index, as ``torch.argmax``);
 5. sampling rows: divide by temperature, top-k, top-p (the smallest set of most likely tokens whose
    mass reaches ``top_p``; at least one), min-p (drop tokens below ``min_p`` times the largest
-   probability), then draw with the exponential trick ``argmax(p / E)``, ``E ~ Exp(1)``, which is an
-   exact draw from ``p``. Rows with a seed draw their ``E`` from their own generator, V values per
-   step, so a seeded request's tokens do not depend on the rest of the batch; the other rows share
-   one draw from torch's default generator.
+   probability), then one draw.
+
+On the CPU, steps 4-5 are one fused kernel call for the whole batch (:func:`inflight.ops.sample`):
+per row, the filters by selection rather than a sort, then an inverse-CDF draw with a uniform that
+is a pure function of the row's key ``(SamplingState.rng_seed, num_generated)``. A request's tokens
+therefore depend only on its own logits and key, never on which requests share its batch. The key
+is ``params.seed`` when given; otherwise a seed drawn once, when the request's state is created,
+from torch's default generator (so ``torch.manual_seed`` / ``LLM(seed=...)`` makes runs
+reproducible). On other devices the draw is the exponential race ``argmax(p / E)``,
+``E ~ Exp(1)``, with a per-request generator for seeded rows and the shared default generator for
+the others.
 
 An all-greedy batch with no penalties, no pending ``min_tokens`` and no logprobs is one ``argmax``:
 that is every decode step of a plain greedy run.
 
-The sampler never mutates its inputs (the generators aside, which advance); the executor appends
-each accepted token with :meth:`SamplingState.append`.
+The sampler never mutates its inputs (device generators aside, which advance); the executor
+appends each accepted token with :meth:`SamplingState.append`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inflight.ops.sampling import sample as fused_sample
 from inflight.sampling_params import SamplingParams
 
 
@@ -47,12 +55,17 @@ class SamplingState:
     params: SamplingParams
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    # From params.seed, once per request; None: the shared default generator.
+    # From params.seed, once per request; None: the shared default generator. Used off the CPU.
     generator: torch.Generator | None
     # Unique prompt ids, kept only when the repetition penalty needs them.
     prompt_token_ids_unique: np.ndarray | None
     # The ids that min_tokens masks: stop_token_ids, plus EOS unless ignore_eos.
     min_tokens_mask_ids: tuple[int, ...]
+    # The key of the fused CPU draw, (rng_seed, num_generated): params.seed, or one number drawn
+    # from torch's default generator when the state is created.
+    rng_seed: int = 0
+    # (temperature, top_k, top_p, min_p) as the fused kernel takes them; temperature 0 when greedy.
+    fused_params: tuple[float, int, float, float] = (0.0, 0, 1.0, 0.0)
     _output: np.ndarray = field(default_factory=lambda: np.empty(16, dtype=np.int64), repr=False)
     _num_generated: int = 0
 
@@ -86,6 +99,15 @@ class SamplingState:
             generator = torch.Generator(device=torch.device(device) if device is not None else "cpu")
             generator.manual_seed(params.seed)
         mask_ids = params.stop_token_ids + (() if params.ignore_eos else eos)
+        if params.seed is not None:
+            rng_seed = params.seed
+        else:
+            rng_seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        fused = (
+            (0.0, 0, 1.0, 0.0)
+            if params.greedy
+            else (params.temperature, params.top_k, params.top_p, params.min_p)
+        )
         return cls(
             params=params,
             vocab_size=vocab_size,
@@ -93,6 +115,8 @@ class SamplingState:
             generator=generator,
             prompt_token_ids_unique=prompt_unique,
             min_tokens_mask_ids=tuple(dict.fromkeys(mask_ids)),
+            rng_seed=rng_seed,
+            fused_params=fused,
         )
 
     @property
@@ -160,8 +184,10 @@ class Sampler:
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
-        x = self._process(logits, states)
-        tokens = self._draw(x, states)
+        if logits.device.type == "cpu":
+            tokens = self._draw_fused(self._penalize(logits, states, copy=False), states)
+        else:
+            tokens = self._draw(self._process(logits, states), states)
 
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
@@ -207,16 +233,7 @@ class Sampler:
     def _process(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """See :meth:`process_logits`."""
         device = logits.device
-        x = logits.to(torch.float32, copy=True)
-        pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
-        if pen_rows:
-            self._apply_penalties(x, [states[i] for i in pen_rows], pen_rows)
-        mask_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask]
-        if mask_rows:
-            rows = [i for i in mask_rows for _ in states[i].min_tokens_mask_ids]
-            cols = [t for i in mask_rows for t in states[i].min_tokens_mask_ids]
-            x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-
+        x = self._penalize(logits, states, copy=True)
         samp_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if samp_rows:
             params = [states[i].params for i in samp_rows]
@@ -241,6 +258,33 @@ class Sampler:
             else:
                 x = xs
         return x
+
+    def _penalize(self, logits: torch.Tensor, states: Sequence[SamplingState], *, copy: bool) -> torch.Tensor:
+        """Penalties and the min_tokens mask: float32 logits, a new tensor when ``copy`` or a row
+        needs either, else ``logits`` itself."""
+        pen_rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        mask_rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask]
+        if not copy and not pen_rows and not mask_rows:
+            return logits
+        device = logits.device
+        x = logits.to(torch.float32, copy=True)
+        if pen_rows:
+            self._apply_penalties(x, [states[i] for i in pen_rows], pen_rows)
+        if mask_rows:
+            rows = [i for i in mask_rows for _ in states[i].min_tokens_mask_ids]
+            cols = [t for i in mask_rows for t in states[i].min_tokens_mask_ids]
+            x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        return x
+
+    @staticmethod
+    def _draw_fused(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """One fused kernel call: argmax for greedy rows, the filtered draw keyed by
+        (rng_seed, num_generated) for the others."""
+        n = len(states)
+        params = np.array([s.fused_params for s in states], dtype=np.float64).reshape(n, 4)
+        seeds = np.fromiter((s.rng_seed for s in states), dtype=np.uint64, count=n)
+        steps = np.fromiter((s.num_generated for s in states), dtype=np.int64, count=n)
+        return fused_sample(x, params[:, 0], params[:, 1], params[:, 2], params[:, 3], seeds, steps)
 
     def _apply_penalties(self, x: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
         """Penalize rows ``rows`` of ``x`` in place; ``states[j]`` belongs to row ``rows[j]``."""
