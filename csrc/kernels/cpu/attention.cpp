@@ -1,0 +1,191 @@
+// Attention launchers (ISA dispatch, decode partition plan), store_kv, and the portable path:
+// the same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with
+// software bf16 / fp16 conversions, so it runs on any x86-64 (and is what INFLIGHT_CPU_ISA=portable
+// tests).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cpu_features.h"
+
+#define INFLIGHT_ATTENTION_ISA portable
+#include "attention_impl.h"
+
+namespace inflight::kernels::cpu::portable {
+namespace {
+
+// IEEE half <-> float without F16C (after Maratyszcza's FP16 library, MIT): exact widening, and
+// round-to-nearest-even narrowing with overflow to inf and gradual underflow.
+float half_to_float(uint16_t h) {
+  uint32_t const w = uint32_t(h) << 16;
+  uint32_t const sign = w & 0x80000000u;
+  uint32_t const two_w = w + w;
+  float const normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  float const denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  uint32_t const result =
+      sign | (two_w < (1u << 27) ? float_to_bits(denormalized) : float_to_bits(normalized));
+  return bits_to_float(result);
+}
+
+uint16_t float_to_half(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t const w = float_to_bits(f);
+  uint32_t const shl1_w = w + w;
+  uint32_t const sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+  uint32_t const bits = float_to_bits(base);
+  uint32_t const exp_bits = (bits >> 13) & 0x00007C00u;
+  uint32_t const mantissa_bits = bits & 0x00000FFFu;
+  uint32_t const nonsign = exp_bits + mantissa_bits;
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t const b = float_to_bits(f);
+  if (std::isnan(f)) return 0x7FC0;
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+struct Vec1 {
+  using Reg = float;
+  static constexpr int kWidth = 1;
+  static constexpr int kKeyTile = 32;
+  static constexpr int kQkRows = 1;
+  static constexpr int kPvRows = 1;
+  static constexpr int kPvChunk = 16;  // a run of 16 floats the compiler can vectorise with SSE2
+
+  static Reg zero() { return 0.0f; }
+  static Reg set1(float x) { return x; }
+  static Reg load(float const* p) { return *p; }
+  static void store(float* p, Reg v) { *p = v; }
+  static Reg add(Reg a, Reg b) { return a + b; }
+  static Reg sub(Reg a, Reg b) { return a - b; }
+  static Reg mul(Reg a, Reg b) { return a * b; }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }
+  static Reg max(Reg a, Reg b) { return std::max(a, b); }
+  static float hsum(Reg v) { return v; }
+  static float hmax(Reg v) { return v; }
+  static Reg exp2(Reg x) { return std::exp2(x); }
+  static Reg reduce_lanes(Reg const* v) { return v[0]; }
+  static void transpose(Reg*) {}
+
+  static Reg load_cvt(float const* p) { return *p; }
+  static Reg load_cvt(BF16 const* p) { return bits_to_float(uint32_t(p->bits) << 16); }
+  static Reg load_cvt(F16 const* p) { return half_to_float(p->bits); }
+  static void store_cvt(float* p, Reg v) { *p = v; }
+  static void store_cvt(BF16* p, Reg v) { p->bits = float_to_bf16(v); }
+  static void store_cvt(F16* p, Reg v) { p->bits = float_to_half(v); }
+};
+
+// One instantiation: the run-time head_dim (any value up to kMaxHeadDim).
+using Kernels = Dispatch<Vec1>;
+
+}  // namespace
+}  // namespace inflight::kernels::cpu::portable
+
+namespace inflight::kernels::cpu {
+
+namespace {
+// Partition sizes are multiples of every ISA's key tile.
+constexpr int kTile = 64;
+// A partition smaller than this costs more to merge than it gains in balance.
+constexpr int kMinPartition = 128;
+// Work items per thread to aim for: enough that dynamic scheduling evens out unequal items.
+constexpr int kItemsPerThread = 8;
+
+size_t element_size(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
+}  // namespace
+
+PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) {
+  int max_kv = 0;
+  int64_t total = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    max_kv = std::max(max_kv, p.kv_lens[b]);
+    total += p.kv_lens[b];
+  }
+  PagedAttentionPlan plan;
+  plan.partition_size = std::max(max_kv, 1);
+  plan.max_partitions = 1;
+  int64_t const macs = total * p.num_heads * p.head_dim * 2;  // q.k and p.v
+  plan.num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
+  if (plan.num_threads <= 1 || max_kv <= kMinPartition) return plan;
+  int const per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
+  int64_t const kv_chunks = (p.num_kv_heads + per_item - 1) / per_item;
+  int64_t const target = int64_t(plan.num_threads) * kItemsPerThread;
+  int64_t size = (total * kv_chunks + target - 1) / target;
+  size = std::max<int64_t>(kMinPartition, (size + kTile - 1) / kTile * kTile);
+  if (size >= max_kv) return plan;
+  plan.partition_size = int(size);
+  plan.max_partitions = int((max_kv + size - 1) / size);
+  return plan;
+}
+
+size_t paged_attention_workspace_floats(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
+  if (plan.max_partitions <= 1) return 0;
+  return size_t(p.batch) * p.num_heads * plan.max_partitions * (p.head_dim + 2);
+}
+
+void store_kv(StoreKvParams const& p) {
+  size_t const es = element_size(p.dtype);
+  size_t const row_bytes = size_t(p.head_dim) * es;
+  char* const k_cache = static_cast<char*>(p.kv_cache);
+  char* const v_cache = k_cache + size_t(p.num_slots) * p.num_kv_heads * row_bytes;
+  char const* const k = static_cast<char const*>(p.k);
+  char const* const v = static_cast<char const*>(p.v);
+  // A copy: a thread pays off only for long prompts.
+  int const threads = p.num_tokens * p.num_kv_heads * row_bytes >= (size_t(1) << 18) ? p.num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int t = 0; t < p.num_tokens; ++t) {
+    int64_t const slot = p.slot_mapping[t];
+    if (slot < 0) continue;
+    size_t const dst = size_t(slot) * p.num_kv_heads * row_bytes;
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      std::memcpy(k_cache + dst + h * row_bytes, k + (t * p.k_stride_token + h * p.k_stride_head) * int64_t(es),
+                  row_bytes);
+      std::memcpy(v_cache + dst + h * row_bytes, v + (t * p.v_stride_token + h * p.v_stride_head) * int64_t(es),
+                  row_bytes);
+    }
+  }
+}
+
+void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
+  portable::Kernels::paged_attention(params, plan);
+}
+
+void context_attention_portable(ContextAttentionParams const& params) {
+  portable::Kernels::context_attention(params);
+}
+
+void paged_attention(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
+  if (params.batch == 0) return;
+  switch (selected_isa()) {
+    case Isa::kAvx512:
+      if (paged_attention_avx512(params, plan)) return;
+      [[fallthrough]];
+    case Isa::kAvx2:
+      if (paged_attention_avx2(params, plan)) return;
+      [[fallthrough]];
+    case Isa::kPortable:
+      paged_attention_portable(params, plan);
+  }
+}
+
+void context_attention(ContextAttentionParams const& params) {
+  if (params.batch == 0 || params.num_tokens == 0) return;
+  switch (selected_isa()) {
+    case Isa::kAvx512:
+      if (context_attention_avx512(params)) return;
+      [[fallthrough]];
+    case Isa::kAvx2:
+      if (context_attention_avx2(params)) return;
+      [[fallthrough]];
+    case Isa::kPortable:
+      context_attention_portable(params);
+  }
+}
+
+}  // namespace inflight::kernels::cpu

@@ -1,0 +1,125 @@
+// Attention kernels, AVX2 path (compiled with -mavx2 -mfma -mf16c; chosen at run time).
+#include <immintrin.h>
+
+#define INFLIGHT_ATTENTION_ISA avx2
+#include "attention_impl.h"
+
+namespace inflight::kernels::cpu::avx2 {
+namespace {
+
+struct Vec256 {
+  using Reg = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr int kKeyTile = 32;
+  // Register blocking (16 ymm): Q.K^T 2 rows x 4 vectors of keys = 8 accumulators + 4 key vectors;
+  // P.V 2 rows x 4 vectors = 8 accumulators + 4 value vectors.
+  static constexpr int kQkRows = 2;
+  static constexpr int kPvRows = 2;
+  static constexpr int kPvChunk = 4;
+
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float x) { return _mm256_set1_ps(x); }
+  static Reg load(float const* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  static float hsum(Reg v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hmax(Reg v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // 2^x as in the AVX-512 path; 2^n is built in the exponent field, and clamping x at -127 makes
+  // that field 0 for masked scores (-inf), so they come out as exactly 0.
+  static Reg exp2(Reg x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    Reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    Reg f = _mm256_sub_ps(x, n);
+    Reg p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+
+  // Lane i of the result = sum of v[i]'s 8 lanes.
+  static Reg reduce_lanes(Reg const* v) {
+    Reg t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    Reg t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    Reg u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: rows 0-3 / 4-7
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+
+  static void transpose(Reg* r) {
+    Reg t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+      u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+      u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+      u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+    }
+    // u[4k + c], 128-bit half L, holds input column 4L + c of rows 4k .. 4k+3.
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+  }
+
+  static Reg load_cvt(float const* p) { return _mm256_loadu_ps(p); }
+  static Reg load_cvt(BF16 const* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static Reg load_cvt(F16 const* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))); }
+
+  static void store_cvt(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  // Round to nearest even on the bit pattern; NaN stays a (quiet) NaN.
+  static void store_cvt(BF16* p, Reg v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void store_cvt(F16* p, Reg v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+// The explicit head-dim instantiations; others that are multiples of 8 run with a run-time head_dim.
+using Kernels = Dispatch<Vec256, 64, 128, 32, 256>;
+
+}  // namespace
+}  // namespace inflight::kernels::cpu::avx2
+
+namespace inflight::kernels::cpu {
+
+bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
+  return avx2::Kernels::paged_attention(params, plan);
+}
+
+bool context_attention_avx2(ContextAttentionParams const& params) {
+  return avx2::Kernels::context_attention(params);
+}
+
+}  // namespace inflight::kernels::cpu

@@ -1,0 +1,130 @@
+// Attention kernels, AVX-512 path (compiled with -mavx512f/bw/vl/dq/bf16; chosen at run time).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* (GCC bug
+// 105593); the warning says nothing about this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <bit>
+
+#define INFLIGHT_ATTENTION_ISA avx512
+#include "attention_impl.h"
+
+namespace inflight::kernels::cpu::avx512 {
+namespace {
+
+struct Vec512 {
+  using Reg = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kKeyTile = 32;
+  // Register blocking (32 zmm): Q.K^T tile 8 rows x 2 vectors of keys = 16 accumulators; P.V 4 rows
+  // x 4 vectors (64 head dims) = 16 accumulators.
+  static constexpr int kQkRows = 8;
+  static constexpr int kPvRows = 4;
+  static constexpr int kPvChunk = 4;
+
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg set1(float x) { return _mm512_set1_ps(x); }
+  static Reg load(float const* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  static float hsum(Reg v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(Reg v) { return _mm512_reduce_max_ps(v); }
+
+  // 2^x: x = n + f with |f| <= 0.5, 2^f by Cephes' exp2f polynomial (rel. error ~2e-7), then
+  // scalef by 2^n, which also flushes x <= -150 (masked scores, -inf) to exactly 0.
+  static Reg exp2(Reg x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.0f)), _mm512_set1_ps(128.0f));
+    Reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    Reg f = _mm512_sub_ps(x, n);
+    Reg p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+  }
+
+  // Lane i of the result = sum of v[i]'s 16 lanes: a transpose-and-add tree (45 ops for 16 sums).
+  static Reg reduce_lanes(Reg const* v) {
+    Reg a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: pairs of rows interleaved, 4 -> 2 partial sums each
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i..4i+3, one partial sum each
+      __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+      __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    for (int i = 0; i < 2; ++i)  // fold the four 128-bit lanes pairwise
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  }
+
+  static void transpose(Reg* r) {
+    Reg t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      __m512d t0 = _mm512_castps_pd(t[4 * k]), t1 = _mm512_castps_pd(t[4 * k + 1]);
+      __m512d t2 = _mm512_castps_pd(t[4 * k + 2]), t3 = _mm512_castps_pd(t[4 * k + 3]);
+      u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+      u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+      u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+      u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    // u[4k + c], 128-bit lane L, holds input column 4L + c of rows 4k .. 4k+3.
+    for (int c = 0; c < 4; ++c) {
+      Reg x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+      Reg y0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE), y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+      r[c] = _mm512_shuffle_f32x4(x0, x1, 0x88);
+      r[4 + c] = _mm512_shuffle_f32x4(x0, x1, 0xDD);
+      r[8 + c] = _mm512_shuffle_f32x4(y0, y1, 0x88);
+      r[12 + c] = _mm512_shuffle_f32x4(y0, y1, 0xDD);
+    }
+  }
+
+  static Reg load_cvt(float const* p) { return _mm512_loadu_ps(p); }
+  static Reg load_cvt(BF16 const* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static Reg load_cvt(F16 const* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p))); }
+
+  static void store_cvt(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+  static void store_cvt(BF16* p, Reg v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+  static void store_cvt(F16* p, Reg v) {
+    // maskz form: the plain one trips GCC 12's bogus -Wmaybe-uninitialized even with the pragma.
+    __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+};
+
+// The explicit head-dim instantiations; others that are multiples of 16 run with a run-time head_dim.
+using Kernels = Dispatch<Vec512, 64, 128, 32, 256>;
+
+}  // namespace
+}  // namespace inflight::kernels::cpu::avx512
+
+namespace inflight::kernels::cpu {
+
+bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
+  return avx512::Kernels::paged_attention(params, plan);
+}
+
+bool context_attention_avx512(ContextAttentionParams const& params) {
+  return avx512::Kernels::context_attention(params);
+}
+
+}  // namespace inflight::kernels::cpu

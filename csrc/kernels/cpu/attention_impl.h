@@ -1,0 +1,559 @@
+// The attention algorithms, written once over a vector-traits class V and instantiated per ISA in
+// attention.cpp (portable, V = scalar), attention_avx2.cpp and attention_avx512.cpp.
+//
+// Every TU that includes this header defines INFLIGHT_ATTENTION_ISA (a namespace name) first: all
+// code here lives in that per-ISA namespace, so the inline functions compiled with -mavx512f in one
+// TU can never be picked by the linker for the portable TU (which must run on any x86-64).
+//
+// V provides (kWidth = lanes of one fp32 register):
+//   Reg, kWidth, kKeyTile (keys per tile), kQkRows, kPvRows, kPvChunk (register blocking)
+//   zero, set1, load, store, add, sub, mul, fmadd, max, hsum, hmax, exp2
+//   reduce_lanes(Reg const* v)  -> Reg whose lane i is the sum of v[i]'s lanes (i < kWidth)
+//   transpose(Reg* v)           in place, a kWidth x kWidth block
+//   load_cvt(T const*)          kWidth elements of T (float, BF16, F16) widened to fp32
+//   store_cvt(T*, Reg)          rounded to T (round to nearest even)
+#pragma once
+
+#ifndef INFLIGHT_ATTENTION_ISA
+#error "define INFLIGHT_ATTENTION_ISA (the per-ISA namespace) before including attention_impl.h"
+#endif
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "attention.h"
+
+namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA {
+
+// Element types, bit-compatible with torch.bfloat16 / torch.float16.
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query rows (query tokens x heads of one KV group) per context work item: enough rows to amortise
+// packing the key tile, few enough that one long prompt still splits into many work items.
+constexpr int kContextRows = 48;
+constexpr int kMaxContextRows = std::max(kContextRows, kMaxGroupSize);
+// Decode prefetches the K/V rows this many tiles ahead of the one it computes.
+constexpr int kPrefetchTiles = 2;
+
+// kHeadDim: the head dim this instantiation is unrolled for; 0 = read it from the params at run
+// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BF16, F16).
+template <class V, int kHeadDim, class T>
+struct AttentionKernels {
+  using Reg = typename V::Reg;
+  static constexpr int W = V::kWidth;
+  static constexpr int kBufHd = kHeadDim ? kHeadDim : kMaxHeadDim;  // stack buffer row length
+  // Keys per tile in both kernels (one step of the online softmax): V's choice, a multiple of W
+  // large enough to amortise the per-tile softmax update and K transpose.
+  static constexpr int kKeyTile = V::kKeyTile;
+  static constexpr int kTileVecs = kKeyTile / W;  // vectors per score row
+  static_assert(kKeyTile % W == 0 && kBufHd % W == 0);
+
+  static int head_dim(int runtime_head_dim) { return kHeadDim ? kHeadDim : runtime_head_dim; }
+  // Vectors per head row: a compile-time constant in the unrolled instantiations even where a
+  // helper is not inlined (a run-time trip count would keep q and the accumulators out of registers).
+  static int vecs(int runtime_nvec) { return kHeadDim ? kHeadDim / W : runtime_nvec; }
+
+  // ---- building blocks ---------------------------------------------------------------------------
+
+  // o[r, c] += sum_i p[r, i] * vrows[i][c] for R rows and NC vectors of columns starting at vector c0.
+  template <int R, int NC>
+  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
+                       int n, int c0) {
+    Reg acc[R][NC];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = V::load(o + r * o_stride + (c0 + c) * W);
+    for (int i = 0; i < n; ++i) {
+      Reg vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = V::load(vrows[i] + (c0 + c) * W);
+      for (int r = 0; r < R; ++r) {
+        Reg pb = V::set1(p[r * p_stride + i]);
+        for (int c = 0; c < NC; ++c) acc[r][c] = V::fmadd(pb, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) V::store(o + r * o_stride + (c0 + c) * W, acc[r][c]);
+  }
+
+  template <int R>
+  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
+                            int n, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    constexpr int NC = V::kPvChunk;
+    int c0 = 0;
+    for (; c0 + NC <= nvec; c0 += NC) pv_block<R, NC>(o, o_stride, p, p_stride, vrows, n, c0);
+    if constexpr (kHeadDim == 0 || kHeadDim / W % NC != 0) {
+      for (; c0 < nvec; ++c0) pv_block<R, 1>(o, o_stride, p, p_stride, vrows, n, c0);
+    }
+  }
+
+  // All `rows` rows: blocks of kPvRows, then the remainder (2 or 3 rows in one pass over V).
+  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
+                      int rows, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    constexpr int R = V::kPvRows;
+    int r = 0;
+    for (; r + R <= rows; r += R)
+      pv_rows_fixed<R>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+    // The remainder in one pass over V (a GQA group of 3 is all remainder when R = 4).
+    int const rem = rows - r;
+    if constexpr (R > 3) {
+      if (rem == 3) return pv_rows_fixed<3>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+    }
+    if constexpr (R > 2) {
+      if (rem == 2) return pv_rows_fixed<2>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+    }
+    for (; r < rows; ++r) pv_rows_fixed<1>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+  }
+
+  // s[r, 0:kKeyTile] = q[r, :] . kt[:, 0:kKeyTile] for R rows (kt: the key tile transposed, [hd][kKeyTile]).
+  template <int R>
+  static void qk_block(float* s, float const* q, int q_stride, float const* kt, int hd_rt) {
+    int const hd = head_dim(hd_rt);
+    Reg acc[R][kTileVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = V::zero();
+    for (int d = 0; d < hd; ++d) {
+      Reg k[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) k[v] = V::load(kt + d * kKeyTile + v * W);
+      for (int r = 0; r < R; ++r) {
+        Reg qb = V::set1(q[r * q_stride + d]);
+        for (int v = 0; v < kTileVecs; ++v) acc[r][v] = V::fmadd(qb, k[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kTileVecs; ++v) V::store(s + r * kKeyTile + v * W, acc[r][v]);
+  }
+
+  static void qk_rows(float* s, float const* q, int q_stride, float const* kt, int rows, int hd) {
+    constexpr int R = V::kQkRows;
+    int r = 0;
+    for (; r + R <= rows; r += R) qk_block<R>(s + r * kKeyTile, q + r * q_stride, q_stride, kt, hd);
+    for (; r < rows; ++r) qk_block<1>(s + r * kKeyTile, q + r * q_stride, q_stride, kt, hd);
+  }
+
+  // Online-softmax update of one row of scores (log2 domain, already scaled): s[0:kKeyTile] becomes
+  // the probabilities exp2(s - m_new); returns the factor the row's accumulator must be scaled by.
+  static float softmax_update(float* s, float& m, float& l) {
+    Reg mx = V::load(s);
+    for (int v = 1; v < kTileVecs; ++v) mx = V::max(mx, V::load(s + v * W));
+    float const m_new = std::max(m, V::hmax(mx));
+    // A row whose keys are all masked so far (m_new = -inf) keeps zero weights, never NaN.
+    float const m_use = m_new == kNegInf ? 0.0f : m_new;
+    float const alpha = std::exp2(m - m_use);  // once per row and tile
+    Reg const mb = V::set1(m_use);
+    Reg sum = V::zero();
+    for (int v = 0; v < kTileVecs; ++v) {
+      Reg p = V::exp2(V::sub(V::load(s + v * W), mb));
+      V::store(s + v * W, p);
+      sum = V::add(sum, p);
+    }
+    l = l * alpha + V::hsum(sum);
+    m = m_new;
+    return alpha;
+  }
+
+  static void scale_row(float* o, float alpha, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    if (alpha == 1.0f) return;
+    Reg const a = V::set1(alpha);
+    for (int c = 0; c < nvec; ++c) V::store(o + c * W, V::mul(V::load(o + c * W), a));
+  }
+
+  // fp32 view of a cache row: the row itself for fp32, else converted into buf.
+  static float const* row_f32(T const* src, float* buf, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    if constexpr (std::is_same_v<T, float>) {
+      (void)buf;
+      (void)nvec;
+      return src;
+    } else {
+      for (int c = 0; c < nvec; ++c) V::store(buf + c * W, V::load_cvt(src + c * W));
+      return buf;
+    }
+  }
+
+  // dst[0:count] = src[0:count] widened to fp32 (count: a multiple of W).
+  static void pack_row(float* dst, T const* src, int count) {
+    for (int c = 0; c < count; c += W) V::store(dst + c, V::load_cvt(src + c));
+  }
+
+  static void load_query_rows(float* dst, T const* src, float scale, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    Reg const sb = V::set1(scale);
+    for (int c = 0; c < nvec; ++c) V::store(dst + c * W, V::mul(V::load_cvt(src + c * W), sb));
+  }
+
+  static void store_output_row(T* dst, float const* acc, float inv_l, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    Reg const f = V::set1(inv_l);
+    for (int c = 0; c < nvec; ++c) V::store_cvt(dst + c * W, V::mul(V::load(acc + c * W), f));
+  }
+
+  // ---- paged attention (decode) ------------------------------------------------------------------
+
+  // s[0:kKeyTile] = q . krows[i] for i < n (the rest -inf), W keys at a time: per key a vector of
+  // partial sums, then W of them reduced to one vector at once (reduce_lanes).
+  static void decode_scores(float* s, float const* q, float const* const* krows, int n, int nvec_rt) {
+    int const nvec = vecs(nvec_rt);
+    constexpr int kQVecs = kHeadDim ? kHeadDim / W : 1;  // q held in registers when unrolled
+    Reg qv[kQVecs];
+    if constexpr (kHeadDim != 0)
+      for (int c = 0; c < kQVecs; ++c) qv[c] = V::load(q + c * W);
+    auto q_vec = [&](int c) { return kHeadDim != 0 ? qv[c] : V::load(q + c * W); };
+    // Two interleaved chains halve the FMA latency each key waits on.
+    auto dot = [&](float const* kr) {
+      Reg d0 = V::mul(q_vec(0), V::load(kr));
+      Reg d1 = nvec > 1 ? V::mul(q_vec(1), V::load(kr + W)) : V::zero();
+      for (int c = 2; c < nvec; c += 2) {
+        d0 = V::fmadd(q_vec(c), V::load(kr + c * W), d0);
+        if (c + 1 < nvec) d1 = V::fmadd(q_vec(c + 1), V::load(kr + (c + 1) * W), d1);
+      }
+      return V::add(d0, d1);
+    };
+    for (int w0 = 0; w0 < n; w0 += W) {
+      Reg parts[W];
+      if (w0 + W <= n) {  // a full group: unrolled, the partial sums stay in registers
+        for (int i = 0; i < W; ++i) parts[i] = dot(krows[w0 + i]);
+      } else {
+        for (int i = 0; i < W; ++i) parts[i] = w0 + i < n ? dot(krows[w0 + i]) : V::zero();
+      }
+      V::store(s + w0, V::reduce_lanes(parts));
+    }
+    for (int i = n; i < kKeyTile; ++i) s[i] = kNegInf;
+  }
+
+  // Cache row (slot * num_kv_heads) of keys t0 .. t0+n-1 of a sequence: one division per tile,
+  // not one per key.
+  static void tile_rows(int64_t* rows, int32_t const* table, int t0, int n, int tpb, int kvh) {
+    int blk = t0 / tpb, off = t0 % tpb;
+    for (int i = 0; i < n; ++i) {
+      rows[i] = (int64_t(table[blk]) * tpb + off) * kvh;
+      if (++off == tpb) {
+        off = 0;
+        ++blk;
+      }
+    }
+  }
+
+  // Prefetch the K and V rows of a tile (this item's KV heads, adjacent in each token's row): the
+  // blocks of a sequence are scattered, so the hardware prefetcher restarts at every block, and a
+  // decode step streams the whole cache from DRAM (30 layers' caches do not fit in L3).
+  static void prefetch_tile(T const* k_cache, T const* v_cache, int64_t const* rows, int n, int64_t g0, int ng,
+                            int hd) {
+    int64_t const bytes = int64_t(ng) * hd * int64_t(sizeof(T));
+    for (int i = 0; i < n; ++i) {
+      char const* k = reinterpret_cast<char const*>(k_cache + (rows[i] + g0) * hd);
+      char const* v = reinterpret_cast<char const*>(v_cache + (rows[i] + g0) * hd);
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, 0, 2);  // into L2: a tile two ahead would evict L1's working set
+        __builtin_prefetch(v + off, 0, 2);
+      }
+    }
+  }
+
+  // One (sequence, run of KV heads, partition): the run's query heads against keys [j0, j1).
+  // A work item takes several KV heads because a token's rows for all KV heads are adjacent in the
+  // cache: one item per KV head would read every block once per head, at a stride (measured here:
+  // ~10 GB/s from DRAM for that pattern against ~18 GB/s for the block in order, one thread).
+  // Writes the normalised output when the sequence is not split, else (m, l, acc) to the workspace.
+  static void decode_item(PagedAttentionParams const& p, PagedAttentionPlan const& plan, int b, int g0, int ng,
+                          int part) {
+    int const kv_len = p.kv_lens[b];
+    int const j0 = part * plan.partition_size;
+    if (j0 >= kv_len) return;
+    int const j1 = std::min(kv_len, j0 + plan.partition_size);
+    int const hd = head_dim(p.head_dim), nvec = hd / W;
+    int const group = p.num_heads / p.num_kv_heads;
+    int const heads = ng * group, h0 = g0 * group;  // this item's query heads: h0 .. h0 + heads - 1
+    int const tpb = p.tokens_per_block, kvh = p.num_kv_heads;
+    T const* q = static_cast<T const*>(p.q);
+    T const* k_cache = static_cast<T const*>(p.kv_cache);
+    T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    int32_t const* table = p.block_tables + int64_t(b) * p.max_blocks_per_seq;
+
+    alignas(64) float qf[kMaxGroupSize * kBufHd];
+    alignas(64) float acc[kMaxGroupSize * kBufHd];
+    alignas(64) float s[kMaxGroupSize * kKeyTile];
+    // bf16 / fp16: the tile's K and V rows of this item's KV heads widened to fp32, in cache order
+    // ([key][kv head][head_dim]). fp32 rows are read in place: a copy costs more than it saves.
+    constexpr int kPackFloats = std::is_same_v<T, float> ? 1 : kKeyTile * kMaxDecodeRowFloats;
+    alignas(64) float kpack[kPackFloats];
+    alignas(64) float vpack[kPackFloats];
+    int const row_floats = ng * hd;
+    int64_t rows[kKeyTile], pf_rows[kKeyTile];
+    float const* krows[kKeyTile];
+    float const* vrows[kKeyTile];
+    float m[kMaxGroupSize], l[kMaxGroupSize];
+
+    for (int h = 0; h < heads; ++h) {
+      load_query_rows(qf + h * hd, q + b * p.q_stride_token + int64_t(h0 + h) * p.q_stride_head, p.scale * kLog2e,
+                      nvec);
+      std::fill(acc + h * hd, acc + (h + 1) * hd, 0.0f);
+      m[h] = kNegInf;
+      l[h] = 0.0f;
+    }
+
+    for (int d = 1; d < kPrefetchTiles; ++d) {
+      int const t = j0 + d * kKeyTile;
+      if (t >= j1) break;
+      tile_rows(pf_rows, table, t, std::min(kKeyTile, j1 - t), tpb, kvh);
+      prefetch_tile(k_cache, v_cache, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
+    }
+    for (int t0 = j0; t0 < j1; t0 += kKeyTile) {
+      int const n = std::min(kKeyTile, j1 - t0);
+      tile_rows(rows, table, t0, n, tpb, kvh);
+      if (int const t = t0 + kPrefetchTiles * kKeyTile; t < j1) {
+        tile_rows(pf_rows, table, t, std::min(kKeyTile, j1 - t), tpb, kvh);
+        prefetch_tile(k_cache, v_cache, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
+      }
+      // Convert the tile in cache order (each token's rows for these KV heads are adjacent), so the
+      // hardware prefetcher sees one stream per block.
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int i = 0; i < n; ++i) {
+          pack_row(kpack + i * row_floats, k_cache + (rows[i] + g0) * hd, row_floats);
+          pack_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
+        }
+      }
+      for (int gi = 0; gi < ng; ++gi) {
+        for (int i = 0; i < n; ++i) {
+          if constexpr (std::is_same_v<T, float>) {
+            krows[i] = k_cache + (rows[i] + g0 + gi) * hd;
+            vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
+          } else {
+            krows[i] = kpack + i * row_floats + gi * hd;
+            vrows[i] = vpack + i * row_floats + gi * hd;
+          }
+        }
+        for (int h = gi * group; h < (gi + 1) * group; ++h) {
+          decode_scores(s + h * kKeyTile, qf + h * hd, krows, n, nvec);
+          scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
+        }
+        pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
+      }
+    }
+
+    if (plan.max_partitions == 1 || kv_len <= plan.partition_size) {
+      T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h0) * hd;
+      for (int h = 0; h < heads; ++h) store_output_row(out + h * hd, acc + h * hd, 1.0f / l[h], nvec);
+    } else {
+      for (int h = 0; h < heads; ++h) {
+        float* ws = p.workspace + ((int64_t(b) * p.num_heads + h0 + h) * plan.max_partitions + part) * (hd + 2);
+        ws[0] = m[h];
+        ws[1] = l[h];
+        std::memcpy(ws + 2, acc + h * hd, sizeof(float) * hd);
+      }
+    }
+  }
+
+  // Log-sum-exp merge of one (sequence, head)'s partitions.
+  static void merge_partitions(PagedAttentionParams const& p, PagedAttentionPlan const& plan, int b, int h) {
+    int const kv_len = p.kv_lens[b];
+    if (kv_len <= plan.partition_size) return;
+    int const hd = head_dim(p.head_dim), nvec = hd / W;
+    int const num_parts = (kv_len + plan.partition_size - 1) / plan.partition_size;
+    float const* ws = p.workspace + (int64_t(b) * p.num_heads + h) * plan.max_partitions * (hd + 2);
+    float m_max = kNegInf;
+    for (int i = 0; i < num_parts; ++i) m_max = std::max(m_max, ws[i * (hd + 2)]);
+    alignas(64) float acc[kBufHd];
+    std::fill(acc, acc + hd, 0.0f);
+    float l_sum = 0.0f;
+    for (int i = 0; i < num_parts; ++i) {
+      float const* part = ws + i * (hd + 2);
+      float const w = std::exp2(part[0] - m_max);
+      l_sum += part[1] * w;
+      Reg const wb = V::set1(w);
+      for (int c = 0; c < nvec; ++c)
+        V::store(acc + c * W, V::fmadd(wb, V::load(part + 2 + c * W), V::load(acc + c * W)));
+    }
+    store_output_row(static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h) * hd, acc, 1.0f / l_sum, nvec);
+  }
+
+  static void paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
+    int const kv_per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
+    int const kv_chunks = (p.num_kv_heads + kv_per_item - 1) / kv_per_item;
+    int64_t const num_items = int64_t(p.batch) * kv_chunks * plan.max_partitions;
+    int64_t const num_rows = int64_t(p.batch) * p.num_heads;
+#pragma omp parallel num_threads(plan.num_threads) if (plan.num_threads > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < num_items; ++item) {
+        int64_t const bc = item / plan.max_partitions;
+        int const g0 = int(bc % kv_chunks) * kv_per_item;
+        decode_item(p, plan, int(bc / kv_chunks), g0, std::min(kv_per_item, p.num_kv_heads - g0),
+                    int(item % plan.max_partitions));
+      }
+      // The barrier at the end of the loop above makes every partition visible here.
+      if (plan.max_partitions > 1) {
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < num_rows; ++bh)
+          merge_partitions(p, plan, int(bh / p.num_heads), int(bh % p.num_heads));
+      }
+    }
+  }
+
+  // ---- context attention (prefill, chunked prefill) -----------------------------------------------
+
+  // One (sequence, kv head, query tile): query tokens [r0, r0 + nq) of the sequence, each with the
+  // group's heads as rows (row = token * group + head), flash-style over key tiles 0 .. last position.
+  static void context_item(ContextAttentionParams const& p, int b, int g, int r0, int nq) {
+    int const hd = head_dim(p.head_dim), nvec = hd / W;
+    int const group = p.num_heads / p.num_kv_heads;
+    int const tpb = p.tokens_per_block, kvh = p.num_kv_heads;
+    int const tok0 = p.cu_seqlens[b];
+    int const q_len = p.cu_seqlens[b + 1] - tok0;
+    int const kv_len = p.kv_lens[b];
+    int const pos0 = kv_len - q_len + r0;  // position of the tile's first query token
+    int const num_keys = pos0 + nq;        // keys 0 .. last query's position
+    int const rows = nq * group;
+    T const* q = static_cast<T const*>(p.q);
+    T const* k_cache = static_cast<T const*>(p.kv_cache);
+    T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    int32_t const* table = p.block_tables + int64_t(b) * p.max_blocks_per_seq;
+
+    alignas(64) float qf[kMaxContextRows * kBufHd];
+    alignas(64) float o[kMaxContextRows * kBufHd];
+    alignas(64) float s[kMaxContextRows * kKeyTile];
+    alignas(64) float kt[kBufHd * kKeyTile];
+    alignas(64) float vbuf[std::is_same_v<T, float> ? 1 : kKeyTile * kBufHd];
+    int64_t key_rows[kKeyTile];
+    float const* vrows[kKeyTile];
+    T const* ksrc[kKeyTile];
+    float m[kMaxContextRows], l[kMaxContextRows];
+
+    for (int r = 0; r < nq; ++r)
+      for (int h = 0; h < group; ++h)
+        load_query_rows(qf + (r * group + h) * hd,
+                        q + int64_t(tok0 + r0 + r) * p.q_stride_token + (int64_t(g) * group + h) * p.q_stride_head,
+                        p.scale * kLog2e, nvec);
+    std::fill(o, o + rows * hd, 0.0f);
+    std::fill(m, m + rows, kNegInf);
+    std::fill(l, l + rows, 0.0f);
+
+    for (int kt0 = 0; kt0 < num_keys; kt0 += kKeyTile) {
+      int const n = std::min(kKeyTile, num_keys - kt0);
+      tile_rows(key_rows, table, kt0, n, tpb, kvh);
+      for (int i = 0; i < n; ++i) {
+        ksrc[i] = k_cache + (key_rows[i] + g) * hd;
+        vrows[i] = row_f32(v_cache + (key_rows[i] + g) * hd, vbuf + i * hd, nvec);
+      }
+      // Pack the key tile transposed ([hd][kKeyTile], fp32; missing keys as zeros), W x W at a time.
+      for (int w0 = 0; w0 < kKeyTile; w0 += W) {
+        for (int c = 0; c < nvec; ++c) {
+          Reg blk[W];
+          for (int i = 0; i < W; ++i) blk[i] = w0 + i < n ? V::load_cvt(ksrc[w0 + i] + c * W) : V::zero();
+          V::transpose(blk);
+          for (int i = 0; i < W; ++i) V::store(kt + (c * W + i) * kKeyTile + w0, blk[i]);
+        }
+      }
+      qk_rows(s, qf, hd, kt, rows, hd);
+      // Causal mask (and the tile's missing keys): row r sees keys j <= pos0 + r.
+      if (kt0 + kKeyTile - 1 > pos0) {
+        for (int r = 0; r < nq; ++r) {
+          int const first_masked = std::clamp(pos0 + r - kt0 + 1, 0, n);
+          if (first_masked == kKeyTile) continue;
+          for (int h = 0; h < group; ++h) {
+            float* sr = s + (r * group + h) * kKeyTile;
+            for (int j = first_masked; j < kKeyTile; ++j) sr[j] = kNegInf;
+          }
+        }
+      }
+      for (int r = 0; r < rows; ++r) scale_row(o + r * hd, softmax_update(s + r * kKeyTile, m[r], l[r]), nvec);
+      pv_rows(o, hd, s, kKeyTile, vrows, n, rows, nvec);
+    }
+
+    T* out = static_cast<T*>(p.out);
+    for (int r = 0; r < nq; ++r)
+      for (int h = 0; h < group; ++h)
+        store_output_row(out + (int64_t(tok0 + r0 + r) * p.num_heads + int64_t(g) * group + h) * hd,
+                         o + (r * group + h) * hd, 1.0f / l[r * group + h], nvec);
+  }
+
+  static void context_attention(ContextAttentionParams const& p) {
+    int const group = p.num_heads / p.num_kv_heads;
+    int const tile_q = std::max(1, kContextRows / group);
+    int max_q_len = 0;
+    int64_t macs = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      int const q_len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+      max_q_len = std::max(max_q_len, q_len);
+      macs += int64_t(q_len) * (p.kv_lens[b] - q_len / 2) * p.num_heads * p.head_dim * 2;
+    }
+    int const num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
+    int const max_tiles = (max_q_len + tile_q - 1) / tile_q;
+    int64_t const per_tile = int64_t(p.batch) * p.num_kv_heads;
+    int64_t const num_items = per_tile * max_tiles;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      // Last query tiles first: they see the most keys, so the long items start early.
+      int const tile = max_tiles - 1 - int(item / per_tile);
+      int const b = int(item % per_tile / p.num_kv_heads), g = int(item % p.num_kv_heads);
+      int const q_len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+      int const r0 = tile * tile_q;
+      if (r0 >= q_len) continue;
+      context_item(p, b, g, r0, std::min(tile_q, q_len - r0));
+    }
+  }
+};
+
+// Compile-time dispatch: the element type, then head_dim over kHeadDims (0 = run-time head_dim).
+template <class V, int... kHeadDims>
+struct Dispatch {
+  template <class T>
+  static bool by_head_dim(int hd, auto&& fn) {
+    bool done = false;
+    auto try_one = [&]<int kHd>() {
+      if (!done && hd == kHd) {
+        fn.template operator()<AttentionKernels<V, kHd, T>>();
+        done = true;
+      }
+    };
+    (void)try_one;  // unused when kHeadDims is empty (the portable path)
+    (try_one.template operator()<kHeadDims>(), ...);
+    if (done) return true;
+    if (hd % V::kWidth != 0 || hd > kMaxHeadDim) return false;
+    fn.template operator()<AttentionKernels<V, 0, T>>();
+    return true;
+  }
+
+  static bool run(ElementType dtype, int hd, auto&& fn) {
+    switch (dtype) {
+      case ElementType::kFloat32: return by_head_dim<float>(hd, fn);
+      case ElementType::kBFloat16: return by_head_dim<BF16>(hd, fn);
+      case ElementType::kFloat16: return by_head_dim<F16>(hd, fn);
+    }
+    return false;
+  }
+
+  static bool paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
+    return run(p.dtype, p.head_dim, [&]<class K>() { K::paged_attention(p, plan); });
+  }
+  static bool context_attention(ContextAttentionParams const& p) {
+    return run(p.dtype, p.head_dim, [&]<class K>() { K::context_attention(p); });
+  }
+};
+
+}  // namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA

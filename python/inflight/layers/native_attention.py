@@ -1,0 +1,90 @@
+"""NativeAttentionBackend: attention over the paged KV cache by the C++ / CUDA kernels.
+
+Per layer: ``store_kv`` (this step's K/V into the cache, in place), then ``context_attention`` over
+the context chunks (sequences ``0 .. num_contexts-1``, reading earlier chunks and reused prefix
+blocks straight from the cache) and ``paged_attention`` over the decodes, both writing into one
+preallocated ``[num_tokens, num_heads, head_dim]`` output. No Python loop over sequences.
+
+When a decode step carries more than one query token (``1 + draft`` tokens) the whole batch goes
+through ``context_attention``, which handles any query length.
+
+The per-step argument slices depend only on the metadata, so they are built once per step (by the
+first layer to see a metadata object) and reused by the other layers, as in
+:class:`~inflight.layers.torch_attention.TorchAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.torch_attention import _check_metadata
+from inflight.ops.attention import context_attention, paged_attention, store_kv
+
+
+@dataclass(frozen=True)
+class _Plan:
+    num_context_tokens: int  # flattened tokens 0 .. num_context_tokens-1 go to context_attention
+    # context_attention's arguments (None: no context work this step)
+    ctx_block_tables: torch.Tensor | None
+    ctx_cu_seqlens: torch.Tensor | None
+    ctx_kv_lens: torch.Tensor | None
+    # paged_attention's arguments (None: no single-token decodes this step)
+    dec_block_tables: torch.Tensor | None
+    dec_kv_lens: torch.Tensor | None
+
+
+def _plan(metadata: AttentionMetadata) -> _Plan:
+    _check_metadata(metadata)
+    nc, bs = metadata.num_contexts, metadata.batch_size
+    if any(s != 1 for s in metadata.seq_lens_host[nc:]):
+        nc = bs  # multi-token decodes: everything is a context chunk
+    num_ctx_tokens = sum(metadata.seq_lens_host[:nc])
+    i32 = torch.int32
+    ctx = dec = (None, None)
+    cu = None
+    if nc > 0:
+        ctx = (metadata.block_tables[:nc].to(i32).contiguous(), metadata.kv_lens[:nc].to(i32).contiguous())
+        cu = metadata.cu_seqlens[: nc + 1].to(i32).contiguous()
+    if nc < bs:
+        dec = (metadata.block_tables[nc:].to(i32).contiguous(), metadata.kv_lens[nc:].to(i32).contiguous())
+    return _Plan(num_ctx_tokens, ctx[0], cu, ctx[1], dec[0], dec[1])
+
+
+class NativeAttentionBackend(AttentionBackend):
+    name = "native"
+
+    def __init__(self) -> None:
+        # One-entry memo (metadata object, its plan); identity, not id(), so reuse cannot fool it.
+        self._planned_for: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if self._planned_for is not metadata:
+            self._plan, self._planned_for = _plan(metadata), metadata
+        plan = self._plan
+        dtype = q.dtype
+        if kv_cache.dtype != dtype:  # a cache kept in another dtype: the kernels run in the cache's
+            q, k, v = q.to(kv_cache.dtype), k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n = plan.num_context_tokens
+        if plan.ctx_block_tables is not None:
+            qc, oc = (q, out) if n == q.shape[0] else (q[:n], out[:n])
+            context_attention(
+                qc, kv_cache, plan.ctx_block_tables, plan.ctx_cu_seqlens, plan.ctx_kv_lens, scale, oc
+            )
+        if plan.dec_block_tables is not None:
+            qd, od = (q, out) if n == 0 else (q[n:], out[n:])
+            paged_attention(qd, kv_cache, plan.dec_block_tables, plan.dec_kv_lens, scale, od)
+        return out if out.dtype == dtype else out.to(dtype)

@@ -1,0 +1,115 @@
+"""Plain-torch twins of :mod:`inflight.ops.attention` (same signatures, same results up to rounding).
+
+They compute the way :class:`~inflight.layers.torch_attention.TorchAttentionBackend` does: gather
+each sequence's keys through its block table into a padded batch, matmuls in the input dtype,
+softmax in fp32, probabilities rounded back to the input dtype. Batched (no Python loop over
+sequences), so they also serve as the baseline in ``benchmarks/bench_attention_cpu.py``. Called
+with fp32 tensors they are the ground truth the tests measure the low-precision error against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["context_attention", "paged_attention", "store_kv"]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens_host: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each sequence, padded: ``[batch, max_kv, kvh, hd]`` each."""
+    _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
+    batch, max_kv = len(kv_lens_host), max(kv_lens_host)
+    nblk = -(-max_kv // tpb)
+    tables = block_tables[:, :nblk].to(torch.int64)
+    offsets = torch.arange(tpb, device=kv_cache.device)
+    slots = (tables[:, :, None] * tpb + offsets).reshape(batch, nblk * tpb)[:, :max_kv]
+    flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, max_kv, num_kv_heads, head_dim)
+    return kv[0], kv[1]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    lens = kv_lens.tolist()
+    key, value = _gather_kv(kv_cache, block_tables, lens)  # [batch, max_kv, kvh, hd]
+    max_kv = key.shape[1]
+    qh = q.reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qh, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group, max_kv]
+    valid = torch.arange(max_kv, device=q.device)[None, :] < kv_lens.to(q.device)[:, None].long()
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    result = torch.matmul(probs, value.transpose(1, 2)).reshape(batch, num_heads, head_dim)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def context_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    cu = cu_seqlens.tolist()
+    lens = kv_lens.tolist()
+    batch = len(lens)
+    q_lens = [cu[i + 1] - cu[i] for i in range(batch)]
+    max_q = max(q_lens)
+    key, value = _gather_kv(kv_cache, block_tables, lens)  # [batch, max_kv, kvh, hd]
+    max_kv = key.shape[1]
+
+    # Scatter the flattened queries into a padded [batch, max_q] layout.
+    q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+    starts = torch.tensor(cu[:-1], dtype=torch.int64)
+    row_base = torch.arange(batch, dtype=torch.int64) * max_q
+    q_index = (torch.arange(num_tokens) + torch.repeat_interleave(row_base - starts, q_len_t)).to(q.device)
+    qp = q.new_zeros(batch * max_q, num_heads, head_dim).index_copy_(0, q_index, q)
+    # [batch, kvh, group * max_q, hd]: one batched matmul per KV head, its query heads as rows.
+    qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qp = qp.reshape(batch, num_kv_heads, group * max_q, head_dim)
+
+    # Query row r of sequence i sits at position kv_len - q_len + r and sees keys 0 .. that position.
+    # Padded rows (r >= q_len) see all kv_len keys: never fully masked, no NaN.
+    kv_len_t = torch.tensor(lens, dtype=torch.int64)
+    q_pos = (kv_len_t - q_len_t)[:, None] + torch.arange(max_q)[None, :]
+    j = torch.arange(max_kv)
+    mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len_t[:, None, None])
+    mask = mask.to(q.device)[:, None, None]  # [batch, 1, 1, max_q, max_kv]
+
+    scores = torch.matmul(qp, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group*max_q, max_kv]
+    scores = scores.view(batch, num_kv_heads, group, max_q, max_kv).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv_heads, group * max_q, max_kv)
+    res = torch.matmul(probs, value.transpose(1, 2))  # [batch, kvh, group * max_q, hd]
+    res = res.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    res = res.reshape(batch * max_q, num_heads, head_dim).index_select(0, q_index)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
