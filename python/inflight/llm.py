@@ -69,7 +69,8 @@ class LLM:
         scheduler: a :class:`~inflight.executor.scheduler.RequestScheduler`, or a callable
             ``f(kv_cache_manager=..., max_batch_size=..., max_num_tokens=...)`` returning one.
         seed: seed of the shared sampling generator (requests without their own seed).
-        attention_backend: "torch" (plain-torch reference over the paged cache).
+        attention_backend: "native" (C++ / CUDA kernels over the paged cache; the default) or
+            "torch" (the plain-torch reference).
         device: "cpu", "cuda", ... (default: CUDA when available).
         log_iteration_stats: log one line every N iterations (0: off).
     """
@@ -88,7 +89,7 @@ class LLM:
         disable_overlap_scheduler: bool | None = None,
         scheduler: Any = None,
         seed: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: str | None = None,
         device: str | torch.device | None = None,
         log_iteration_stats: int = 0,
         **unknown: Any,

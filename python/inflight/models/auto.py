@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,23 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def make_attention_backend(name: str):
+def make_attention_backend(name: str | None, device: torch.device | None = None):
+    """"native" (the C++ / CUDA kernels; the default) or "torch" (the plain-torch reference)."""
+    if name is None:
+        name = "native"
+        if device is not None and device.type == "cuda":
+            from inflight.cuda import cuda_compiled
+
+            name = "native" if cuda_compiled() else "torch"
     if name == "torch":
         from inflight.layers.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend must be 'torch', got {name!r}")
+    if name == "native":
+        from inflight.layers.native_attention import NativeAttentionBackend
+
+        return NativeAttentionBackend()
+    raise ValueError(f"attention_backend must be 'native' or 'torch', got {name!r}")
 
 
 def auto_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -37,6 +49,13 @@ def auto_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.bfloat16
     return dtype
+
+
+# Activation dtype of natively quantised weights on a CPU with dtype="auto". fp32: the W4A16 kernels
+# run about as fast with fp32 as with bf16 activations, and torch's other CPU ops (norms, RoPE,
+# attention, SiLU) are slower in bf16 -- a SmolLM2 Q4 decode step measured ~17 ms with fp32 vs ~22 ms
+# with bf16 activations (2 cores, AVX-512; benchmarks/bench_gemm_cpu.py --e2e).
+QUANTIZED_CPU_DTYPE = torch.float32
 
 
 def load_tokenizer(path: Path):
@@ -57,14 +76,35 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
 
     known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
     path = known if known is not None else Path(os.fspath(model)).expanduser()
+    factories: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         reader, config = gguf_loader.read_gguf(path)
-        # Dequantised weights: bfloat16 by default (the fp32 copy is twice the memory traffic).
-        dtype = dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
-        weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
+        # dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and runs
+        # them natively; an explicit dtype dequantises everything into it.
+        plan = gguf_loader.gguf_quant_plan(reader, config) if dtype is None and device.type == "cpu" else None
+        if plan is not None:
+            from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding
+
+            dtype = QUANTIZED_CPU_DTYPE
+            factories["linear_factory"] = partial(
+                W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric)
+            if plan.q8_embedding:
+                factories["embedding_factory"] = partial(W8A16Embedding, group_size=gguf_loader.GGUF_GROUP_SIZE)
+            weights = gguf_loader.iter_gguf_quantized_tensors(reader, config, dtype, plan)
+        else:
+            # Dequantised weights: bfloat16 by default (the fp32 copy is twice the memory traffic).
+            dtype = dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
+            weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
         tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
     elif path.is_dir():
         config = ModelConfig.from_hf_dir(path)
+        if config.quantization is not None:
+            from inflight.layers.quantized_linear import W4A16Linear
+
+            factories["linear_factory"] = partial(W4A16Linear, group_size=config.quantization["group_size"],
+                                                  symmetric=config.quantization["symmetric"])
+            if dtype is None and device.type == "cpu":
+                dtype = QUANTIZED_CPU_DTYPE
         dtype = dtype if dtype is not None else auto_dtype(config, device)
         weights = iter_safetensors(path)
         tokenizer_fn = lambda: load_tokenizer(path)  # noqa: E731
@@ -74,8 +114,8 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
             f"{sorted(gguf_loader.KNOWN_MODELS)}, got {str(model)!r}"
         )
     config.check_max_seq_len(max_seq_len if max_seq_len is not None else config.max_position_embeddings)
-    backend = make_attention_backend(attention_backend)
-    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device)
+    backend = make_attention_backend(attention_backend, device)
+    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device, **factories)
     net.load_weights(weights)
     net.eval()
     return LoadedModel(net, config, tokenizer_fn(), dtype)

@@ -6,5 +6,16 @@ Plain-torch twins of every op live in :mod:`inflight.ops.reference`.
 from __future__ import annotations
 
 from inflight._C import cpu_best_isa, cpu_isa, set_cpu_isa
+from inflight.ops.attention import context_attention, paged_attention, store_kv
+from inflight.ops.sampling import sample, sampling_uniform
 
-__all__ = ["cpu_best_isa", "cpu_isa", "set_cpu_isa"]
+__all__ = [
+    "context_attention",
+    "cpu_best_isa",
+    "cpu_isa",
+    "paged_attention",
+    "sample",
+    "sampling_uniform",
+    "set_cpu_isa",
+    "store_kv",
+]

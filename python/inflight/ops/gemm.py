@@ -1,0 +1,114 @@
+"""Weight-only-quantised GEMMs (W4A16, W8A16): typed wrappers over the C++ CPU kernels.
+
+Formats (the canonical interchange layout, shared with the CUDA kernels):
+
+- int4: ``qweight [N, K//2] uint8``, byte ``j`` of a row holds ``k = 2j`` in its low nibble and
+  ``k = 2j+1`` in its high nibble; ``scales [N, K//group_size]`` (fp32, bf16 or fp16). Asymmetric:
+  ``offsets`` (same shape and dtype), ``w = scale * q + offset`` (GGUF Q4_1); symmetric (``offsets``
+  None): ``w = scale * (q - 8)`` (GGUF Q4_0).
+- int8: ``qweight [N, K] int8``, ``scales [N, K//group_size]``, ``w = scale * q`` (GGUF Q8_0).
+
+``x [M, K]`` is fp32, bf16 or fp16; ``out [M, N]`` and ``bias [N]`` have its dtype. Products and sums
+are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128. Plain-torch twins:
+:mod:`inflight.ops.reference.gemm`. Tensors on other devices fall back to those twins.
+
+Tensors cross into C++ as DLPack capsules made by ``torch.utils.dlpack.to_dlpack`` (~0.3 us each;
+``Tensor.__dlpack__`` costs ~2 us). :class:`W4A16Weight` / :class:`W8A16Weight` import the weights
+once, so a layer's call passes only ``x`` and ``out`` (~1 us of overhead in all).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from inflight import _C
+
+__all__ = ["W4A16Weight", "W8A16Weight", "w4a16_gemm", "w8a16_gemm"]
+
+
+def _cap(t: torch.Tensor):
+    """A DLPack capsule of a contiguous CPU tensor (inputs are made contiguous; the copy is correct)."""
+    if t.requires_grad:
+        t = t.detach()
+    return to_dlpack(t if t.is_contiguous() else t.contiguous())
+
+
+def _out(out: torch.Tensor | None, x: torch.Tensor, n: int):
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    elif not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous CPU tensor, got device {out.device} and strides {out.stride()}")
+    return out, to_dlpack(out.detach())
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = x @ dequant(qweight, scales, offsets).T (+ bias)``; returns ``out`` (allocated when None)."""
+    if x.device.type != "cpu":
+        from inflight.ops.reference.gemm import w4a16_gemm as reference
+
+        return reference(x, qweight, scales, offsets, group_size, out=out, bias=bias)
+    out, out_cap = _out(out, x, qweight.shape[0])
+    _C.w4a16_gemm(_cap(x), _cap(qweight), _cap(scales), None if offsets is None else _cap(offsets), group_size,
+                  out_cap, None if bias is None else _cap(bias), torch.get_num_threads())
+    return out
+
+
+def w8a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = x @ (scales * qweight).T (+ bias)`` with int8 ``qweight``; returns ``out``."""
+    if x.device.type != "cpu":
+        from inflight.ops.reference.gemm import w8a16_gemm as reference
+
+        return reference(x, qweight, scales, group_size, out=out, bias=bias)
+    out, out_cap = _out(out, x, qweight.shape[0])
+    _C.w8a16_gemm(_cap(x), _cap(qweight), _cap(scales), group_size, out_cap, None if bias is None else _cap(bias),
+                  torch.get_num_threads())
+    return out
+
+
+class W4A16Weight:
+    """int4 weights validated and imported once (CPU); ``weight(x, out=None)`` is :func:`w4a16_gemm`.
+
+    The tensors' memory stays alive with this object and in-place changes to them are seen; build a new
+    one after replacing them (e.g. moving them to another device).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None) -> None:
+        self._w = _C.W4A16Weight(_cap(qweight), _cap(scales), None if offsets is None else _cap(offsets), group_size,
+                                 None if bias is None else _cap(bias))
+        self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out, out_cap = _out(out, x, self.n)
+        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
+        return out
+
+
+class W8A16Weight:
+    """int8 weights validated and imported once (CPU); ``weight(x, out=None)`` is :func:`w8a16_gemm`."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> None:
+        self._w = _C.W8A16Weight(_cap(qweight), _cap(scales), group_size, None if bias is None else _cap(bias))
+        self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out, out_cap = _out(out, x, self.n)
+        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
+        return out

@@ -1,0 +1,88 @@
+"""Plain-torch twins of :mod:`inflight.ops.gemm`: dequantise the whole weight (fp32), then matmul.
+
+They define the numerics the kernels are tested against, and serve devices without a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dequantize_w4", "dequantize_w8", "unpack_int4", "w4a16_gemm", "w8a16_gemm"]
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """``[N, K//2] uint8 -> [N, K] uint8`` in 0..15 (low nibble = even k, high nibble = odd k)."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+    q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1)
+    return q.reshape(qweight.shape[0], qweight.shape[1] * 2)
+
+
+def _group_view(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[int, int, int]:
+    n, k = q.shape
+    if group_size < 1 or k % group_size != 0:
+        raise ValueError(f"group_size must divide k ({k}), got {group_size}")
+    if tuple(scales.shape) != (n, k // group_size):
+        raise ValueError(f"scales must have shape {(n, k // group_size)}, got {tuple(scales.shape)}")
+    return n, k, k // group_size
+
+
+def dequantize_w4(
+    qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """fp32 ``[N, K]``: ``scale * q + offset``, or ``scale * (q - 8)`` when ``offsets`` is None."""
+    q = unpack_int4(qweight).to(torch.float32)
+    n, k, g = _group_view(q, scales, group_size)
+    q = q.view(n, g, group_size)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    if offsets is None:
+        w = s * (q - 8.0)
+    else:
+        if tuple(offsets.shape) != tuple(scales.shape):
+            raise ValueError(f"offsets must have shape {tuple(scales.shape)}, got {tuple(offsets.shape)}")
+        w = s * q + offsets.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 ``[N, K]``: ``scale * q`` for int8 ``qweight [N, K]``."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+    n, k, g = _group_view(qweight, scales, group_size)
+    w = qweight.to(torch.float32).view(n, g, group_size) * scales.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def _linear_fp32(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    y = x.to(torch.float32) @ w.to(x.device).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _linear_fp32(x, dequantize_w4(qweight, scales, offsets, group_size), bias, out)
+
+
+def w8a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _linear_fp32(x, dequantize_w8(qweight, scales, group_size), bias, out)
