@@ -1,4 +1,4 @@
-"""The `inflight` command: `inflight generate ...` (more subcommands join as they land)."""
+"""The `inflight` command: `inflight generate ...`, `inflight quantize ...` (more join as they land)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,16 @@ async def _stream(llm, prompt, params, has_tokenizer: bool) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from inflight.quantization import quantize_checkpoint
+
+    t0 = time.perf_counter()
+    out = quantize_checkpoint(args.model, args.out, group_size=args.group_size, symmetric=args.symmetric)
+    print(f"wrote W4A16 (group {args.group_size}, {'symmetric' if args.symmetric else 'asymmetric'}) "
+          f"checkpoint to {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inflight", description="inflight: an LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--system", default=None, help="system message (chat models)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
+    q = sub.add_parser("quantize", help="round-to-nearest W4A16 of a Hugging Face model directory")
+    q.add_argument("--model", required=True, help="a Hugging Face model directory (safetensors)")
+    q.add_argument("--out", required=True, help="output directory (loadable with LLM(model=OUT))")
+    q.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128))
+    q.add_argument("--symmetric", action="store_true", help="w = scale * (q - 8) instead of scale * q + offset")
+    q.set_defaults(func=cmd_quantize)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

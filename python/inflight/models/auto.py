@@ -52,9 +52,9 @@ def auto_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 
 # Activation dtype of natively quantised weights on a CPU with dtype="auto". fp32: the W4A16 kernels
-# run about as fast with fp32 as with bf16 activations, and torch's other CPU ops (norms, RoPE,
-# attention, SiLU) are slower in bf16 -- a SmolLM2 Q4 decode step measured ~17 ms with fp32 vs ~22 ms
-# with bf16 activations (2 cores, AVX-512; benchmarks/bench_gemm_cpu.py --e2e).
+# run about as fast with fp32 as with bf16 activations (bf16 hi + lo dot products), fp32 is the more
+# accurate, and torch's other CPU ops are no faster in bf16. Measured SmolLM2 Q4 decode step (2 cores,
+# AVX-512): ~10.9 ms fp32 vs ~11.1 ms bf16 (native attention), ~17 vs ~22 ms (torch attention).
 QUANTIZED_CPU_DTYPE = torch.float32
 
 

@@ -66,6 +66,10 @@ class ModelConfig:
     # The checkpoint's stored dtype ("bfloat16", ...), for dtype="auto"; None when not stated.
     checkpoint_dtype: str | None = None
     model_type: str = field(default="", compare=False)
+    # Weight-only quantisation of the checkpoint's linear layers, or None (float weights). The only
+    # method: {"quant_method": "inflight_w4a16", "group_size": 32 | 64 | 128, "symmetric": bool}
+    # (written by `inflight quantize`). Treat as read-only.
+    quantization: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -175,9 +179,7 @@ class ModelConfig:
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        if d.get("quantization_config"):
-            method = d["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"quantization_config (quant_method {method!r}) is not supported")
+        quantization = _parse_quantization(d.get("quantization_config"))
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"partial_rotary_factor {d['partial_rotary_factor']!r} is not supported")
 
@@ -237,7 +239,23 @@ class ModelConfig:
             sliding_window=_parse_sliding_window(d, model_type),
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
             model_type=model_type,
+            quantization=quantization,
         )
+
+
+def _parse_quantization(q: Any) -> dict[str, Any] | None:
+    if not q:
+        return None
+    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    if method != "inflight_w4a16":
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported (only 'inflight_w4a16')")
+    group_size = q.get("group_size")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"quantization_config.group_size must be 32, 64 or 128, got {group_size!r}")
+    symmetric = q.get("symmetric", False)
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"quantization_config.symmetric must be a boolean, got {symmetric!r}")  # noqa: TRY004
+    return {"quant_method": method, "group_size": group_size, "symmetric": symmetric}
 
 
 def _req_int(d: dict[str, Any], key: str) -> int:

@@ -1,9 +1,11 @@
 """GGUF checkpoints (llama.cpp's format): config, weights and tokenizer from one file.
 
 Weights are dequantised with the `gguf` package's own reference code (Q4_0/Q4_1/Q8_0/F16/...) into
-the chosen dtype. llama.cpp's converter permutes the rows of the Q and K projections (it rotates
-interleaved pairs, Hugging Face rotates halves); the loader undoes that permutation so the tensors
-are in the Hugging Face layout the model expects. The tokenizer (and chat template) are built by
+the chosen dtype, or (:func:`iter_gguf_quantized_tensors`) kept quantised: Q4_0/Q4_1 linear weights are
+repacked into the W4A16 layout and a Q8_0 tied embedding into W8A16, bit for bit. llama.cpp's
+converter permutes the rows of the Q and K projections (it rotates interleaved pairs, Hugging Face
+rotates halves); the loader undoes that permutation so the tensors are in the Hugging Face layout the
+model expects. The tokenizer (and chat template) are built by
 transformers from the same file.
 """
 
@@ -13,6 +15,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,29 +140,118 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor in ``dtype``) for every tensor of the file."""
+def _hf_name(gguf_name: str) -> str:
+    m = _BLOCK.match(gguf_name)
+    if m:
+        if m.group(2) not in _LAYER_MAP:
+            raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if gguf_name in _GLOBAL_MAP:
+        return _GLOBAL_MAP[gguf_name]
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
+
+
+def _qk_heads(config: ModelConfig, name: str) -> int | None:
+    """Heads of llama.cpp's Q/K row permutation for tensor ``name`` (None: not permuted)."""
+    if config.model_type != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_attention_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_key_value_heads
+    return None
+
+
+def _dequantized(t, name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     from gguf.quants import dequantize
 
+    w = dequantize(t.data, t.tensor_type)
+    shape = [int(x) for x in reversed(t.shape)]  # GGUF lists the fastest dimension first
+    w = w.reshape(shape)
+    heads = _qk_heads(config, name)
+    if heads is not None:
+        w = _unpermute_qk(w, heads)
+    # np.array copies: the dequantised array may be a read-only view of the memory-mapped file.
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
+
+
+def iter_gguf_tensors(reader, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor in ``dtype``) for every tensor of the file."""
     for t in reader.tensors:
-        m = _BLOCK.match(t.name)
-        if m:
-            if m.group(2) not in _LAYER_MAP:
-                raise ValueError(f"GGUF tensor {t.name!r} is not supported")
-            name = f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-        elif t.name in _GLOBAL_MAP:
-            name = _GLOBAL_MAP[t.name]
+        name = _hf_name(t.name)
+        yield name, _dequantized(t, name, config, dtype)
+
+
+# ---- native quantised weights (W4A16 linears, W8A16 tied embedding) ---------------------------------
+
+_LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight")
+GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks
+
+
+@dataclass(frozen=True)
+class GGUFQuantPlan:
+    """How a GGUF file's weights run natively: every linear weight is Q4_0/Q4_1 (-> W4A16, group 32;
+    ``symmetric`` when all are Q4_0, else Q4_0 tensors get offsets ``-8 d``), and ``q8_embedding``
+    when the token embedding is Q8_0 and tied to the LM head (-> W8A16Embedding)."""
+
+    symmetric: bool
+    q8_embedding: bool
+
+
+def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
+    """The native plan, or None when some linear weight is in another format (then dequantise all)."""
+    kinds = set()
+    embedding_kind = None
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name.endswith(_LINEAR_WEIGHTS):
+            kinds.add(t.tensor_type.name)
+        elif name == "model.embed_tokens.weight":
+            embedding_kind = t.tensor_type.name
+    if not kinds or not kinds <= {"Q4_0", "Q4_1"}:
+        return None
+    return GGUFQuantPlan(symmetric=kinds == {"Q4_0"},
+                         q8_embedding=config.tie_word_embeddings and embedding_kind == "Q8_0")
+
+
+def iter_gguf_quantized_tensors(
+    reader, config: ModelConfig, dtype: torch.dtype, plan: GGUFQuantPlan
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like :func:`iter_gguf_tensors`, but linear weights come as ``<prefix>.qweight/.scales(/.offsets)``
+    repacked bit for bit from their Q4 blocks (and a Q8_0 tied embedding as ``qweight/scales``); the
+    Q/K row permutation is undone on the packed rows and their scales alike (rows only: exact)."""
+    from inflight.quantization.gguf_import import (
+        q4_0_offsets,
+        q4_0_to_w4a16,
+        q4_1_to_w4a16,
+        q8_0_to_w8a16,
+    )
+
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        kind = t.tensor_type.name
+        prefix = name[: -len("weight")]
+        if name.endswith(_LINEAR_WEIGHTS):
+            if kind == "Q4_1":
+                qweight, scales, offsets = q4_1_to_w4a16(t.data)
+            else:
+                qweight, scales = q4_0_to_w4a16(t.data)
+                offsets = None if plan.symmetric else q4_0_offsets(scales)
+            parts = {"qweight": qweight, "scales": scales, "offsets": offsets}
+            heads = _qk_heads(config, name)
+            for suffix, tensor in parts.items():
+                if tensor is None:
+                    continue
+                if heads is not None:
+                    tensor = _unpermute_qk(tensor, heads).contiguous()
+                yield prefix + suffix, tensor
+        elif name == "model.embed_tokens.weight" and plan.q8_embedding:
+            qweight, scales = q8_0_to_w8a16(t.data)
+            yield prefix + "qweight", qweight
+            yield prefix + "scales", scales
         else:
-            raise ValueError(f"GGUF tensor {t.name!r} is not supported")
-        w = dequantize(t.data, t.tensor_type)
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists the fastest dimension first
-        w = w.reshape(shape)
-        if config.model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_qk(w, config.num_attention_heads)
-        elif config.model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_qk(w, config.num_key_value_heads)
-        # np.array copies: the dequantised array may be a read-only view of the memory-mapped file.
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
+            yield name, _dequantized(t, name, config, dtype)
 
 
 def load_gguf_tokenizer(path: Path):

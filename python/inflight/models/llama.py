@@ -11,7 +11,7 @@ together, and the attention backend handles all sequences of the flattened batch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         max_seq_len: int | None = None,
         device: torch.device | str | None = None,
         linear_factory: LinearFactory = Linear,
+        embedding_factory: Callable[..., nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
@@ -133,8 +134,17 @@ class LlamaForCausalLM(nn.Module):
             attention_backend if attention_backend is not None else TorchAttentionBackend()
         )
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False
+        # A quantised tied embedding (e.g. W8A16Embedding): ``embed(ids)`` is the lookup, ``forward(hidden)``
+        # the LM head, loaded through ``checkpoint_tensor_names`` / ``load_shard`` like a linear layer.
+        self.embedding: nn.Module | None = None
+        if embedding_factory is not None:
+            if not config.tie_word_embeddings:
+                raise ValueError("embedding_factory needs tie_word_embeddings (it is also the LM head)")
+            self.embedding = embedding_factory(config.vocab_size, config.hidden_size, **kw)
+        self.embed_tokens = (
+            nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
+            if self.embedding is None
+            else None
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory)
@@ -175,22 +185,29 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"kv_caches must hold one tensor per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embedding is not None:
+            hidden = self.embedding.embed(input_ids)
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
+        if self.embedding is not None:
+            return self.embedding(hidden).float()
         return F.linear(hidden, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------------
 
     def checkpoint_targets(self) -> dict[str, _Target]:
         """HF tensor name -> destination, for every tensor a checkpoint must provide."""
-        targets: dict[str, _Target] = {
-            "model.embed_tokens.weight": self.embed_tokens,
-            "model.norm.weight": self.norm.weight,
-        }
+        targets: dict[str, _Target] = {"model.norm.weight": self.norm.weight}
+        if self.embedding is not None:
+            for tensor_name in self.embedding.checkpoint_tensor_names():
+                targets[f"model.embed_tokens.{tensor_name}"] = (self.embedding, 0, tensor_name)
+        else:
+            targets["model.embed_tokens.weight"] = self.embed_tokens
         if not self.config.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):

@@ -9,8 +9,10 @@ Formats (the canonical interchange layout, shared with the CUDA kernels):
 - int8: ``qweight [N, K] int8``, ``scales [N, K//group_size]``, ``w = scale * q`` (GGUF Q8_0).
 
 ``x [M, K]`` is fp32, bf16 or fp16; ``out [M, N]`` and ``bias [N]`` have its dtype. Products and sums
-are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128. Plain-torch twins:
-:mod:`inflight.ops.reference.gemm`. Tensors on other devices fall back to those twins.
+are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128. CPU tensors go to
+:mod:`inflight._C` (threads = ``torch.get_num_threads()``); CUDA tensors with fp16/bf16 activations to
+:mod:`inflight._C_cuda` on the current stream; anything else (fp32 on a GPU, other devices) to the
+plain-torch twins in :mod:`inflight.ops.reference.gemm`.
 
 Tensors cross into C++ as DLPack capsules made by ``torch.utils.dlpack.to_dlpack`` (~0.3 us each;
 ``Tensor.__dlpack__`` costs ~2 us). :class:`W4A16Weight` / :class:`W8A16Weight` import the weights
@@ -25,6 +27,21 @@ from torch.utils.dlpack import to_dlpack
 from inflight import _C
 
 __all__ = ["W4A16Weight", "W8A16Weight", "w4a16_gemm", "w8a16_gemm"]
+
+
+def _cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _cuda_call(name: str, x: torch.Tensor, n: int, out: torch.Tensor | None, *args) -> torch.Tensor:
+    from inflight.cuda import require_cuda_module
+
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    *head, bias = args
+    getattr(require_cuda_module(), name)(x.contiguous(), *head, out, bias,
+                                         torch.cuda.current_stream(x.device).cuda_stream)
+    return out
 
 
 def _cap(t: torch.Tensor):
@@ -52,6 +69,8 @@ def w4a16_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = x @ dequant(qweight, scales, offsets).T (+ bias)``; returns ``out`` (allocated when None)."""
+    if _cuda(x):
+        return _cuda_call("w4a16_gemm", x, qweight.shape[0], out, qweight, scales, offsets, group_size, bias)
     if x.device.type != "cpu":
         from inflight.ops.reference.gemm import w4a16_gemm as reference
 
@@ -71,6 +90,8 @@ def w8a16_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = x @ (scales * qweight).T (+ bias)`` with int8 ``qweight``; returns ``out``."""
+    if _cuda(x):
+        return _cuda_call("w8a16_gemm", x, qweight.shape[0], out, qweight, scales, group_size, bias)
     if x.device.type != "cpu":
         from inflight.ops.reference.gemm import w8a16_gemm as reference
 

@@ -1,0 +1,266 @@
+// Weight-only-quantised GEMM on the CPU: out[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias).
+//
+// Weights are dequantised in registers, a few vectors at a time; no full-size weight is ever written.
+// Decode (M = 1..16) is memory-bound: every weight byte is read from memory once per call, threads
+// split N, and each dequantised weight vector is reused across a tile of M rows (the M tiles of one
+// N chunk re-read the chunk from L2, not from memory).
+//
+// Formats (the canonical interchange layout; the CUDA kernels read the same):
+//   int4:  qweight [N, K/2] uint8; byte j of a row holds k = 2j in its low nibble and k = 2j+1 in its
+//          high nibble. scales [N, K/group_size]. Asymmetric: offsets [N, K/group_size],
+//          w = scale * q + offset (a value-space offset: GGUF Q4_1 stores its minimum that way).
+//          Symmetric (offsets == nullptr): w = scale * (q - 8) (GGUF Q4_0).
+//   int8:  qweight [N, K] int8, scales [N, K/group_size], w = scale * q (GGUF Q8_0: group 32).
+// x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another (fp32, bf16,
+// fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is 32, 64 or 128.
+//
+// Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher validates
+// the struct and picks the ISA (cpu_features.h); each ISA file instantiates its micro-kernels for the
+// explicit set {x: f32, bf16, f16} x {scales: f32, bf16, f16} x {symmetric, asymmetric} x {M tile}.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+namespace inflight::kernels::cpu {
+
+enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+char const* scalar_type_name(ScalarType t);
+
+// Storage types of the 16-bit floats (bit patterns; arithmetic happens in fp32).
+struct BFloat16 {
+  std::uint16_t bits;
+};
+struct Float16 {
+  std::uint16_t bits;
+};
+
+struct W4A16GemmParams {
+  void const* x = nullptr;               // [m, k], x_type, row-major contiguous
+  std::uint8_t const* qweight = nullptr;  // [n, k / 2]
+  void const* scales = nullptr;          // [n, k / group_size], scale_type
+  void const* offsets = nullptr;         // [n, k / group_size], scale_type; nullptr: symmetric
+  void const* bias = nullptr;            // [n], x_type; nullptr: none
+  void* out = nullptr;                   // [m, n], x_type
+  std::int64_t m = 0, n = 0, k = 0;
+  int group_size = 0;
+  ScalarType x_type = ScalarType::kFloat32;
+  ScalarType scale_type = ScalarType::kFloat32;
+  int num_threads = 1;
+};
+
+struct W8A16GemmParams {
+  void const* x = nullptr;              // [m, k], x_type
+  std::int8_t const* qweight = nullptr;  // [n, k]
+  void const* scales = nullptr;         // [n, k / group_size], scale_type
+  void const* bias = nullptr;           // [n], x_type; nullptr: none
+  void* out = nullptr;                  // [m, n], x_type
+  std::int64_t m = 0, n = 0, k = 0;
+  int group_size = 0;
+  ScalarType x_type = ScalarType::kFloat32;
+  ScalarType scale_type = ScalarType::kFloat32;
+  int num_threads = 1;
+};
+
+// Launchers: validate the params (std::invalid_argument naming the field, value and allowed range),
+// then run the path of selected_isa(). Nothing is allocated; `out` is fully overwritten.
+void w4a16_gemm(W4A16GemmParams const& p);
+void w8a16_gemm(W8A16GemmParams const& p);
+
+// Per-ISA paths (gemm_portable.cpp, gemm_avx2.cpp, gemm_avx512.cpp); only the launchers call them.
+void w4a16_gemm_portable(W4A16GemmParams const& p);
+void w8a16_gemm_portable(W8A16GemmParams const& p);
+void w4a16_gemm_avx2(W4A16GemmParams const& p);
+void w8a16_gemm_avx2(W8A16GemmParams const& p);
+void w4a16_gemm_avx512(W4A16GemmParams const& p);
+void w8a16_gemm_avx512(W8A16GemmParams const& p);
+
+// ------------------------------------------------------------------------------------------------
+// Shared by the ISA files. Everything below has internal linkage (anonymous namespace): each ISA
+// file is compiled with its own -m flags, and a shared inline definition could otherwise be merged by
+// the linker into the AVX-512 copy and then run on a CPU without AVX-512.
+namespace gemm_detail {
+namespace {
+
+inline float bf16_to_float(std::uint16_t h) {
+  std::uint32_t const u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline std::uint16_t float_to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+inline float f16_to_float(std::uint16_t h) {
+  std::uint32_t const sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t const exp = (h >> 10) & 0x1fu;
+  std::uint32_t const mant = h & 0x3ffu;
+  std::uint32_t u;
+  if (exp == 0) {
+    float const v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
+    std::memcpy(&u, &v, sizeof u);
+    u |= sign;
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline std::uint16_t float_to_f16(float f) {
+  std::uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  std::uint32_t const sign = (x >> 16) & 0x8000u;
+  std::uint32_t const ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): a subnormal (or 1024 = the smallest normal)
+    float const scaled = std::fabs(f) * 16777216.0f;  // exact: a power-of-two scaling
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled)));
+  }
+  std::uint32_t h = (ax - 0x38000000u) >> 13;  // rebias the exponent (127 - 15 = 112)
+  std::uint32_t const rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry correctly bumps the exponent
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(BFloat16 v) { return bf16_to_float(v.bits); }
+inline float to_float(Float16 v) { return f16_to_float(v.bits); }
+
+template <class T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) {
+  return v;
+}
+template <>
+inline BFloat16 from_float<BFloat16>(float v) {
+  return BFloat16{float_to_bf16(v)};
+}
+template <>
+inline Float16 from_float<Float16>(float v) {
+  return Float16{float_to_f16(v)};
+}
+
+// Calls f(T{}) with T the storage type of `t`: the compile-time dispatch over dtypes.
+template <class F>
+inline void dispatch_type(ScalarType t, F&& f) {
+  switch (t) {
+    case ScalarType::kFloat32:
+      f(float{});
+      break;
+    case ScalarType::kBFloat16:
+      f(BFloat16{});
+      break;
+    case ScalarType::kFloat16:
+      f(Float16{});
+      break;
+  }
+}
+
+// Below this many weight bytes per call one thread does it all: the fork/join would cost more.
+constexpr std::int64_t kMinBytesPerThread = 16 * 1024;
+// When M needs several M tiles, an N chunk's weights stay in L2 (1-2 MiB per core) while every M
+// tile walks over them.
+constexpr std::int64_t kChunkBytes = 512 * 1024;
+
+// Runs the kernel over the whole [m, n] output. Kernel provides:
+//   kNR     rows of N per tile (the last tile may be partial: the kernel clamps and does not store),
+//   kMaxMR  rows of M per tile (the last M tile may be smaller),
+//   tile(int mr, int64_t m0, int64_t n0[, void const* scratch]) const,
+// and optionally (kernels that reorder x once per M tile into a per-thread scratch buffer):
+//   kScratchBytes, max_mr() const (<= kMaxMR, may depend on k), prepare(int mr, int64_t m0, void* scratch) const.
+// Threads get contiguous runs of N tiles (each weight byte is read by one thread). With one M tile a
+// thread prepares once and streams its whole run; with several, its run is cut into chunks small
+// enough to stay in L2 while all M tiles pass over them.
+template <class Kernel>
+constexpr std::size_t scratch_bytes() {
+  if constexpr (requires { Kernel::kScratchBytes; }) {
+    return Kernel::kScratchBytes;
+  } else {
+    return 0;
+  }
+}
+
+// One thread's share: N tiles [t0, t1), in chunks of `chunk` tiles, each walked by every M tile.
+template <class Kernel>
+void run_tile_range(Kernel const& kernel, std::int64_t m, int max_mr, std::int64_t t0, std::int64_t t1,
+                    std::int64_t chunk) {
+  constexpr int kNR = Kernel::kNR;
+  constexpr std::size_t kScratch = scratch_bytes<Kernel>();
+  alignas(64) unsigned char scratch[kScratch > 0 ? kScratch : 1];
+  for (std::int64_t c0 = t0; c0 < t1; c0 += chunk) {
+    std::int64_t const c1 = std::min(t1, c0 + chunk);
+    for (std::int64_t m0 = 0; m0 < m; m0 += max_mr) {
+      int const mr = static_cast<int>(std::min<std::int64_t>(max_mr, m - m0));
+      if constexpr (kScratch > 0) {
+        kernel.prepare(mr, m0, scratch);
+        for (std::int64_t t = c0; t < c1; ++t) kernel.tile(mr, m0, t * kNR, scratch);
+      } else {
+        for (std::int64_t t = c0; t < c1; ++t) kernel.tile(mr, m0, t * kNR);
+      }
+    }
+  }
+}
+
+template <class Kernel>
+void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes,
+               int num_threads) {
+  constexpr int kNR = Kernel::kNR;
+  int max_mr = Kernel::kMaxMR;
+  if constexpr (requires { kernel.max_mr(); }) max_mr = kernel.max_mr();
+  std::int64_t const num_tiles = (n + kNR - 1) / kNR;
+  std::int64_t const tile_bytes = std::max<std::int64_t>(1, weight_row_bytes * kNR);
+  std::int64_t const chunk = m <= max_mr ? num_tiles : std::max<std::int64_t>(1, kChunkBytes / tile_bytes);
+  std::int64_t const by_work = std::max<std::int64_t>(1, weight_row_bytes * n / kMinBytesPerThread);
+  int const threads = static_cast<int>(std::min<std::int64_t>({num_threads, num_tiles, by_work}));
+  if (threads <= 1) {
+    run_tile_range(kernel, m, max_mr, 0, num_tiles, chunk);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    std::int64_t const i = omp_get_thread_num();
+    std::int64_t const count = omp_get_num_threads();
+    run_tile_range(kernel, m, max_mr, num_tiles * i / count, num_tiles * (i + 1) / count, chunk);
+  }
+}
+
+// Calls k.template run<MR>(args...) for the runtime mr in [1, kMaxMR]: the compile-time M tile.
+template <int MR, class K, class... Args>
+inline void dispatch_mr(K const& k, int mr, Args... args) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) {
+      k.template run<MR>(args...);
+      return;
+    }
+    dispatch_mr<MR - 1>(k, mr, args...);
+  }
+}
+
+// Stores one output element: fp32 sum + bias, rounded once to the output type.
+template <class XT>
+inline void store_out(XT* out, XT const* bias, std::int64_t n_idx, float v) {
+  if (bias != nullptr) v += to_float(bias[n_idx]);
+  out[n_idx] = from_float<XT>(v);
+}
+
+}  // namespace
+}  // namespace gemm_detail
+}  // namespace inflight::kernels::cpu

@@ -1,0 +1,246 @@
+"""Weight-only-quantised layers behind the model's linear seam (see :mod:`inflight.layers.linear`).
+
+- :class:`W4A16Linear`: int4 weights (canonical layout of :mod:`inflight.ops.gemm`), scales (and
+  offsets when asymmetric) per group; fused projections (q/k/v, gate/up) are loaded shard by shard.
+- :class:`W8A16Linear`: int8 weights, one scale per group.
+- :class:`W8A16Embedding`: an int8 token embedding that is also the tied LM head: the lookup gathers
+  int8 rows and dequantises only those; the head is a W8A16 GEMM over the whole vocabulary.
+
+Build them through ``functools.partial`` as a model's ``linear_factory`` (or ``embedding_factory``);
+activations keep the model dtype, weights stay quantised in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from inflight.ops.gemm import W4A16Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
+from inflight.quantization.w4a16 import GROUP_SIZES, quantize_w4, quantize_w8
+
+__all__ = ["W4A16Linear", "W8A16Embedding", "W8A16Linear"]
+
+
+def _check_group(in_features: int, group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if in_features % group_size != 0:
+        raise ValueError(f"in_features ({in_features}) must be a multiple of group_size ({group_size})")
+
+
+class _FusedRows(nn.Module):
+    """Output rows split into shards (``output_sizes``); each checkpoint tensor fills one shard's rows."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int]) -> None:
+        super().__init__()
+        if in_features < 1 or not output_sizes or any(n < 1 for n in output_sizes):
+            raise ValueError(
+                f"bad layer shape: in_features={in_features}, output_sizes={tuple(output_sizes)}"
+            )
+        self.in_features = in_features
+        self.output_sizes = tuple(int(n) for n in output_sizes)
+        self.out_features = sum(self.output_sizes)
+        offsets = [0]
+        for n in self.output_sizes:
+            offsets.append(offsets[-1] + n)
+        self._row_offsets = tuple(offsets)
+
+    @torch.no_grad()
+    def _copy_rows(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        dst = getattr(self, name, None)
+        if not isinstance(dst, torch.Tensor) or name not in self.checkpoint_tensor_names():
+            raise KeyError(f"{type(self).__name__} has no checkpoint tensor {name!r}")
+        lo, hi = self._row_offsets[shard], self._row_offsets[shard + 1]
+        dst = dst[lo:hi]
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"shape mismatch for {name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+        if dst.dtype in (torch.uint8, torch.int8) and tensor.dtype != dst.dtype:
+            raise ValueError(f"{name} must be {dst.dtype}, got {tensor.dtype}")
+        dst.copy_(tensor)
+
+        # The kernel's view of the weights (W4A16Weight / W8A16Weight), built on the first CPU forward:
+        # importing the tensors once makes a call cost ~1 us instead of ~10 (see inflight.ops.gemm).
+        self._packed = None
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        self._copy_rows(shard, name, tensor)
+        self._packed = None
+
+    def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() / ... replace the tensors
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+
+class W4A16Linear(_FusedRows):
+    """``y = x @ dequant(W).T + b`` with int4 ``W`` (``qweight [N, K//2] uint8``) and per-group scales.
+
+    Checkpoint tensors per shard: ``qweight``, ``scales``, ``offsets`` (asymmetric only), ``bias``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        *,
+        group_size: int = 128,
+        symmetric: bool = False,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> None:
+        super().__init__(in_features, output_sizes)
+        _check_group(in_features, group_size)
+        if in_features % 2 != 0:
+            raise ValueError(f"in_features must be even for int4 packing, got {in_features}")
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.dtype = dtype
+        n, k, g = self.out_features, in_features, in_features // group_size
+        # Uninitialised: every element is overwritten by load_shard (the model checks all were loaded).
+        self.register_buffer("qweight", torch.empty(n, k // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(n, g, dtype=scale_dtype, device=device))
+        self.register_buffer(
+            "offsets", None if symmetric else torch.empty(n, g, dtype=scale_dtype, device=device)
+        )
+        self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        names = ("qweight", "scales") if self.symmetric else ("qweight", "scales", "offsets")
+        return names + (("bias",) if self.bias is not None else ())
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int = 128,
+        symmetric: bool = False,
+        dtype: torch.dtype | None = None,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> W4A16Linear:
+        """Round-to-nearest quantisation of a float ``weight [N, K]`` (one shard)."""
+        dtype = dtype if dtype is not None else weight.dtype
+        layer = cls(weight.shape[1], (weight.shape[0],), bias is not None, dtype, weight.device,
+                    group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
+        qweight, scales, offsets = quantize_w4(weight, group_size, symmetric, scale_dtype)
+        layer.load_shard(0, "qweight", qweight)
+        layer.load_shard(0, "scales", scales)
+        if offsets is not None:
+            layer.load_shard(0, "offsets", offsets)
+        if bias is not None:
+            layer.load_shard(0, "bias", bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu":
+            if self._packed is None:
+                self._packed = W4A16Weight(self.qweight, self.scales, self.offsets, self.group_size, self.bias)
+            y = self._packed(x2)
+        else:
+            y = w4a16_gemm(x2, self.qweight, self.scales, self.offsets, self.group_size, bias=self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+                f"symmetric={self.symmetric}, bias={self.bias is not None}")
+
+
+class W8A16Linear(_FusedRows):
+    """``y = x @ (scales * qweight).T + b`` with int8 ``qweight [N, K]``; tensors ``qweight``, ``scales``, ``bias``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        *,
+        group_size: int = 32,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> None:
+        super().__init__(in_features, output_sizes)
+        _check_group(in_features, group_size)
+        self.group_size = group_size
+        self.dtype = dtype
+        n, k = self.out_features, in_features
+        self.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(n, k // group_size, dtype=scale_dtype, device=device))
+        self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("qweight", "scales") + (("bias",) if self.bias is not None else ())
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int = 32,
+        dtype: torch.dtype | None = None,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> W8A16Linear:
+        dtype = dtype if dtype is not None else weight.dtype
+        layer = cls(weight.shape[1], (weight.shape[0],), bias is not None, dtype, weight.device,
+                    group_size=group_size, scale_dtype=scale_dtype)
+        qweight, scales = quantize_w8(weight, group_size, scale_dtype)
+        layer.load_shard(0, "qweight", qweight)
+        layer.load_shard(0, "scales", scales)
+        if bias is not None:
+            layer.load_shard(0, "bias", bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu":
+            if self._packed is None:
+                self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
+            y = self._packed(x2)
+        else:
+            y = w8a16_gemm(x2, self.qweight, self.scales, self.group_size, bias=self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}")
+
+
+class W8A16Embedding(W8A16Linear):
+    """A token embedding stored as int8 rows (GGUF Q8_0) that doubles as the tied LM head.
+
+    ``embed(ids)`` gathers the int8 rows of ``ids`` and dequantises only those (fp32, then the model
+    dtype: the same values as dequantising the whole table); ``forward(hidden)`` is the LM head.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        *,
+        group_size: int = 32,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> None:
+        super().__init__(embedding_dim, (num_embeddings,), False, dtype, device,
+                         group_size=group_size, scale_dtype=scale_dtype)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.qweight.index_select(0, ids.reshape(-1))
+        s = self.scales.index_select(0, ids.reshape(-1))
+        g = self.embedding_dim // self.group_size
+        rows = q.view(-1, g, self.group_size).to(torch.float32) * s.to(torch.float32).unsqueeze(-1)
+        return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)

@@ -1,0 +1,166 @@
+"""W4A16 / W8A16 CPU GEMM kernels against their plain-torch twins (dequantise in fp32, then matmul), for
+every ISA path this CPU has (the portable one always), all group sizes, symmetric and asymmetric
+weights, fp32/bf16/fp16 activations and fp32/bf16/fp16 scales, at awkward shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from inflight import _C
+from inflight.ops import gemm as ops
+from inflight.ops.reference import gemm as ref
+
+_ORDER = ["portable", "avx2", "avx512"]
+ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (M, N, K-in-groups): batch 1..33, N odd / prime / large, K a few groups (K % 128 != 0 included).
+SHAPES = [(1, 17, 4), (3, 97, 9), (16, 1536, 2), (33, 50, 5)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param) == request.param
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    # fp32: the kernels' own error (bf16 hi+lo split of x, fp32 sums) is ~1e-5; the limit is the spec's.
+    # bf16 / fp16 outputs: one rounding of the result (2^-8 / 2^-11 relative) on both sides.
+    return {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = want.float().abs().max().clamp_min(1e-6)
+    err = (got.float() - want.float()).abs().max() / scale
+    assert err <= _tol(dtype), f"relative error {err.item():.3g} > {_tol(dtype)}"
+
+
+def _w4(n: int, k: int, group_size: int, symmetric: bool, scale_dtype: torch.dtype, gen: torch.Generator):
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.002).to(scale_dtype)
+    offsets = None if symmetric else (torch.randn(n, k // group_size, generator=gen) * 0.05).to(scale_dtype)
+    return qweight, scales, offsets
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4a16_matches_reference(isa, group_size, symmetric, dtype):
+    gen = torch.Generator().manual_seed(group_size + 7 * symmetric)
+    for i, (m, n, groups) in enumerate(SHAPES):
+        k = groups * group_size
+        scale_dtype = DTYPES[i % 3]
+        qweight, scales, offsets = _w4(n, k, group_size, symmetric, scale_dtype, gen)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if i % 2 else None
+        want = ref.w4a16_gemm(x, qweight, scales, offsets, group_size, bias=bias)
+        got = ops.w4a16_gemm(x, qweight, scales, offsets, group_size, bias=bias)
+        _close(got, want, dtype)
+        # The prepared-weight object is the same kernel.
+        packed = ops.W4A16Weight(qweight, scales, offsets, group_size, bias)
+        assert torch.equal(packed(x), got)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a16_matches_reference(isa, group_size, dtype):
+    gen = torch.Generator().manual_seed(group_size)
+    for i, (m, n, groups) in enumerate(SHAPES):
+        k = groups * group_size
+        qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+        scales = (torch.rand(n, k // group_size, generator=gen) * 0.01 + 0.001).to(DTYPES[i % 3])
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if i % 2 else None
+        want = ref.w8a16_gemm(x, qweight, scales, group_size, bias=bias)
+        got = ops.w8a16_gemm(x, qweight, scales, group_size, bias=bias)
+        _close(got, want, dtype)
+        assert torch.equal(ops.W8A16Weight(qweight, scales, group_size, bias)(x), got)
+
+
+def test_fp32_is_much_tighter_than_the_spec(isa):
+    gen = torch.Generator().manual_seed(1)
+    qweight, scales, offsets = _w4(64, 576, 32, False, torch.float16, gen)
+    x = torch.randn(5, 576, generator=gen)
+    want = ref.w4a16_gemm(x, qweight, scales, offsets, 32)
+    got = ops.w4a16_gemm(x, qweight, scales, offsets, 32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_long_rows_use_the_fallback_kernel(isa):
+    # k beyond the AVX-512 kernel's per-thread scratch (64 KiB for fp32 x) takes the in-register path.
+    gen = torch.Generator().manual_seed(2)
+    k = 17408
+    for symmetric in (False, True):
+        qweight, scales, offsets = _w4(5, k, 128, symmetric, torch.float16, gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(2, k, generator=gen).to(dtype)
+            _close(ops.w4a16_gemm(x, qweight, scales, offsets, 128),
+                   ref.w4a16_gemm(x, qweight, scales, offsets, 128), dtype)
+
+
+def test_threads_do_not_change_results(isa):
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, offsets = _w4(301, 384, 64, False, torch.float16, gen)
+    q8 = torch.randint(-128, 128, (301, 384), dtype=torch.int8, generator=gen)
+    x = torch.randn(7, 384, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.w4a16_gemm(x, qweight, scales, offsets, 64), ops.w8a16_gemm(x, q8, scales, 64)
+        torch.set_num_threads(max(2, before))
+        many = ops.w4a16_gemm(x, qweight, scales, offsets, 64), ops.w8a16_gemm(x, q8, scales, 64)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_out_is_written_in_place_and_inputs_may_be_strided():
+    gen = torch.Generator().manual_seed(4)
+    qweight, scales, offsets = _w4(40, 256, 32, False, torch.float16, gen)
+    x = torch.randn(256, 6, generator=gen).T  # non-contiguous: copied, still correct
+    out = torch.full((6, 40), float("nan"))
+    got = ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=out)
+    assert got is out
+    _close(out, ref.w4a16_gemm(x, qweight, scales, offsets, 32), torch.float32)
+    empty = ops.w4a16_gemm(torch.empty(0, 256), qweight, scales, offsets, 32)
+    assert empty.shape == (0, 40)
+
+
+def test_bad_arguments_name_the_parameter():
+    gen = torch.Generator().manual_seed(5)
+    qweight, scales, offsets = _w4(8, 128, 32, False, torch.float16, gen)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets[:, :2].contiguous(), 48)
+    with pytest.raises(ValueError, match=r"scales must have shape \[8, 4\]"):
+        ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets, 32)
+    with pytest.raises(ValueError, match="offsets must have the dtype of scales"):
+        ops.w4a16_gemm(x, qweight, scales, offsets.float(), 32)
+    with pytest.raises(ValueError, match="qweight must be uint8"):
+        ops.w4a16_gemm(x, qweight.to(torch.int8), scales, offsets, 32)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16"):
+        ops.w4a16_gemm(x.double(), qweight, scales, offsets, 32)
+    with pytest.raises(ValueError, match="out must have the dtype of x"):
+        ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must have shape \[2, 8\]"):
+        ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(8, 2).T)
+    with pytest.raises(ValueError, match="k must be a positive multiple of group_size"):
+        ops.w4a16_gemm(torch.randn(2, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1).half(), None, 64)
+    with pytest.raises(ValueError, match=r"x must have shape \[m, 128\]"):
+        ops.W4A16Weight(qweight, scales, offsets, 32)(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="qweight must be int8"):
+        ops.w8a16_gemm(x, torch.zeros(8, 128, dtype=torch.uint8), scales, 32)
+
+
+def test_set_cpu_isa_is_capped_and_restorable():
+    before = _C.cpu_isa()
+    try:
+        assert _C.set_cpu_isa("portable") == "portable"
+        assert _C.set_cpu_isa("avx512") == _C.cpu_best_isa() or _C.cpu_best_isa() != "avx512"
+    finally:
+        _C.set_cpu_isa(before)
