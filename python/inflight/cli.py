@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128))
     q.add_argument("--symmetric", action="store_true", help="w = scale * (q - 8) instead of scale * q + offset")
     q.set_defaults(func=cmd_quantize)
+    from inflight.serve.cli import add_bench_parser, add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
