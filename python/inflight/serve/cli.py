@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
-from pathlib import Path
 
 _CAPACITY_POLICIES = "GUARANTEED_NO_EVICT (default), MAX_UTILIZATION, STATIC_BATCH"
 _CHUNKING_POLICIES = "FIRST_COME_FIRST_SERVED (default), EQUAL_PROGRESS"
@@ -89,15 +87,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _load_serving_benchmark():
-    """benchmarks/serving.py of this checkout (the load generator lives with the other benchmarks)."""
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "serving.py"
-    if not path.is_file():
-        raise ValueError(f"the serving benchmark ({path}) is not here: `inflight bench serve` needs a source checkout")
-    spec = importlib.util.spec_from_file_location("inflight_benchmarks_serving", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The load generator (inflight.serve.bench; benchmarks/serving.py runs the same code)."""
+    from inflight.serve import bench
+
+    return bench
 
 
 def cmd_bench_serve(args) -> int:

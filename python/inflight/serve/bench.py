@@ -1,0 +1,319 @@
+"""Load generator for an OpenAI-compatible server (inflight's, or any other): ``inflight bench serve``.
+
+Sends ``--num-prompts`` streaming requests (random token-id prompts of ``--input-len`` tokens for
+/v1/completions, random words for chat; ``--output-len`` tokens each with ``ignore_eos``) at
+``--request-rate`` requests/s (Poisson or fixed arrivals; inf = all at once), at most
+``--max-concurrency`` at a time, and reports TTFT, TPOT (time per output token after the first),
+ITL (inter-token latency: the gaps between streamed chunks) and E2E latency (mean, p50, p90, p99),
+plus request and token throughput. Several rates (``--request-rates 2 4 8``) give one run each;
+``--out`` writes JSON, ``--plot`` a PNG of latency against request rate.
+
+    inflight bench serve --url http://127.0.0.1:8000 --request-rates 2 4 8 --num-prompts 200 \\
+        --input-len 128 --output-len 64 --out results.json --plot latency.png
+    python benchmarks/serving.py --url ... (same arguments)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_WORD_TEXT = ("the of and to in is was for on are with as at be by this had not but from or have an they which one you "
+              "were all we her she there been if more when will would who so no time out up about into than them can "
+              "only other new some could these two may first then do any like my now over such our man me even most "
+              "made after also did many before must through back years where much your way well down should because "
+              "each just those people how too little state good very make world still own see men work long get here "
+              "between both life being under never day same another know while last might us great old year off come "
+              "since against go came right used take three")
+_WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    start: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchRequest:
+    payload: dict
+    prompt_len: int
+    output_len: int
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    if ratio <= 0:
+        return [mean] * n
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def make_requests(args, model: str, vocab_size: int) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    ins = _lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
+    outs = _lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    low = min(10, vocab_size - 1)
+    reqs = []
+    for n_in, n_out in zip(ins, outs):
+        payload: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                                   "temperature": 0.0}
+        if not args.no_ignore_eos:
+            payload["ignore_eos"] = True
+        if args.endpoint.endswith("/chat/completions"):
+            payload["messages"] = [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}]
+            payload["max_completion_tokens"] = n_out
+        else:
+            payload["prompt"] = [rng.randrange(low, vocab_size) for _ in range(n_in)]
+            payload["max_tokens"] = n_out
+        reqs.append(BenchRequest(payload, n_in, n_out))
+    return reqs
+
+
+async def send_one(client, url: str, req: BenchRequest) -> RequestResult:
+    res = RequestResult(prompt_len=req.prompt_len)
+    res.start = t0 = time.perf_counter()
+    last = None
+    counted = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", url, json=req.payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"].get("message", str(obj["error"]))
+                    return res
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                    if obj["usage"].get("prompt_tokens"):
+                        res.prompt_len = obj["usage"]["prompt_tokens"]
+                n = 0
+                for choice in obj.get("choices") or []:
+                    if "token_ids" in choice and choice["token_ids"] is not None:
+                        n += len(choice["token_ids"])
+                    elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        n += 1  # servers without token ids: one chunk ~ one token
+                if n == 0:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                counted += n
+    except Exception as exc:  # noqa: BLE001  (reported per request)
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.output_tokens = usage_tokens if usage_tokens is not None else counted
+    res.ok = last is not None
+    if not res.ok:
+        res.error = "no tokens were streamed"
+    return res
+
+
+async def run_rate(client, url: str, reqs: list[BenchRequest], rate: float, arrival: str,
+                   max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    """All requests at ``rate`` requests/s; returns the results and the wall time."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(req: BenchRequest) -> RequestResult:
+        if sem is None:
+            return await send_one(client, url, req)
+        async with sem:
+            return await send_one(client, url, req)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(reqs):
+        tasks.append(asyncio.ensure_future(limited(req)))
+        if i + 1 < len(reqs) and math.isfinite(rate) and rate > 0:
+            await asyncio.sleep(rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate)
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- stats
+
+
+def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    xs = sorted(values)
+
+    def pct(p: float) -> float:  # linear interpolation (numpy's default)
+        k = (len(xs) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return {"mean": sum(xs) / len(xs) * scale, "p50": pct(50) * scale, "p90": pct(90) * scale,
+            "p99": pct(99) * scale}
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
+    ok = [r for r in results if r.ok]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    in_tok = sum(r.prompt_len for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "duration_s": duration,
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "input_token_throughput": in_tok / duration if duration > 0 else 0.0,
+        "output_token_throughput": out_tok / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / duration if duration > 0 else 0.0,
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "tpot_ms": _percentiles(tpots),
+        "itl_ms": _percentiles([x for r in ok for x in r.itl]),
+        "e2e_ms": _percentiles([r.e2e for r in ok]),
+    }
+
+
+def print_summary(s: dict) -> None:
+    print(f"\n==== request rate {s['request_rate']} req/s ====")
+    print(f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s")
+    for err, n in s["errors"].items():
+        print(f"  error x{n}: {err}")
+    print(f"  request throughput  {s['request_throughput']:.2f} req/s")
+    print(f"  output tokens/s     {s['output_token_throughput']:.1f}   (total tokens/s "
+          f"{s['total_token_throughput']:.1f})")
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        v = s[key]
+        print(f"  {name:<5} ms  mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p90 {v['p90']:9.2f}  p99 {v['p99']:9.2f}")
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["request_rate"] if r["request_rate"] != "inf" else r["request_throughput"] for r in runs]
+    order = sorted(range(len(runs)), key=lambda i: xs[i])
+    xs = [xs[i] for i in order]
+    runs = [runs[i] for i in order]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, keys in ((axes[0], ("ttft_ms", "e2e_ms")), (axes[1], ("tpot_ms", "itl_ms"))):
+        for key in keys:
+            for p, style in (("p50", "-o"), ("p99", "--s")):
+                ax.plot(xs, [r[key][p] for r in runs], style, label=f"{key[:-3].upper()} {p}")
+        ax.set_xlabel("request rate (req/s; 'inf' runs at their achieved rate)")
+        ax.set_ylabel("latency (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[0].set_title("time to first token / end to end")
+    axes[1].set_title("time per output token / inter-token latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+async def _main(args) -> dict:
+    import httpx
+
+    base = args.url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=30.0), limits=limits) as client:
+        resp = await client.get(base + "/v1/models")
+        resp.raise_for_status()
+        data = resp.json().get("data") or []
+        model = args.model or (data[0]["id"] if data else None)
+        if model is None:
+            raise ValueError("the server lists no model: pass --model")
+        entry = next((d for d in data if d.get("id") == model), {})
+        vocab = args.vocab_size or entry.get("vocab_size") or 1000
+        reqs = make_requests(args, model, vocab)
+        rates = args.request_rates or [args.request_rate if args.request_rate is not None else float("inf")]
+        runs = []
+        for rate in rates:
+            results, duration = await run_rate(client, base + args.endpoint, reqs, rate, args.arrival,
+                                               args.max_concurrency, args.seed)
+            summary = summarize(results, duration, rate)
+            print_summary(summary)
+            runs.append(summary)
+    config = {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
+    config["model"] = model
+    return {"config": config, "runs": runs}
+
+
+def run(args) -> int:
+    """``inflight bench serve``: runs every rate, prints, writes --out and --plot; 1 if nothing completed."""
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    for rate in args.request_rates or ([args.request_rate] if args.request_rate is not None else []):
+        if not rate > 0:
+            raise ValueError(f"request rates must be > 0 (inf: all at once), got {rate}")
+    report = asyncio.run(_main(args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(report["runs"], args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if any(r["completed"] for r in report["runs"]) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from inflight.serve.cli import add_bench_serve_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_serve_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"bench serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
