@@ -67,7 +67,9 @@ def run_transformers(model, reqs, batch_size: int = 16) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "auto"],
+                        help="float32 / bfloat16: dequantised weights on both sides; auto: inflight's native "
+                             "4-bit path vs transformers fp32")
     parser.add_argument("--cases", nargs="+", default=["a", "b", "c"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", help="write the results here")
@@ -84,11 +86,13 @@ def main() -> None:
     print(f"threads: {torch.get_num_threads()}")
     print(f"{'case':>4} {'dtype':>9} {'inflight tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for dtype in args.dtypes:
+        # "auto": inflight's default for the GGUF (4-bit weights run natively, fp32 activations),
+        # against transformers in fp32 (the dtype of those activations).
         llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
         hf = None
         if not args.skip_transformers:
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                      dtype=getattr(torch, dtype)).eval()
+            hf_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype).eval()
             hf.generation_config.eos_token_id = None
         run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
         for case in args.cases:
