@@ -12,6 +12,7 @@ activations keep the model dtype, weights stay quantised in memory.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,7 @@ def _check_group(in_features: int, group_size: int) -> None:
         raise ValueError(f"in_features ({in_features}) must be a multiple of group_size ({group_size})")
 
 
-class _FusedRows(nn.Module):
+class _FusedRows(nn.Module, abc.ABC):
     """Output rows split into shards (``output_sizes``); each checkpoint tensor fills one shard's rows."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int]) -> None:
@@ -64,8 +65,9 @@ class _FusedRows(nn.Module):
         # importing the tensors once makes a call cost ~1 us instead of ~10 (see inflight.ops.gemm).
         self._packed = None
 
+    @abc.abstractmethod
     def checkpoint_tensor_names(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The checkpoint tensor names (suffixes) this layer loads."""
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
         self._copy_rows(shard, name, tensor)
