@@ -90,12 +90,15 @@ def test_each_output_reads_only_its_own_weight_row(isa):
         assert torch.equal(out[:, 1:5].float(), torch.full((3, 4), 40.0))
 
 
-def test_bf16_is_rounded_to_nearest_even():
-    # 1 + 2^-8 lies halfway between the bf16 neighbours 1 and 1 + 2^-7: even rounds down to 1.
-    # 1 + 3 * 2^-8 lies between 1 + 2^-7 (odd) and 1 + 2^-6: even rounds up.
-    x = torch.tensor([[1.0, 2.0**-8], [1.0, 3 * 2.0**-8]], dtype=torch.bfloat16)
-    w = torch.ones(1, 2, dtype=torch.bfloat16)
-    assert ops.dense_gemm(x, w)[:, 0].float().tolist() == [1.0, 1.0 + 2.0**-6]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_is_rounded_to_nearest_even(isa, dtype):
+    # With u the output's unit in the last place at 1: 1 + u/2 lies halfway between 1 and 1 + u, and even
+    # rounds down to 1; 1 + 3u/2 lies between 1 + u (odd) and 1 + 2u, and even rounds up. The small
+    # terms are exact in the input type, the fp32 sums exact.
+    u = 2.0 ** -(_FORMAT[dtype][0])
+    x = torch.tensor([[1.0, u / 2], [1.0, 3 * u / 2], [-1.0, -u / 2]], dtype=dtype)
+    w = torch.ones(1, 2, dtype=dtype)
+    assert ops.dense_gemm(x, w)[:, 0].float().tolist() == [1.0, 1.0 + 2 * u, -1.0]
 
 
 def test_threads_do_not_change_results(isa):

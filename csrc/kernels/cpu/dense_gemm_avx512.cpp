@@ -80,6 +80,29 @@ using StepOf = std::conditional_t<std::is_same_v<T, float>, F32Step,
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// Four consecutive values of a row (the first `m` lanes; the others read as zero, never touched) as
+// fp32, and back: the epilogue's bias load and output store. Rounding matches gemm_detail's scalar
+// from_float (to nearest even; bf16 in integer arithmetic, so subnormal sums round rather than flush).
+inline __m128 load4(float const* p, __mmask8 m) { return _mm_maskz_loadu_ps(m, p); }
+inline __m128 load4(BFloat16 const* p, __mmask8 m) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m128 load4(Float16 const* p, __mmask8 m) { return _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, p)); }
+
+inline void store4(float* p, __mmask8 m, __m128 v) { _mm_mask_storeu_ps(p, m, v); }
+inline void store4(BFloat16* p, __mmask8 m, __m128 v) {
+  __m128i const u = _mm_castps_si128(v);
+  __m128i const odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  __m128i const rounded = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
+  // NaN: keep the sign and top payload bits, set the quiet bit (rounding could carry into infinity).
+  __mmask8 const nan = _mm_cmpgt_epi32_mask(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
+  __m128i const quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
+  _mm_mask_storeu_epi16(p, m, _mm_cvtepi32_epi16(_mm_mask_blend_epi32(nan, rounded, quiet)));
+}
+inline void store4(Float16* p, __mmask8 m, __m128 v) {
+  _mm_mask_storeu_epi16(p, m, _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // Software prefetch distance, in N tiles: the next tiles' rows follow this tile's in memory, and the
 // hardware prefetcher alone leaves a single thread well below the memory bandwidth.
 constexpr int kPrefetchTiles = 2;
@@ -93,7 +116,15 @@ struct DenseTile {
   static constexpr int kNR = kNR_;
   static constexpr int kMaxMR = kMaxMR_;
   static_assert(kMaxMR * kNR + kMaxMR + 1 <= 32, "register tile does not fit the 32 zmm registers");
+  static_assert(kNR % 4 == 0, "the epilogue sums and stores four weight rows at a time");
   DenseGemmParams const& p;
+
+  // Rows of x per M tile: m split into as few tiles as kMaxMR allows, of near-equal sizes (m = 8 as
+  // 4 + 4, not 6 + 2: a thin tile loads as many weight vectors for fewer multiply-adds).
+  int max_mr() const {
+    std::int64_t const tiles = (p.m + kMaxMR - 1) / kMaxMR;
+    return static_cast<int>(std::max<std::int64_t>(1, (p.m + tiles - 1) / tiles));
+  }
 
   void tile(int mr, std::int64_t m0, std::int64_t n0) const { dispatch_mr<kMaxMR>(*this, mr, m0, n0); }
 
@@ -145,26 +176,19 @@ struct DenseTile {
 
   template <int MR>
   [[gnu::always_inline]] inline void store(__m512 const (&acc)[MR][kNR], std::int64_t m0, std::int64_t n0) const {
-    T* out = static_cast<T*>(p.out);
+    T* out = static_cast<T*>(p.out) + m0 * p.n + n0;
     T const* bias = static_cast<T const*>(p.bias);
-    std::int64_t const n = p.n;
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      T* row = out + (m0 + i) * n;
-      if constexpr (kNR % 4 == 0) {
 #pragma GCC unroll 4
-        for (int r = 0; r < kNR; r += 4) {
-          alignas(16) float sums[4];
-          _mm_store_ps(sums, reduce4(acc[i][r], acc[i][r + 1], acc[i][r + 2], acc[i][r + 3]));
-          for (int j = 0; j < 4; ++j) {
-            if (n0 + r + j < n) store_out(row, bias, n0 + r + j, sums[j]);
-          }
-        }
-      } else {
+    for (int r = 0; r < kNR; r += 4) {
+      std::int64_t const valid = std::min<std::int64_t>(4, p.n - n0 - r);  // rows of these four below n
+      if (valid <= 0) break;
+      __mmask8 const m = static_cast<__mmask8>((1u << valid) - 1u);
+      // -0 is the additive identity (+0 would turn a -0 sum into +0).
+      __m128 const b = bias != nullptr ? load4(bias + n0 + r, m) : _mm_set1_ps(-0.0f);
 #pragma GCC unroll 8
-        for (int r = 0; r < kNR; ++r) {
-          if (n0 + r < n) store_out(row, bias, n0 + r, _mm512_reduce_add_ps(acc[i][r]));
-        }
+      for (int i = 0; i < MR; ++i) {
+        __m128 const sums = reduce4(acc[i][r], acc[i][r + 1], acc[i][r + 2], acc[i][r + 3]);
+        store4(out + i * p.n + r, m, _mm_add_ps(sums, b));
       }
     }
   }
