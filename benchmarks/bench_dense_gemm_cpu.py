@@ -71,8 +71,8 @@ def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[
         for t in threads:
             torch.set_num_threads(t)
             ours, theirs = _cycle(weights), _cycle(weights)
-            us_ours = _time(lambda: dense_gemm(x, ours()), calls)
-            us_torch = _time(lambda: F.linear(x, theirs()), calls)
+            us_ours = _time(lambda x=x, w=ours: dense_gemm(x, w()), calls)
+            us_torch = _time(lambda x=x, w=theirs: F.linear(x, w()), calls)
             rows.append({"k": k, "n": n, "m": m, "dtype": str(dtype).removeprefix("torch."), "threads": t,
                          "cache": cache, "dense_gemm_us": us_ours, "f_linear_us": us_torch,
                          "weight_gb_s": nbytes / us_ours / 1e3})

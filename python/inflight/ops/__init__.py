@@ -12,9 +12,9 @@ from inflight.ops.sampling import sample, sampling_uniform
 
 __all__ = [
     "context_attention",
-    "dense_gemm",
     "cpu_best_isa",
     "cpu_isa",
+    "dense_gemm",
     "paged_attention",
     "sample",
     "sampling_uniform",
