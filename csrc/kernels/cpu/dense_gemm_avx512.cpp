@@ -200,7 +200,14 @@ void dense_gemm_avx512(DenseGemmParams const& p) {
   dispatch_type(p.type, [&](auto t) {
     using T = decltype(t);
     std::int64_t const row_bytes = p.k * static_cast<std::int64_t>(sizeof(T));
-    run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads);
+    // m <= 3 reads the weights once in one M tile, and is bound by memory: 8 rows streamed at a time
+    // keep more loads in flight (~20% faster from DRAM, one thread, than 4). Larger m is bound by the
+    // multiply-adds and the re-reads of each L2 chunk per M tile: 6 x rows per tile halve those passes.
+    if (p.m <= 3) {
+      run_tiles(DenseTile<T, 8, 3>{p}, p.m, p.n, row_bytes, p.num_threads);
+    } else {
+      run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads);
+    }
   });
 }
 
