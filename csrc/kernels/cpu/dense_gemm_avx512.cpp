@@ -80,8 +80,8 @@ using StepOf = std::conditional_t<std::is_same_v<T, float>, F32Step,
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Four consecutive values of a row (the first `m` lanes; the others read as zero, never touched) as
-// fp32, and back: the epilogue's bias load and output store. Rounding matches gemm_detail's scalar
+// Four consecutive values of a row (the lanes set in mask m; the others read as zero and are never
+// written) as fp32, and back: the epilogue's bias load and output store. Rounding matches gemm_detail's scalar
 // from_float (to nearest even; bf16 in integer arithmetic, so subnormal sums round rather than flush).
 inline __m128 load4(float const* p, __mmask8 m) { return _mm_maskz_loadu_ps(m, p); }
 inline __m128 load4(BFloat16 const* p, __mmask8 m) {
