@@ -150,13 +150,15 @@ struct DenseTile {
       for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_setzero_ps();
     std::int64_t const k_main = k_dim - k_dim % Step::kStep;
     std::int64_t const ahead = kPrefetchTiles * kNR * k_dim;
+    // One prefetch per 64-byte line of each row (a step is a whole line, except fp16's half line).
+    constexpr std::int64_t kLine = 64 / sizeof(T);
     for (std::int64_t kk = 0; kk < k_main; kk += Step::kStep) {
       Vec xv[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) xv[i] = Step::load(x + i * k_dim + kk);
 #pragma GCC unroll 8
       for (int r = 0; r < kNR; ++r) {
-        _mm_prefetch(reinterpret_cast<char const*>(w[r] + ahead + kk), _MM_HINT_T1);
+        if (kk % kLine == 0) _mm_prefetch(reinterpret_cast<char const*>(w[r] + ahead + kk), _MM_HINT_T1);
         Vec const wv = Step::load(w[r] + kk);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[i][r] = Step::madd(acc[i][r], wv, xv[i]);
