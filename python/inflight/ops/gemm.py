@@ -1,4 +1,4 @@
-"""Weight-only-quantised GEMMs (W4A16, W8A16): typed wrappers over the C++ CPU kernels.
+"""CPU GEMMs: weight-only-quantised (W4A16, W8A16) and dense; typed wrappers over the C++ kernels.
 
 Formats (the canonical interchange layout, shared with the CUDA kernels):
 
@@ -17,6 +17,9 @@ plain-torch twins in :mod:`inflight.ops.reference.gemm`.
 Tensors cross into C++ as DLPack capsules made by ``torch.utils.dlpack.to_dlpack`` (~0.3 us each;
 ``Tensor.__dlpack__`` costs ~2 us). :class:`W4A16Weight` / :class:`W8A16Weight` import the weights
 once, so a layer's call passes only ``x`` and ``out`` (~1 us of overhead in all).
+
+:func:`dense_gemm` is ``F.linear`` for unquantised fp32 / bf16 / fp16 weights (torch Linear layout
+``[N, K]``), tuned for decode batches (M = 1..16).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
 
-__all__ = ["W4A16Weight", "W8A16Weight", "w4a16_gemm", "w8a16_gemm"]
+__all__ = ["W4A16Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
 
 
 def _cuda(x: torch.Tensor) -> bool:
@@ -133,3 +136,33 @@ class W8A16Weight:
         out, out_cap = _out(out, x, self.n)
         self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
         return out
+
+
+def dense_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = x @ weight.T (+ bias)`` (``F.linear``) for a 2-D ``x [M, K]`` and ``weight [N, K]`` of one
+    dtype (fp32, bf16 or fp16); fp32 sums, ``out`` rounded once. Returns ``out`` (allocated when None).
+
+    ``x`` may be strided (it is copied); ``weight`` must be contiguous: a per-call copy of the weights
+    would cost more than the GEMM. Non-CPU tensors go to the plain-torch twin. The checks are kept to a
+    few attribute reads (a decode-size call is ~10 us): the binding validates dtypes and shapes.
+    """
+    if not x.is_cpu:
+        from inflight.ops.reference.gemm import dense_gemm as reference
+
+        return reference(x, weight, bias=bias, out=out)
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous (row-major [n, k]), got strides {weight.stride()} "
+                         f"for shape {tuple(weight.shape)}")
+    if out is None:
+        # A non-2-D x gets the binding's message (x must be 2-D), not an IndexError here.
+        out = torch.empty(x.shape[0] if x.dim() == 2 else 0, weight.shape[0], dtype=x.dtype)
+        out_cap = to_dlpack(out)
+    else:
+        out, out_cap = _out(out, x, weight.shape[0])
+    _C.dense_gemm(_cap(x), _cap(weight), None if bias is None else _cap(bias), out_cap, torch.get_num_threads())
+    return out

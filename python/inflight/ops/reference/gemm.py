@@ -1,4 +1,5 @@
-"""Plain-torch twins of :mod:`inflight.ops.gemm`: dequantise the whole weight (fp32), then matmul.
+"""Plain-torch twins of :mod:`inflight.ops.gemm`: dequantise the whole weight (fp32), then matmul (dense
+weights are only widened to fp32).
 
 They define the numerics the kernels are tested against, and serve devices without a kernel.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize_w4", "dequantize_w8", "unpack_int4", "w4a16_gemm", "w8a16_gemm"]
+__all__ = ["dense_gemm", "dequantize_w4", "dequantize_w8", "unpack_int4", "w4a16_gemm", "w8a16_gemm"]
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -86,3 +87,13 @@ def w8a16_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _linear_fp32(x, dequantize_w8(qweight, scales, group_size), bias, out)
+
+
+def dense_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32, rounded once to ``x``'s dtype (or written into ``out``)."""
+    return _linear_fp32(x, weight.to(torch.float32), bias, out)

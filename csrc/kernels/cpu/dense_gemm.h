@@ -1,0 +1,45 @@
+// Dense (unquantised) GEMM on the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in torch Linear
+// layout (row-major [N, K]).
+//
+// Tuned for decode (M = 1..16), where the cost is reading W once per call: threads split N into
+// contiguous runs, each tile of a few W rows streams K once while MR rows of x (tiny, cache-resident)
+// are multiplied against it in registers. Both operands are row-major over K, so every product is a
+// dot product along K: vectors over K, one fp32 accumulator per (x row, W row) pair, summed across
+// lanes once at the end. For M beyond one register tile, the M tiles of an L2-sized chunk of W rows
+// re-read that chunk from L2, not from memory (gemm_detail::run_tiles).
+//
+// x, weight, bias and out share one dtype (fp32, bf16 or fp16). Products and sums are fp32 (bf16 pairs
+// through VDPBF16PS on AVX-512); out is rounded once, to nearest even. x and out are contiguous (row
+// stride k and n).
+//
+// Follows gemm.h's pattern: params struct, a launcher that validates once and picks the ISA
+// (cpu_features.h), per-ISA files instantiating an explicit set of {dtype} x {M tile} micro-kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm.h"
+
+namespace inflight::kernels::cpu {
+
+struct DenseGemmParams {
+  void const* x = nullptr;       // [m, k], type, row-major contiguous
+  void const* weight = nullptr;  // [n, k], type, row-major contiguous (torch Linear layout)
+  void const* bias = nullptr;    // [n], type; nullptr: none
+  void* out = nullptr;           // [m, n], type, row-major contiguous; fully overwritten
+  std::int64_t m = 0, n = 0, k = 0;
+  ScalarType type = ScalarType::kFloat32;  // x, weight, bias, out all share it: fp32, bf16 or fp16
+  int num_threads = 1;
+};
+
+// Launcher: validates the params (std::invalid_argument naming the field, value and allowed range),
+// then runs the path of selected_isa(). Nothing is allocated. Opens its own OpenMP parallel region
+// (one thread when the weights are too small to be worth waking others); call it from outside one.
+void dense_gemm(DenseGemmParams const& p);
+
+// Per-ISA paths (dense_gemm.cpp holds the portable one); only the launcher calls them.
+void dense_gemm_portable(DenseGemmParams const& p);
+void dense_gemm_avx2(DenseGemmParams const& p);
+void dense_gemm_avx512(DenseGemmParams const& p);
+
+}  // namespace inflight::kernels::cpu
