@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "dense_gemm.h"
 #include "gemm.h"
 
 namespace inflight::bindings::gemm {
@@ -217,6 +218,38 @@ class W8A16Weight {
   std::optional<Array> bias_;
   kc::ScalarType bias_type_ = kc::ScalarType::kFloat32;
   kc::W8A16GemmParams p_;
+};
+
+// A dense weight [n, k] (and bias [n]) in one float dtype, validated and imported once, for the fused
+// layer stack (the dense_gemm binding takes tensors per call).
+class DenseWeight {
+ public:
+  DenseWeight(Array weight, std::optional<Array> bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
+    check_ndim(weight_, "weight", 2);
+    p_.type = float_type(weight_, "weight");
+    p_.n = static_cast<std::int64_t>(weight_.shape(0));
+    p_.k = static_cast<std::int64_t>(weight_.shape(1));
+    if (p_.n < 1 || p_.k < 1) throw std::invalid_argument("weight must not be empty, got shape " +
+                                                          shape_str({p_.n, p_.k}));
+    if (bias_) {
+      if (float_type(*bias_, "bias") != p_.type)
+        throw std::invalid_argument("bias must have the dtype of weight (" +
+                                    std::string(kc::scalar_type_name(p_.type)) + ")");
+      check_shape(*bias_, "bias", {p_.n});
+      p_.bias = bias_->data();
+    }
+    p_.weight = weight_.data();
+  }
+
+  std::int64_t n() const { return p_.n; }
+  std::int64_t k() const { return p_.k; }
+  kc::DenseGemmParams const& params() const { return p_; }
+  kc::ScalarType type() const { return p_.type; }
+
+ private:
+  Array weight_;
+  std::optional<Array> bias_;
+  kc::DenseGemmParams p_;
 };
 
 }  // namespace inflight::bindings::gemm

@@ -1,6 +1,6 @@
 // LlamaLayerStack: the decoder layers of a Llama-family model run by one C++ call per step
 // (csrc/kernels/cpu/llama_layers.h). Built once from the model's tensors (the weight objects of
-// ops_gemm.cpp and the norm weights), given the KV caches once, then forward() per step passes only
+// gemm_weights.h and the norm weights), given the KV caches once, then forward() per step passes only
 // the step's hidden states and metadata. Everything is validated here with messages naming the
 // argument; the kernels trust their params.
 #include <nanobind/nanobind.h>
@@ -230,8 +230,14 @@ class LlamaLayerStack {
       check(w.k(), w.n(), w.has_bias(), w.bias_type());
       op.kind = kc::LinearOp::Kind::kW8A16;
       op.w8 = w.params();
+    } else if (nb::isinstance<DenseWeight>(obj)) {
+      DenseWeight const& w = nb::cast<DenseWeight const&>(obj);
+      if (w.type() != t) fail(name + "'s weight must have the model dtype (" + kc::scalar_type_name(t) + ")");
+      check(w.k(), w.n(), false, t);
+      op.kind = kc::LinearOp::Kind::kDense;
+      op.dense = w.params();
     } else {
-      fail(name + " must be a W4A16Weight or W8A16Weight, got " +
+      fail(name + " must be a W4A16Weight, W8A16Weight or DenseWeight, got " +
            nb::cast<std::string>(nb::str(nb::handle(obj.type()).attr("__name__"))));
     }
     op.n = n;
@@ -279,6 +285,12 @@ class LlamaLayerStack {
 }  // namespace
 
 INFLIGHT_REGISTER_OPS(llama_layers) {
+  nb::class_<DenseWeight>(m, "DenseWeight",
+                          "A dense weight [n, k] (+ bias [n]) validated and imported once, for LlamaLayerStack. "
+                          "Keeps the tensors alive.")
+      .def(nb::init<Array, std::optional<Array>>(), "weight"_a, "bias"_a.none())
+      .def_prop_ro("n", &DenseWeight::n)
+      .def_prop_ro("k", &DenseWeight::k);
   nb::class_<LlamaLayerStack>(m, "LlamaLayerStack",
                               "The decoder layers of a Llama-family model, run by one call per step on the CPU "
                               "(RMSNorm, q/k/v, RoPE, store_kv, attention, o_proj, MLP, residuals). Holds its "

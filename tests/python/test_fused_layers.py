@@ -63,8 +63,12 @@ _STEPS = [
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype):
-    path = _quantized_dir(tmp_path, arch, **overrides)
+@pytest.mark.parametrize("weights", ["w4a16", "dense"])
+def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, weights):
+    if weights == "w4a16":
+        path = _quantized_dir(tmp_path, arch, **overrides)
+    else:
+        path = make_tiny_model(tmp_path, arch, with_tokenizer=False, **overrides)
     model = _load(path, dtype)
     assert FusedCpuLayers.unsupported_reason(model) is None
     kv_fused = PagedKV.for_model(model, num_blocks=32, tokens_per_block=4)
@@ -89,12 +93,29 @@ def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype):
 
 
 def test_unsupported_models_run_the_python_layers(tmp_path):
-    path = make_tiny_model(tmp_path, "llama")
-    dense = _load(path, torch.float32)
-    assert "Linear" in FusedCpuLayers.unsupported_reason(dense)  # no fused dense kernel: Python layers
-    assert dense.fused_layers() is None
     q = _load(_quantized_dir(tmp_path, "llama"), torch.float32, backend="torch")
     assert "not 'native'" in FusedCpuLayers.unsupported_reason(q)
+    assert q.fused_layers() is None
+
+
+def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch):
+    from inflight.layers import fused_cpu
+
+    model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
+    calls = []
+    real = fused_cpu.FusedCpuLayers.forward
+    monkeypatch.setattr(fused_cpu.FusedCpuLayers, "forward",
+                        lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a))
+    kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
+    n = fused_cpu.DENSE_MAX_TOKENS
+    ids, positions, md = kv.step([("a", list(range(1, n + 2)))])  # one token over the limit
+    model(ids, positions, md, kv.kv_caches)
+    ids, positions, md = kv.step([("a", [5])])
+    model(ids, positions, md, kv.kv_caches)
+    assert calls == [1]  # only the decode ran fused
+    assert model.fused_layers().max_tokens == n
+    q = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
+    assert q.fused_layers().max_tokens is None  # 4-bit weights: the fused kernels at every size
 
 
 def test_fused_can_be_switched_off(tmp_path, monkeypatch):
@@ -137,7 +158,7 @@ def test_layer_stack_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="kv_caches\\[1\\] must have the model dtype"):
         shape = (2, 4, 4, c.num_key_value_heads, c.head_dim)
         stack.set_kv_caches([to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))])
-    with pytest.raises(ValueError, match="must be a W4A16Weight or W8A16Weight, got Tensor"):
+    with pytest.raises(ValueError, match="must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
         w = torch.ones(c.hidden_size)
         stack.add_layer(to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3))
 

@@ -1,5 +1,5 @@
 // The decoder-layer stack in one call (see llama_layers.h). The heavy parts are the existing
-// launchers (W4A16/W8A16 GEMM, store_kv, context/paged attention), each picking its ISA at run time;
+// launchers (W4A16/W8A16/dense GEMM, store_kv, context/paged attention), each picking its ISA at run time;
 // the elementwise glue here is plain C++ that the compiler vectorises for the baseline ISA.
 #include "llama_layers.h"
 
@@ -142,6 +142,15 @@ void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, Scalar
       p.x_type = x_type;
       p.num_threads = num_threads;
       w8a16_gemm(p);
+      return;
+    }
+    case LinearOp::Kind::kDense: {
+      DenseGemmParams p = op.dense;
+      p.x = x;
+      p.out = out;
+      p.m = m;
+      p.num_threads = num_threads;
+      dense_gemm(p);
       return;
     }
   }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "dense_gemm.h"
 #include "gemm.h"
 
 namespace inflight::kernels::cpu {
@@ -24,10 +25,11 @@ namespace inflight::kernels::cpu {
 // One linear projection: which kernel, and its weight-side params (x, out, m, x_type and num_threads
 // are filled per call).
 struct LinearOp {
-  enum class Kind : int { kW4A16 = 0, kW8A16 = 1 };
+  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2 };
   Kind kind = Kind::kW4A16;
   W4A16GemmParams w4;
   W8A16GemmParams w8;
+  DenseGemmParams dense;  // weight in the model dtype
   std::int64_t n = 0, k = 0;
 };
 

@@ -8,8 +8,11 @@ between the ops. The final norm and the LM head stay in Python (a few ops per st
 
 It is used by the ``native`` attention backend on the CPU when every projection is a kernel-backed
 weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
-:class:`~inflight.layers.quantized_linear.W8A16Linear`) and the KV cache has the model dtype; any
-other configuration runs the Python layers, which remain the reference. ``INFLIGHT_FUSED_LAYERS=0``
+:class:`~inflight.layers.quantized_linear.W8A16Linear`, or a dense
+:class:`~inflight.layers.linear.Linear` in the model dtype through ``dense_gemm``) and the KV cache
+has the model dtype; any other configuration runs the Python layers, which remain the reference.
+With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
+Python layers, where torch's GEMM is faster. ``INFLIGHT_FUSED_LAYERS=0``
 turns it off (for A/B measurements).
 """
 
@@ -23,6 +26,7 @@ from torch.utils.dlpack import to_dlpack
 from inflight import _C
 from inflight.layers.attention import AttentionMetadata
 from inflight.layers.native_attention import NativeAttentionBackend, _plan
+from inflight.layers.linear import Linear
 from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
 
 __all__ = ["FusedCpuLayers", "fused_layers_enabled"]
@@ -34,11 +38,16 @@ def fused_layers_enabled() -> bool:
     return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
 
 
+# Above this many tokens in a step, a model with dense (fp32 / bf16) projections runs the Python
+# layers: torch's GEMM (oneDNN) is the faster one for a large prefill, the fused kernels for decode.
+DENSE_MAX_TOKENS = 64
+
+
 def _kernel_weight(layer: torch.nn.Module):
-    """The layer's imported kernel weight object, or None when it has none on the CPU."""
+    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight or DenseWeight)."""
     if isinstance(layer, (W4A16Linear, W8A16Linear)):
         return layer.kernel_weight()._w
-    return None
+    return layer.kernel_weight()
 
 
 def _dl(t: torch.Tensor):
@@ -52,9 +61,10 @@ class FusedCpuLayers:
     :attr:`unsupported_reason` of the model). The weights are referenced, not copied.
     """
 
-    def __init__(self, stack, num_layers: int) -> None:
+    def __init__(self, stack, num_layers: int, max_tokens: int | None) -> None:
         self._stack = stack
         self._num_layers = num_layers
+        self.max_tokens = max_tokens  # a step with more tokens runs the Python layers (None: no limit)
         self._caches: list[torch.Tensor] | None = None  # the list last given to set_kv_caches
         self._cache_ids: tuple[int, ...] = ()
 
@@ -72,9 +82,15 @@ class FusedCpuLayers:
         for i, layer in enumerate(model.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 proj = getattr(layer, name)
-                if not isinstance(proj, (W4A16Linear, W8A16Linear)):
+                if isinstance(proj, (W4A16Linear, W8A16Linear)):
+                    weight = proj.qweight
+                elif isinstance(proj, Linear):
+                    weight = proj.weight
+                    if weight.dtype != model.dtype:
+                        return f"layers[{i}].{name} holds {weight.dtype}, the model runs {model.dtype}"
+                else:
                     return f"layers[{i}].{name} is a {type(proj).__name__} (no fused kernel)"
-                if proj.qweight.device.type != "cpu":
+                if weight.device.type != "cpu":
                     return "not on the CPU"
         return None
 
@@ -96,10 +112,14 @@ class FusedCpuLayers:
                 _kernel_weight(layer.gate_up_proj),
                 _kernel_weight(layer.down_proj),
             )
-        return cls(stack, len(model.layers))
+        dense = any(isinstance(getattr(layer, name), Linear) for layer in model.layers
+                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        return cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
 
-    def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype) -> bool:
-        """Whether this step's caches can be used (the model dtype, on the CPU)."""
+    def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype, num_tokens: int) -> bool:
+        """Whether this step runs fused: caches in the model dtype on the CPU, not too many tokens."""
+        if self.max_tokens is not None and num_tokens > self.max_tokens:
+            return False
         return all(c.dtype == dtype and c.device.type == "cpu" for c in kv_caches)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = F.embedding(input_ids, self.embed_tokens)
         fused = self.fused_layers()
-        if fused is not None and fused.accepts(kv_caches, self.dtype):
+        if fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0]):
             hidden = fused.forward(hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches)
         else:
             cos, signed_sin = self.rotary.lookup(positions)
