@@ -216,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = F.embedding(input_ids, self.embed_tokens)
         fused = self.fused_layers()
-        if fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0]):
+        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
+        if run_fused:
             hidden = fused.forward(hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches)
         else:
             cos, signed_sin = self.rotary.lookup(positions)
@@ -226,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
         if self.embedding is not None:
             return self.embedding(hidden).float()
+        if run_fused:  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
+            from inflight.ops.gemm import dense_gemm
+
+            return dense_gemm(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------------
