@@ -6,17 +6,16 @@ column is ``F.linear`` time / ``dense_gemm`` time (> 1: ours is faster). Both al
 
 ``--cache cold`` (default) cycles through enough weight copies to exceed the L3 cache, as a decode step
 does (every layer's weights stream from memory once per token); ``--cache hot`` reuses one weight.
-Times are medians of single calls, in microseconds.
+Times are medians (``--percentile``) of single calls, in microseconds, the two variants' calls interleaved.
 
     python benchmarks/bench_dense_gemm_cpu.py [--batches 1 4 16 64] [--threads 1 2] [--dtypes fp32 bf16]
-                                              [--cache cold|hot|both] [--json out.json]
+                                              [--cache cold|hot|both] [--percentile 50] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -36,16 +35,24 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLD_BYTES = 96 << 20  # per variant: well past the 32 MiB L3
 
 
-def _time(fn, calls: int) -> float:
-    """Median of `calls` single timed calls, in microseconds (after two warm-up calls)."""
-    fn()
-    fn()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+def _time_pair(fa, fb, calls: int, percentile: float) -> tuple[float, float]:
+    """The `percentile`-th percentile (50: the median) of `calls` single timed calls of fa and of fb, in
+    microseconds, the two interleaved (and alternately first) so that both see the same machine: on a
+    shared 2-core machine, other work and a descheduled OpenMP thread (a stall of a whole time slice,
+    ~8 ms) would otherwise favour whichever ran in the quieter moment."""
+    for _ in range(2):
+        fa()
+        fb()
+    a, b = [], []
+    for i in range(calls):
+        for f, samples in ((fa, a), (fb, b)) if i % 2 == 0 else ((fb, b), (fa, a)):
+            t0 = time.perf_counter()
+            f()
+            samples.append(time.perf_counter() - t0)
+    a.sort()
+    b.sort()
+    i = min(calls - 1, int(calls * percentile / 100))
+    return a[i] * 1e6, b[i] * 1e6
 
 
 def _cycle(items):
@@ -59,20 +66,22 @@ def _cycle(items):
 
 
 def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[int], cache: str,
-          calls: int) -> list[dict]:
+          calls: int, percentile: float) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     nbytes = w.numel() * w.element_size()
     copies = 1 if cache == "hot" else max(1, -(-COLD_BYTES // nbytes))
-    weights = [w.clone() for _ in range(copies)]
+    # Separate copies per variant: with the calls interleaved, a shared list would hand one variant the
+    # weights the other had just pulled into the cache.
+    ours_w, theirs_w = [w.clone() for _ in range(copies)], [w.clone() for _ in range(copies)]
     rows = []
     for m in batches:
         x = torch.randn(m, k, generator=gen).to(dtype)
         for t in threads:
             torch.set_num_threads(t)
-            ours, theirs = _cycle(weights), _cycle(weights)
-            us_ours = _time(lambda x=x, w=ours: dense_gemm(x, w()), calls)
-            us_torch = _time(lambda x=x, w=theirs: F.linear(x, w()), calls)
+            ours, theirs = _cycle(ours_w), _cycle(theirs_w)
+            us_ours, us_torch = _time_pair(lambda x=x, w=ours: dense_gemm(x, w()),
+                                           lambda x=x, w=theirs: F.linear(x, w()), calls, percentile)
             rows.append({"k": k, "n": n, "m": m, "dtype": str(dtype).removeprefix("torch."), "threads": t,
                          "cache": cache, "dense_gemm_us": us_ours, "f_linear_us": us_torch,
                          "weight_gb_s": nbytes / us_ours / 1e3})
@@ -86,13 +95,17 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--cache", choices=["cold", "hot", "both"], default="cold")
     ap.add_argument("--calls", type=int, default=0, help="timed calls per cell (default: by size, 20..400)")
+    ap.add_argument("--percentile", type=float, default=50.0,
+                    help="statistic of the timed calls (default 50: the median; on a busy machine a low one, "
+                         "e.g. 10, shows the time of calls no other process interrupted)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
 
     before = torch.get_num_threads()
     print(f"torch {torch.__version__}, cpu isa: {_C.cpu_isa()}, threads: {args.threads}, cache: {args.cache}")
     print(f"{'shape':<26}{'dtype':>6}{'cache':>6}{'thr':>4}{'M':>4}{'dense_gemm':>12}{'F.linear':>10}"
-          f"{'ratio':>8}{'GB/s':>7}   (us, median; ratio = F.linear / dense_gemm)")
+          f"{'ratio':>8}{'GB/s':>7}   (us, percentile {args.percentile:g} of single calls; ratio = F.linear / "
+          "dense_gemm)")
     rows = []
     caches = ["cold", "hot"] if args.cache == "both" else [args.cache]
     try:
@@ -100,7 +113,7 @@ def main() -> None:
             for name, k, n in SHAPES:
                 for dname in args.dtypes:
                     calls = args.calls or max(20, min(400, int(4e8 / (n * k))))
-                    for r in bench(k, n, DTYPES[dname], args.batches, args.threads, cache, calls):
+                    for r in bench(k, n, DTYPES[dname], args.batches, args.threads, cache, calls, args.percentile):
                         rows.append({"shape": name, **r})
                         print(f"{name:<26}{dname:>6}{cache:>6}{r['threads']:>4}{r['m']:>4}"
                               f"{r['dense_gemm_us']:>12.1f}{r['f_linear_us']:>10.1f}"

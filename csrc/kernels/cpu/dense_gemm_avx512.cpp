@@ -80,8 +80,8 @@ using StepOf = std::conditional_t<std::is_same_v<T, float>, F32Step,
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Four consecutive values of a row (the first `m` lanes; the others read as zero, never touched) as
-// fp32, and back: the epilogue's bias load and output store. Rounding matches gemm_detail's scalar
+// Four consecutive values of a row (the lanes set in mask m; the others read as zero and are never
+// written) as fp32, and back: the epilogue's bias load and output store. Rounding matches gemm_detail's scalar
 // from_float (to nearest even; bf16 in integer arithmetic, so subnormal sums round rather than flush).
 inline __m128 load4(float const* p, __mmask8 m) { return _mm_maskz_loadu_ps(m, p); }
 inline __m128 load4(BFloat16 const* p, __mmask8 m) {
@@ -200,7 +200,14 @@ void dense_gemm_avx512(DenseGemmParams const& p) {
   dispatch_type(p.type, [&](auto t) {
     using T = decltype(t);
     std::int64_t const row_bytes = p.k * static_cast<std::int64_t>(sizeof(T));
-    run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads);
+    // m <= 3 reads the weights once in one M tile, and is bound by memory: 8 rows streamed at a time
+    // keep more loads in flight (~20% faster from DRAM, one thread, than 4). Larger m is bound by the
+    // multiply-adds and the re-reads of each L2 chunk per M tile: 6 x rows per tile halve those passes.
+    if (p.m <= 3) {
+      run_tiles(DenseTile<T, 8, 3>{p}, p.m, p.n, row_bytes, p.num_threads);
+    } else {
+      run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads);
+    }
   });
 }
 
