@@ -3,7 +3,7 @@
 // the elementwise glue here is plain C++ that the compiler vectorises for the baseline ISA.
 #include "llama_layers.h"
 
-#include <omp.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -39,12 +39,7 @@ constexpr int kMinTokensPerThread = 16;
 template <class F>
 void for_tokens(int num_tokens, int num_threads, F&& f) {
   int const threads = std::max(1, std::min(num_threads, num_tokens / kMinTokensPerThread));
-  if (threads <= 1) {
-    for (int t = 0; t < num_tokens; ++t) f(t);
-    return;
-  }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int t = 0; t < num_tokens; ++t) f(t);
+  pool_detail::parallel_for(num_tokens, threads, false, [&](std::int64_t t, int) { f(int(t)); });
 }
 
 // out = weight * rms_norm(x): normalised in fp32, rounded to T, then scaled (one more rounding), as
