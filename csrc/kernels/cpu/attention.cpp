@@ -2,13 +2,13 @@
 // the same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with
 // software bf16 / fp16 conversions, so it runs on any x86-64 (and is what INFLIGHT_CPU_ISA=portable
 // tests).
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "cpu_features.h"
+#include "thread_pool.h"
 
 #define INFLIGHT_ATTENTION_ISA portable
 #include "attention_impl.h"
@@ -138,10 +138,9 @@ void store_kv(StoreKvParams const& p) {
   char const* const v = static_cast<char const*>(p.v);
   // A copy: a thread pays off only for long prompts.
   int const threads = p.num_tokens * p.num_kv_heads * row_bytes >= (size_t(1) << 18) ? p.num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int t = 0; t < p.num_tokens; ++t) {
+  pool_detail::parallel_for(p.num_tokens, threads, false, [&](int64_t t, int) {
     int64_t const slot = p.slot_mapping[t];
-    if (slot < 0) continue;
+    if (slot < 0) return;
     size_t const dst = size_t(slot) * p.num_kv_heads * row_bytes;
     for (int h = 0; h < p.num_kv_heads; ++h) {
       std::memcpy(k_cache + dst + h * row_bytes, k + (t * p.k_stride_token + h * p.k_stride_head) * int64_t(es),
@@ -149,7 +148,7 @@ void store_kv(StoreKvParams const& p) {
       std::memcpy(v_cache + dst + h * row_bytes, v + (t * p.v_stride_token + h * p.v_stride_head) * int64_t(es),
                   row_bytes);
     }
-  }
+  });
 }
 
 void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {

@@ -18,7 +18,7 @@
 #error "define INFLIGHT_ATTENTION_ISA (the per-ISA namespace) before including attention_impl.h"
 #endif
 
-#include <omp.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -397,21 +397,17 @@ struct AttentionKernels {
     int const kv_chunks = (p.num_kv_heads + kv_per_item - 1) / kv_per_item;
     int64_t const num_items = int64_t(p.batch) * kv_chunks * plan.max_partitions;
     int64_t const num_rows = int64_t(p.batch) * p.num_heads;
-#pragma omp parallel num_threads(plan.num_threads) if (plan.num_threads > 1)
-    {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < num_items; ++item) {
-        int64_t const bc = item / plan.max_partitions;
-        int const g0 = int(bc % kv_chunks) * kv_per_item;
-        decode_item(p, plan, int(bc / kv_chunks), g0, std::min(kv_per_item, p.num_kv_heads - g0),
-                    int(item % plan.max_partitions));
-      }
-      // The barrier at the end of the loop above makes every partition visible here.
-      if (plan.max_partitions > 1) {
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < num_rows; ++bh)
-          merge_partitions(p, plan, int(bh / p.num_heads), int(bh % p.num_heads));
-      }
+    pool_detail::parallel_for(num_items, plan.num_threads, true, [&](int64_t item, int) {
+      int64_t const bc = item / plan.max_partitions;
+      int const g0 = int(bc % kv_chunks) * kv_per_item;
+      decode_item(p, plan, int(bc / kv_chunks), g0, std::min(kv_per_item, p.num_kv_heads - g0),
+                  int(item % plan.max_partitions));
+    });
+    // parallel_for returns when every partition is written: merge them.
+    if (plan.max_partitions > 1) {
+      pool_detail::parallel_for(num_rows, plan.num_threads, false, [&](int64_t bh, int) {
+        merge_partitions(p, plan, int(bh / p.num_heads), int(bh % p.num_heads));
+      });
     }
   }
 
@@ -506,16 +502,15 @@ struct AttentionKernels {
     int const max_tiles = (max_q_len + tile_q - 1) / tile_q;
     int64_t const per_tile = int64_t(p.batch) * p.num_kv_heads;
     int64_t const num_items = per_tile * max_tiles;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t item = 0; item < num_items; ++item) {
+    pool_detail::parallel_for(num_items, num_threads, true, [&](int64_t item, int) {
       // Last query tiles first: they see the most keys, so the long items start early.
       int const tile = max_tiles - 1 - int(item / per_tile);
       int const b = int(item % per_tile / p.num_kv_heads), g = int(item % p.num_kv_heads);
       int const q_len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
       int const r0 = tile * tile_q;
-      if (r0 >= q_len) continue;
+      if (r0 >= q_len) return;
       context_item(p, b, g, r0, std::min(tile_q, q_len - r0));
-    }
+    });
   }
 };
 

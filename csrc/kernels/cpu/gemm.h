@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include <omp.h>
+#include "thread_pool.h"
 
 namespace inflight::kernels::cpu {
 
@@ -234,12 +234,10 @@ void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_
     run_tile_range(kernel, m, max_mr, 0, num_tiles, chunk);
     return;
   }
-#pragma omp parallel num_threads(threads)
-  {
-    std::int64_t const i = omp_get_thread_num();
-    std::int64_t const count = omp_get_num_threads();
+  auto task = [&](int i, int count) {
     run_tile_range(kernel, m, max_mr, num_tiles * i / count, num_tiles * (i + 1) / count, chunk);
-  }
+  };
+  parallel_run(threads, TaskRef(task));
 }
 
 // Calls k.template run<MR>(args...) for the runtime mr in [1, kMaxMR]: the compile-time M tile.

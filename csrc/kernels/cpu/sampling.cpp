@@ -1,8 +1,8 @@
 // The sampling launcher (threading, selection, the draw) and the portable block kernels. The
 // vectorised block kernels are in sampling_avx2.cpp and sampling_avx512.cpp; see sampling.h.
 #include "sampling.h"
+#include "thread_pool.h"
 
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -760,9 +760,8 @@ void launch_sampling(SamplingKernelParams const& p, Isa isa) {
 
   if (!lay.staged) {
     // Many rows: each thread owns whole rows (they stay in its cache across the passes).
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      ThreadArea const area = rs.area(omp_get_thread_num());
+    pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+      ThreadArea const area = rs.area(thread);
       for (std::int64_t b = 0; b < nb; ++b) rs.max_pass(r, b, &area.maxes[b]);
       RowPlan pl;
       rs.plan(r, area.maxes, &pl);
@@ -770,28 +769,24 @@ void launch_sampling(SamplingKernelParams const& p, Isa isa) {
         for (std::int64_t b = 0; b < nb; ++b) rs.stats_pass(r, b, pl, &area.stats[b]);
       }
       p.out[r] = rs.finish(r, pl, area.stats, area);
-    }
+    });
     return;
   }
 
   // Fewer rows than threads: the two streaming passes are split over (row, block); the finish,
   // which reads few candidates, is per row. Same blocks, same combine order as above.
   RowPlan* plans = rs.plans();
-#pragma omp parallel num_threads(nt)
-  {
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < rows * nb; ++t) rs.max_pass(t / nb, t % nb, rs.shared_maxes(t / nb) + t % nb);
-#pragma omp for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) rs.plan(r, rs.shared_maxes(r), &plans[r]);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < rows * nb; ++t) {
-      if (!plans[t / nb].greedy) rs.stats_pass(t / nb, t % nb, plans[t / nb], rs.shared_stats(t / nb) + t % nb);
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      p.out[r] = rs.finish(r, plans[r], rs.shared_stats(r), rs.area(omp_get_thread_num()));
-    }
-  }
+  // Four phases, each complete (parallel_for returns) before the next reads its results.
+  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+    rs.max_pass(t / nb, t % nb, rs.shared_maxes(t / nb) + t % nb);
+  });
+  for (std::int64_t r = 0; r < rows; ++r) rs.plan(r, rs.shared_maxes(r), &plans[r]);
+  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+    if (!plans[t / nb].greedy) rs.stats_pass(t / nb, t % nb, plans[t / nb], rs.shared_stats(t / nb) + t % nb);
+  });
+  pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+    p.out[r] = rs.finish(r, plans[r], rs.shared_stats(r), rs.area(thread));
+  });
 }
 
 }  // namespace inflight::kernels::cpu

@@ -52,9 +52,25 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self._kernel_weight = None  # kernel_weight(), built on first use
 
     def checkpoint_tensor_names(self) -> tuple[str, ...]:
         return ("weight", "bias") if self.bias is not None else ("weight",)
+
+    def kernel_weight(self):
+        """The weights imported once for the fused CPU layer stack (``inflight._C.DenseWeight``)."""
+        if self._kernel_weight is None:
+            from torch.utils.dlpack import to_dlpack
+
+            from inflight import _C
+
+            bias = None if self.bias is None else to_dlpack(self.bias.detach())
+            self._kernel_weight = _C.DenseWeight(to_dlpack(self.weight.detach()), bias)
+        return self._kernel_weight
+
+    def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() replace the tensors
+        self._kernel_weight = None
+        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
@@ -71,6 +87,7 @@ class Linear(nn.Module):
                 f"shape mismatch for {name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"
             )
         dst.copy_(tensor)
+        self._kernel_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

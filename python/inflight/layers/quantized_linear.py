@@ -47,6 +47,7 @@ class _FusedRows(nn.Module, abc.ABC):
         for n in self.output_sizes:
             offsets.append(offsets[-1] + n)
         self._row_offsets = tuple(offsets)
+        self._packed = None  # the kernel's view of the weights (kernel_weight()), built on first use
 
     @torch.no_grad()
     def _copy_rows(self, shard: int, name: str, tensor: torch.Tensor) -> None:
@@ -140,13 +141,17 @@ class W4A16Linear(_FusedRows):
             layer.load_shard(0, "bias", bias)
         return layer
 
+    def kernel_weight(self) -> W4A16Weight:
+        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload)."""
+        if self._packed is None:
+            self._packed = W4A16Weight(self.qweight, self.scales, self.offsets, self.group_size, self.bias)
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu":
-            if self._packed is None:
-                self._packed = W4A16Weight(self.qweight, self.scales, self.offsets, self.group_size, self.bias)
-            y = self._packed(x2)
+            y = self.kernel_weight()(x2)
         else:
             y = w4a16_gemm(x2, self.qweight, self.scales, self.offsets, self.group_size, bias=self.bias)
         return y.view(*shape[:-1], self.out_features)
@@ -202,13 +207,17 @@ class W8A16Linear(_FusedRows):
             layer.load_shard(0, "bias", bias)
         return layer
 
+    def kernel_weight(self) -> W8A16Weight:
+        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload)."""
+        if self._packed is None:
+            self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu":
-            if self._packed is None:
-                self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
-            y = self._packed(x2)
+            y = self.kernel_weight()(x2)
         else:
             y = w8a16_gemm(x2, self.qweight, self.scales, self.group_size, bias=self.bias)
         return y.view(*shape[:-1], self.out_features)

@@ -157,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
         )
+        # FusedCpuLayers once built, False when unsupported, None: not decided yet.
+        self._fused = None
         self.rotary = RotaryEmbedding(
             config.head_dim, max_seq_len, config.rope_theta, config.rope_scaling, dtype=dtype, device=device
         )
@@ -172,6 +174,30 @@ class LlamaForCausalLM(nn.Module):
         return (2, num_blocks, tokens_per_block, self.config.num_key_value_heads, self.config.head_dim)
 
     # ---- forward ---------------------------------------------------------------------------------
+
+    def fused_layers(self):
+        """The layer stack run from C++ (:class:`~inflight.layers.fused_cpu.FusedCpuLayers`), or None.
+
+        Built on the first forward after the weights are loaded; None when the configuration does not
+        qualify (see ``FusedCpuLayers.unsupported_reason``), and then the Python layers run.
+        """
+        if self._fused is False:
+            return None
+        if self._fused is None:
+            from inflight.layers.fused_cpu import FusedCpuLayers
+
+            built = FusedCpuLayers.build(self)
+            self._fused = built if built is not None else False
+            return built
+        return self._fused
+
+    def invalidate_fused_layers(self) -> None:
+        """Forget the fused stack (it is rebuilt on the next forward): after replacing weights."""
+        self._fused = None
+
+    def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() replace the tensors
+        self._fused = None
+        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def forward(
@@ -189,13 +215,22 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embedding.embed(input_ids)
         else:
             hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, signed_sin = self.rotary.lookup(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
+        fused = self.fused_layers()
+        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
+        if run_fused:
+            hidden = fused.forward(hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches)
+        else:
+            cos, signed_sin = self.rotary.lookup(positions)
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
         if self.embedding is not None:
             return self.embedding(hidden).float()
+        if run_fused:  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
+            from inflight.ops.gemm import dense_gemm
+
+            return dense_gemm(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -250,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"shape mismatch for {name!r}: {e}") from None
             loaded.add(name)
+        self._fused = None  # the fused stack references the old weight objects
         missing = sorted(set(targets) - loaded)
         if unexpected or missing:
             parts = []

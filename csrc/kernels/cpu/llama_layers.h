@@ -1,0 +1,84 @@
+// The decoder-layer stack of a Llama-family model in one call, on the CPU.
+//
+// The Python model runs a layer as ~15 torch ops; at SmolLM2's size (30 layers, hidden 576) each op
+// costs more in dispatch than in arithmetic, so a decode step spends most of its time outside the
+// kernels. This runs every layer of a step — RMSNorm, fused q/k/v GEMM, RoPE, store_kv, context and
+// paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj + residual —
+// from C++ with no Python in between, over the same flattened batch, weights and paged KV cache the
+// Python path uses (so the two can alternate step by step).
+//
+// Numerics follow the Python layer (inflight/models/llama.py) rounding point for rounding point:
+// every intermediate the torch ops would materialise in the model dtype is rounded to it here too
+// (for fp32 models rounding is the identity); arithmetic inside an op is fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "attention.h"
+#include "dense_gemm.h"
+#include "gemm.h"
+
+namespace inflight::kernels::cpu {
+
+// One linear projection: which kernel, and its weight-side params (x, out, m, x_type and num_threads
+// are filled per call).
+struct LinearOp {
+  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2 };
+  Kind kind = Kind::kW4A16;
+  W4A16GemmParams w4;
+  W8A16GemmParams w8;
+  DenseGemmParams dense;  // weight in the model dtype
+  std::int64_t n = 0, k = 0;
+};
+
+struct LlamaLayerWeights {
+  void const* input_norm = nullptr;  // [hidden], model dtype
+  void const* post_norm = nullptr;   // [hidden], model dtype
+  LinearOp qkv;                      // hidden -> q_size + 2 * kv_size (q, k, v rows in that order)
+  LinearOp o;                        // q_size -> hidden
+  LinearOp gate_up;                  // hidden -> 2 * intermediate (gate rows, then up rows)
+  LinearOp down;                     // intermediate -> hidden
+  void* kv_cache = nullptr;          // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], model dtype
+};
+
+struct LlamaShape {
+  int hidden = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate = 0;
+  float eps = 1e-6f;
+  float scale = 1.0f;  // attention softmax scale
+  ElementType dtype = ElementType::kFloat32;
+  int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
+  int q_size() const { return num_heads * head_dim; }
+  int kv_size() const { return num_kv_heads * head_dim; }
+};
+
+// One step's batch (the layout of inflight.layers.attention.AttentionMetadata): tokens
+// 0 .. num_ctx_tokens-1 are context chunks of ctx_batch sequences, the rest are single-token decodes
+// of dec_batch sequences.
+struct LlamaStep {
+  void* hidden = nullptr;  // [num_tokens, hidden], model dtype, in/out
+  int num_tokens = 0;
+  void const* cos_sin = nullptr;           // [num_tokens, 2, head_dim]: cos, then sign-folded sin
+  std::int64_t const* slot_mapping = nullptr;  // [num_tokens]; negative: not stored
+  int num_ctx_tokens = 0;
+  int ctx_batch = 0, ctx_max_blocks = 0;
+  std::int32_t const* ctx_block_tables = nullptr;  // [ctx_batch, ctx_max_blocks]
+  std::int32_t const* ctx_cu_seqlens = nullptr;    // [ctx_batch + 1]
+  std::int32_t const* ctx_kv_lens = nullptr;       // [ctx_batch]
+  int dec_batch = 0, dec_max_blocks = 0;
+  std::int32_t const* dec_block_tables = nullptr;  // [dec_batch, dec_max_blocks]
+  std::int32_t const* dec_kv_lens = nullptr;       // [dec_batch]
+  int num_threads = 1;
+};
+
+// Bytes of scratch llama_layers_forward needs for this step (activations of one layer + the paged
+// attention partials).
+std::size_t llama_layers_workspace_bytes(LlamaShape const& shape, LlamaStep const& step);
+
+// Runs layers[0 .. n) over the step, in place on step.hidden. `workspace` holds at least
+// llama_layers_workspace_bytes(shape, step) bytes, 64-byte aligned. Callers validate.
+void llama_layers_forward(LlamaShape const& shape, LlamaLayerWeights const* layers, int num_layers,
+                          LlamaStep const& step, void* workspace);
+
+}  // namespace inflight::kernels::cpu

@@ -1,0 +1,138 @@
+// The kernels' thread pool (see thread_pool.h).
+//
+// Each worker has its own mailbox (a job pointer, the thread count and a generation counter on its
+// own cache line); a job writes only the mailboxes of the workers it uses and waits for exactly
+// those, so a worker never sees another job's fields and idle workers are never woken.
+#include "thread_pool.h"
+
+#include <pthread.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define INFLIGHT_CPU_RELAX() _mm_pause()
+#else
+#define INFLIGHT_CPU_RELAX() std::this_thread::yield()
+#endif
+
+namespace inflight::kernels::cpu {
+namespace {
+
+// How long an idle worker spins before it sleeps: long enough to bridge the gaps between the kernels
+// of one step (microseconds), short enough not to steal a core from the host code between steps.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+thread_local bool tl_in_task = false;
+
+struct alignas(64) Mailbox {
+  std::atomic<std::uint32_t> generation{0};
+  std::atomic<bool> sleeping{false};
+  TaskRef const* task = nullptr;
+  int n = 0;
+};
+
+class Pool {
+ public:
+  void run(int n, TaskRef task) {
+    std::unique_lock<std::mutex> lock(use_, std::try_to_lock);
+    if (!lock.owns_lock() || tl_in_task) {  // busy, or nested: this caller does it all
+      task(0, 1);
+      return;
+    }
+    grow(n - 1);
+    remaining_.store(n - 1, std::memory_order_relaxed);
+    for (int w = 0; w < n - 1; ++w) {
+      Mailbox& m = *boxes_[w];
+      m.task = &task;
+      m.n = n;
+      m.generation.fetch_add(1, std::memory_order_seq_cst);
+      if (m.sleeping.load(std::memory_order_seq_cst)) m.generation.notify_one();
+    }
+    tl_in_task = true;
+    task(0, n);
+    tl_in_task = false;
+    // The others are mid-task: spin (yield if it takes long, e.g. a descheduled worker).
+    for (unsigned spins = 0; remaining_.load(std::memory_order_acquire) != 0; ++spins) {
+      if (spins < (1u << 14)) {
+        INFLIGHT_CPU_RELAX();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  int size() {
+    std::lock_guard<std::mutex> lock(use_);
+    return int(boxes_.size());
+  }
+
+ private:
+  void grow(int want) {
+    while (int(boxes_.size()) < want) {
+      boxes_.emplace_back(std::make_unique<Mailbox>());
+      Mailbox* box = boxes_.back().get();
+      int const index = int(boxes_.size());  // thread index 1..
+      std::thread([this, box, index] { work(*box, index); }).detach();
+    }
+  }
+
+  void work(Mailbox& box, int index) {
+    tl_in_task = true;  // a kernel called from inside a task runs inline
+    // Mailboxes start at generation 0 and the first job may be posted before this thread runs: wait
+    // for a change from 0, not from whatever is there now.
+    std::uint32_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      for (unsigned spins = 1;; ++spins) {
+        if (box.generation.load(std::memory_order_acquire) != seen) break;
+        if ((spins & 63u) == 0 && std::chrono::steady_clock::now() - start > kSpin) {
+          box.sleeping.store(true, std::memory_order_seq_cst);
+          // Re-check after announcing: a dispatcher that read sleeping == false bumped generation first.
+          if (box.generation.load(std::memory_order_seq_cst) == seen) box.generation.wait(seen, std::memory_order_acquire);
+          box.sleeping.store(false, std::memory_order_relaxed);
+          start = std::chrono::steady_clock::now();
+        }
+        INFLIGHT_CPU_RELAX();
+      }
+      seen = box.generation.load(std::memory_order_acquire);
+      (*box.task)(index, box.n);
+      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex use_;  // held by the caller for the duration of a job
+  std::deque<std::unique_ptr<Mailbox>> boxes_;
+  std::atomic<int> remaining_{0};
+};
+
+Pool* g_pool = nullptr;
+std::once_flag g_pool_once;
+
+Pool& pool() {
+  // Never destroyed: the workers are detached and park in their mailboxes until the process exits.
+  // A forked child has none of the parent's threads: it starts over with an empty pool.
+  std::call_once(g_pool_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  });
+  return *g_pool;
+}
+
+}  // namespace
+
+void parallel_run(int num_threads, TaskRef task) {
+  if (num_threads <= 1) {
+    task(0, 1);
+    return;
+  }
+  pool().run(num_threads, task);
+}
+
+int thread_pool_size() { return pool().size(); }
+
+}  // namespace inflight::kernels::cpu

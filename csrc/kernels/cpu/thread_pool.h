@@ -1,0 +1,67 @@
+// The CPU kernels' thread pool: parallel_run(n, task) runs task(i, n) for i = 0 .. n-1 on n threads
+// (the caller is thread 0) and returns when all are done.
+//
+// Why not OpenMP: libgomp keeps one worker pool per master thread, and once the process holds more
+// OpenMP threads than CPUs (torch's pool on the main thread + a pool for the executor's worker
+// thread is already 4 on a 2-core machine) it stops spinning between parallel regions and parks
+// every worker in a futex: each region then costs a wake-up (~40 us) instead of ~1 us. A decode step
+// of the fused layer stack opens ~150 regions, so the engine, whose forward runs on a worker thread,
+// ran at half speed. This pool is one process-wide set of workers that spin for a short while after
+// each job (back-to-back kernels find them awake) and then sleep on a futex.
+//
+// One job at a time: a caller that finds the pool busy (another thread's job, or a call from inside
+// a task) runs its task inline as task(0, 1), so every task must split its work by (i, n) alone.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace inflight::kernels::cpu {
+
+// A non-owning reference to a callable void(int thread, int num_threads).
+class TaskRef {
+ public:
+  template <class F>
+  TaskRef(F& f) : obj_(&f), call_([](void* o, int i, int n) { (*static_cast<F*>(o))(i, n); }) {}  // NOLINT
+  void operator()(int i, int n) const { call_(obj_, i, n); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, int, int);
+};
+
+void parallel_run(int num_threads, TaskRef task);
+
+// Threads the pool has started so far (for tests and logs).
+int thread_pool_size();
+
+// Internal linkage: the ISA files include this with their own -m flags (see gemm.h's note).
+namespace pool_detail {
+namespace {
+
+// body(item, thread) for item in [0, count) on up to num_threads threads: contiguous equal shares
+// (static) or items handed out one at a time (dynamic: uneven items, e.g. attention tiles).
+template <class F>
+void parallel_for(std::int64_t count, int num_threads, bool dynamic, F&& body) {
+  int const threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), std::max<std::int64_t>(count, 1)));
+  if (threads <= 1) {
+    for (std::int64_t i = 0; i < count; ++i) body(i, 0);
+    return;
+  }
+  std::atomic<std::int64_t> next{0};
+  auto task = [&](int t, int n) {
+    if (dynamic) {
+      for (std::int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+           i = next.fetch_add(1, std::memory_order_relaxed))
+        body(i, t);
+    } else {
+      for (std::int64_t i = count * t / n, end = count * (t + 1) / n; i < end; ++i) body(i, t);
+    }
+  };
+  parallel_run(threads, TaskRef(task));
+}
+
+}  // namespace
+}  // namespace pool_detail
+}  // namespace inflight::kernels::cpu

