@@ -7,7 +7,7 @@ column is ``F.linear`` time / ``dense_gemm`` time (> 1: ours is faster). Both al
 ``--cache cold`` (default) cycles through enough weight copies to exceed the L3 cache, as a decode step
 does (every layer's weights stream from memory once per token); ``--cache hot`` reuses one weight.
 Times are medians (``--percentile``) of single calls, in microseconds; the two variants run in
-alternating blocks of calls (see ``_time_pair``).
+alternating blocks of calls, each after a warm-up (see ``_time_pair``).
 
     python benchmarks/bench_dense_gemm_cpu.py [--batches 1 4 16 64] [--threads 1 2] [--dtypes fp32 bf16]
                                               [--cache cold|hot|both] [--percentile 50] [--json out.json]
@@ -36,19 +36,32 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLD_BYTES = 96 << 20  # per variant: well past the 32 MiB L3
 
 
-def _time_pair(fa, fb, calls: int, percentile: float, block: int = 10) -> tuple[float, float]:
+def _warm(f, seconds: float) -> None:
+    """Untimed calls of f for `seconds` (at least two)."""
+    f()
+    end = time.perf_counter() + seconds
+    while True:
+        f()
+        if time.perf_counter() >= end:
+            return
+
+
+def _time_pair(fa, fb, calls: int, percentile: float, rounds: int = 4) -> tuple[float, float]:
     """The `percentile`-th percentile (50: the median) of `calls` single timed calls of fa and of fb, in
-    microseconds. The two run in alternating blocks of `block` calls, so that both see the same machine
-    (on a shared 2-core machine other work comes and goes). Each block starts after a 2 ms pause and
-    one untimed call: the switch between the two thread pools is not what is measured (torch's OpenMP
-    workers spin for ~0.7 ms after each parallel op, holding the core that inflight's pool worker
-    needs; the pause lets them park)."""
+    microseconds, taken in `rounds` alternating blocks so that both see the same machine (other work
+    on a shared 2-core machine comes and goes).
+
+    Each block starts with 15 ms of untimed calls: what is timed is each op's steady state, not the
+    switch between the two thread pools. After a parallel torch op its OpenMP worker spins for a few
+    ms, holding one core; inflight's pool worker then waits behind the calling thread (~0.7 ms per
+    call, the pool's join spin) until the OpenMP worker parks, and torch's first calls after
+    inflight's pool pay the same kind of switch."""
     a, b = [], []
-    for i in range(-(-calls // block)):
+    per_block = max(1, -(-calls // rounds))
+    for i in range(rounds):
         for f, samples in ((fa, a), (fb, b)) if i % 2 == 0 else ((fb, b), (fa, a)):
-            time.sleep(0.002)
-            f()
-            for _ in range(block):
+            _warm(f, 0.015)
+            for _ in range(per_block):
                 t0 = time.perf_counter()
                 f()
                 samples.append(time.perf_counter() - t0)
