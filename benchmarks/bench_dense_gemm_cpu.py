@@ -6,7 +6,8 @@ column is ``F.linear`` time / ``dense_gemm`` time (> 1: ours is faster). Both al
 
 ``--cache cold`` (default) cycles through enough weight copies to exceed the L3 cache, as a decode step
 does (every layer's weights stream from memory once per token); ``--cache hot`` reuses one weight.
-Times are medians (``--percentile``) of single calls, in microseconds, the two variants' calls interleaved.
+Times are medians (``--percentile``) of single calls, in microseconds; the two variants run in
+alternating blocks of calls (see ``_time_pair``).
 
     python benchmarks/bench_dense_gemm_cpu.py [--batches 1 4 16 64] [--threads 1 2] [--dtypes fp32 bf16]
                                               [--cache cold|hot|both] [--percentile 50] [--json out.json]
@@ -35,23 +36,25 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLD_BYTES = 96 << 20  # per variant: well past the 32 MiB L3
 
 
-def _time_pair(fa, fb, calls: int, percentile: float) -> tuple[float, float]:
+def _time_pair(fa, fb, calls: int, percentile: float, block: int = 10) -> tuple[float, float]:
     """The `percentile`-th percentile (50: the median) of `calls` single timed calls of fa and of fb, in
-    microseconds, the two interleaved (and alternately first) so that both see the same machine: on a
-    shared 2-core machine, other work and a descheduled OpenMP thread (a stall of a whole time slice,
-    ~8 ms) would otherwise favour whichever ran in the quieter moment."""
-    for _ in range(2):
-        fa()
-        fb()
+    microseconds. The two run in alternating blocks of `block` calls, so that both see the same machine
+    (on a shared 2-core machine other work comes and goes). Each block starts after a 2 ms pause and
+    one untimed call: the switch between the two thread pools is not what is measured (torch's OpenMP
+    workers spin for ~0.7 ms after each parallel op, holding the core that inflight's pool worker
+    needs; the pause lets them park)."""
     a, b = [], []
-    for i in range(calls):
+    for i in range(-(-calls // block)):
         for f, samples in ((fa, a), (fb, b)) if i % 2 == 0 else ((fb, b), (fa, a)):
-            t0 = time.perf_counter()
+            time.sleep(0.002)
             f()
-            samples.append(time.perf_counter() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                f()
+                samples.append(time.perf_counter() - t0)
     a.sort()
     b.sort()
-    i = min(calls - 1, int(calls * percentile / 100))
+    i = min(len(a) - 1, int(len(a) * percentile / 100))
     return a[i] * 1e6, b[i] * 1e6
 
 
@@ -71,7 +74,7 @@ def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     nbytes = w.numel() * w.element_size()
     copies = 1 if cache == "hot" else max(1, -(-COLD_BYTES // nbytes))
-    # Separate copies per variant: with the calls interleaved, a shared list would hand one variant the
+    # Separate copies per variant: with the variants alternating, a shared list would hand one the
     # weights the other had just pulled into the cache.
     ours_w, theirs_w = [w.clone() for _ in range(copies)], [w.clone() for _ in range(copies)]
     rows = []

@@ -33,8 +33,9 @@ struct DenseGemmParams {
 };
 
 // Launcher: validates the params (std::invalid_argument naming the field, value and allowed range),
-// then runs the path of selected_isa(). Nothing is allocated. Opens its own OpenMP parallel region
-// (one thread when the weights are too small to be worth waking others); call it from outside one.
+// then runs the path of selected_isa(). Nothing is allocated. Threads split N on the kernels' pool
+// (thread_pool.h, through gemm_detail::run_tiles): one thread when the weights are too small to be
+// worth waking others, and inline when called from inside a pool task.
 void dense_gemm(DenseGemmParams const& p);
 
 // Per-ISA paths (dense_gemm.cpp holds the portable one); only the launcher calls them.

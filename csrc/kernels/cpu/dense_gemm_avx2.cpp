@@ -33,6 +33,9 @@ inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// Software prefetch distance, in N tiles, into L2: as in the AVX-512 path (see there).
+constexpr int kPrefetchTiles = 2;
+
 // T: storage type of x, weight, bias and out.
 template <class T>
 struct DenseTile {
@@ -55,10 +58,14 @@ struct DenseTile {
     for (auto& row : acc)
       for (auto& a : row) a = _mm256_setzero_ps();
     std::int64_t const k_main = k_dim - k_dim % kStep;
+    std::int64_t const ahead = kPrefetchTiles * kNR * k_dim;
+    // One prefetch per 64-byte line of each row.
+    constexpr std::int64_t kLine = 64 / sizeof(T);
     for (std::int64_t kk = 0; kk < k_main; kk += kStep) {
       __m256 xv[MR];
       for (int i = 0; i < MR; ++i) xv[i] = load8(x + i * k_dim + kk);
       for (int r = 0; r < kNR; ++r) {
+        if (kk % kLine == 0) _mm_prefetch(reinterpret_cast<char const*>(w[r] + ahead + kk), _MM_HINT_T1);
         __m256 const wv = load8(w[r] + kk);
         for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
       }
