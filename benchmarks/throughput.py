@@ -13,6 +13,7 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     from inflight import LLM, KvCacheConfig
     from inflight.models.gguf_loader import resolve_known_model
@@ -88,25 +89,35 @@ def main() -> None:
     for dtype in args.dtypes:
         # "auto": inflight's default for the GGUF (4-bit weights run natively, fp32 activations),
         # against transformers in fp32 (the dtype of those activations).
+        # One engine alive at a time: a live LLM's executor thread holds an OpenMP pool of its own, and
+        # with two pools libgomp stops spinning between parallel regions, which slowed transformers'
+        # generate ~1.5x in the same process. Each engine runs all cases, then is released.
         llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
-        hf = None
+        run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
+        results = {case: run_inflight(llm, cases[case]) for case in args.cases}
+        llm.shutdown()
+        del llm
+        gc.collect()
+        hf_results = {}
         if not args.skip_transformers:
             hf_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype).eval()
+            # Dense weights in hf_dtype (transformers may otherwise keep GGUF blocks packed).
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype,
+                                                      quantization_config=GgufConfig(dequantize=True)).eval()
             hf.generation_config.eos_token_id = None
-        run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
+            hf_results = {case: run_transformers(hf, cases[case]) for case in args.cases}
+            del hf
+            gc.collect()
         for case in args.cases:
-            reqs = cases[case]
-            t_if, n_if = run_inflight(llm, reqs)
+            t_if, n_if = results[case]
             row = dict(case=case, dtype=dtype, inflight_tok_s=n_if / t_if, inflight_s=t_if, tokens=n_if)
-            if hf is not None:
-                t_hf, n_hf = run_transformers(hf, reqs)
+            hf_s = ""
+            if case in hf_results:
+                t_hf, n_hf = hf_results[case]
                 row.update(transformers_tok_s=n_hf / t_hf, transformers_s=t_hf, ratio=(n_if / t_if) / (n_hf / t_hf))
+                hf_s = f"{row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x"
             rows.append(row)
-            hf_s = f"{row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x" if hf is not None else ""
             print(f"{case:>4} {dtype:>9} {row['inflight_tok_s']:>15.1f} {hf_s}", flush=True)
-        llm.shutdown()
-        del hf
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -29,11 +29,15 @@ constexpr auto kSpin = std::chrono::microseconds(200);
 
 thread_local bool tl_in_task = false;
 
+// A seqlock: the caller makes generation odd, writes the fields, makes it even again; a worker reads
+// the fields between two equal even generations, so it never mixes two jobs' fields.
 struct alignas(64) Mailbox {
   std::atomic<std::uint32_t> generation{0};
   std::atomic<bool> sleeping{false};
-  TaskRef const* task = nullptr;
-  int n = 0;
+  std::atomic<void*> obj{nullptr};  // the task (its target is called only after a successful claim)
+  std::atomic<TaskRef::Call> call{nullptr};
+  std::atomic<int> n{0};
+  std::atomic<std::uint64_t> job{0};
 };
 
 class Pool {
@@ -45,18 +49,26 @@ class Pool {
       return;
     }
     grow(n - 1);
+    std::uint64_t const job = ++job_;
     remaining_.store(n - 1, std::memory_order_relaxed);
+    claim_.store(job << 32 | 1u, std::memory_order_seq_cst);
     for (int w = 0; w < n - 1; ++w) {
       Mailbox& m = *boxes_[w];
-      m.task = &task;
-      m.n = n;
-      m.generation.fetch_add(1, std::memory_order_seq_cst);
+      m.generation.fetch_add(1, std::memory_order_seq_cst);  // odd: being written
+      m.obj.store(task.obj(), std::memory_order_relaxed);
+      m.call.store(task.call(), std::memory_order_relaxed);
+      m.n.store(n, std::memory_order_relaxed);
+      m.job.store(job, std::memory_order_relaxed);
+      m.generation.fetch_add(1, std::memory_order_seq_cst);  // even: published
       if (m.sleeping.load(std::memory_order_seq_cst)) m.generation.notify_one();
     }
     tl_in_task = true;
     task(0, n);
+    // Shares no worker has started yet are the caller's: a worker that is descheduled (more runnable
+    // threads than cores) then costs nothing instead of a scheduler time slice.
+    run_claims(job, n, task);
     tl_in_task = false;
-    // The others are mid-task: spin (yield if it takes long, e.g. a descheduled worker).
+    // Whatever is left is running on a worker: spin (yield if it takes long).
     for (unsigned spins = 0; remaining_.load(std::memory_order_acquire) != 0; ++spins) {
       if (spins < (1u << 14)) {
         INFLIGHT_CPU_RELAX();
@@ -76,20 +88,35 @@ class Pool {
     while (int(boxes_.size()) < want) {
       boxes_.emplace_back(std::make_unique<Mailbox>());
       Mailbox* box = boxes_.back().get();
-      int const index = int(boxes_.size());  // thread index 1..
-      std::thread([this, box, index] { work(*box, index); }).detach();
+      std::thread([this, box] { work(*box); }).detach();
     }
   }
 
-  void work(Mailbox& box, int index) {
+  void work(Mailbox& box) {
     tl_in_task = true;  // a kernel called from inside a task runs inline
     // Mailboxes start at generation 0 and the first job may be posted before this thread runs: wait
     // for a change from 0, not from whatever is there now.
     std::uint32_t seen = 0;
     for (;;) {
       auto start = std::chrono::steady_clock::now();
+      std::uint32_t gen = seen;
       for (unsigned spins = 1;; ++spins) {
-        if (box.generation.load(std::memory_order_acquire) != seen) break;
+        gen = box.generation.load(std::memory_order_acquire);
+        if (gen != seen && (gen & 1u) == 0) {
+          // Read the fields, then check no newer job was posted meanwhile.
+          void* const obj = box.obj.load(std::memory_order_relaxed);
+          TaskRef::Call const call = box.call.load(std::memory_order_relaxed);
+          int const n = box.n.load(std::memory_order_relaxed);
+          std::uint64_t const job = box.job.load(std::memory_order_relaxed);
+          std::atomic_thread_fence(std::memory_order_acquire);
+          if (box.generation.load(std::memory_order_relaxed) == gen) {
+            seen = gen;
+            run_claims(job, n, TaskRef(obj, call));
+            break;
+          }
+          continue;
+        }
+        if (gen != seen) continue;  // odd: being written
         if ((spins & 63u) == 0 && std::chrono::steady_clock::now() - start > kSpin) {
           box.sleeping.store(true, std::memory_order_seq_cst);
           // Re-check after announcing: a dispatcher that read sleeping == false bumped generation first.
@@ -99,8 +126,16 @@ class Pool {
         }
         INFLIGHT_CPU_RELAX();
       }
-      seen = box.generation.load(std::memory_order_acquire);
-      (*box.task)(index, box.n);
+    }
+  }
+
+  // Claims shares (thread indices) of job `job` until none is left, running each.
+  void run_claims(std::uint64_t job, int n, TaskRef const& task) {
+    for (;;) {
+      std::uint64_t c = claim_.load(std::memory_order_acquire);
+      if ((c >> 32) != job || int(c & 0xffffffffu) >= n) return;
+      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+      task(int(c & 0xffffffffu), n);
       remaining_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
@@ -108,6 +143,8 @@ class Pool {
   std::mutex use_;  // held by the caller for the duration of a job
   std::deque<std::unique_ptr<Mailbox>> boxes_;
   std::atomic<int> remaining_{0};
+  std::uint64_t job_ = 0;                 // jobs posted so far (under use_)
+  std::atomic<std::uint64_t> claim_{0};  // (job << 32) | next unclaimed share
 };
 
 Pool* g_pool = nullptr;

@@ -9,8 +9,11 @@
 // ran at half speed. This pool is one process-wide set of workers that spin for a short while after
 // each job (back-to-back kernels find them awake) and then sleep on a futex.
 //
-// One job at a time: a caller that finds the pool busy (another thread's job, or a call from inside
-// a task) runs its task inline as task(0, 1), so every task must split its work by (i, n) alone.
+// A job's n shares (thread indices) are claimed, not assigned: the caller runs share 0, then any
+// share no worker has claimed yet, so a worker that is descheduled (more runnable threads than
+// cores, e.g. a busy server) delays nothing. One job at a time: a caller that finds the pool busy
+// (another thread's job, or a call from inside a task) runs its task inline as task(0, 1), so every
+// task must split its work by (i, n) alone.
 #pragma once
 
 #include <algorithm>
@@ -22,13 +25,18 @@ namespace inflight::kernels::cpu {
 // A non-owning reference to a callable void(int thread, int num_threads).
 class TaskRef {
  public:
+  using Call = void (*)(void*, int, int);
+  TaskRef() = default;
+  TaskRef(void* obj, Call call) : obj_(obj), call_(call) {}
   template <class F>
   TaskRef(F& f) : obj_(&f), call_([](void* o, int i, int n) { (*static_cast<F*>(o))(i, n); }) {}  // NOLINT
   void operator()(int i, int n) const { call_(obj_, i, n); }
+  void* obj() const { return obj_; }
+  Call call() const { return call_; }
 
  private:
-  void* obj_;
-  void (*call_)(void*, int, int);
+  void* obj_ = nullptr;
+  Call call_ = nullptr;
 };
 
 void parallel_run(int num_threads, TaskRef task);
