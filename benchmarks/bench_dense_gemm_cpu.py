@@ -52,10 +52,8 @@ def _time_pair(fa, fb, calls: int, percentile: float, rounds: int = 4) -> tuple[
     on a shared 2-core machine comes and goes).
 
     Each block starts with 15 ms of untimed calls: what is timed is each op's steady state, not the
-    switch between the two thread pools. After a parallel torch op its OpenMP worker spins for a few
-    ms, holding one core; inflight's pool worker then waits behind the calling thread (~0.7 ms per
-    call, the pool's join spin) until the OpenMP worker parks, and torch's first calls after
-    inflight's pool pay the same kind of switch."""
+    switch between the two thread pools (after a parallel torch op its OpenMP worker spins for a few
+    ms, holding one core, and inflight's parked pool worker has to be woken; the reverse for torch)."""
     a, b = [], []
     per_block = max(1, -(-calls // rounds))
     for i in range(rounds):
