@@ -46,7 +46,9 @@ inline std::string dtype_str(nb::dlpack::dtype d) {
   return std::string(code) + std::to_string(d.bits);
 }
 
-inline kc::ScalarType float_type(Array const& a, char const* name) {
+// Any nanobind ndarray (contiguous or strided): only its dtype is read.
+template <class A>
+inline kc::ScalarType float_type(A const& a, char const* name) {
   nb::dlpack::dtype const d = a.dtype();
   if (d.lanes == 1 && d.bits == 32 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
     return kc::ScalarType::kFloat32;

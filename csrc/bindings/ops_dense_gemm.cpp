@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dense_gemm.h"
+#include "gemm_weights.h"
 #include "registry.h"
 
 namespace nb = nanobind;
@@ -23,36 +24,9 @@ namespace {
 // Strides are checked here rather than by nb::c_contig, so that a strided tensor gets an error that
 // names it instead of nanobind's generic "incompatible function arguments".
 using Array = nb::ndarray<nb::device::cpu>;
+using inflight::bindings::gemm::dtype_str;
+using inflight::bindings::gemm::float_type;
 
-std::string dtype_str(nb::dlpack::dtype d) {
-  char const* code = "?";
-  switch (static_cast<nb::dlpack::dtype_code>(d.code)) {
-    case nb::dlpack::dtype_code::Int:
-      code = "int";
-      break;
-    case nb::dlpack::dtype_code::UInt:
-      code = "uint";
-      break;
-    case nb::dlpack::dtype_code::Float:
-      code = "float";
-      break;
-    case nb::dlpack::dtype_code::Bfloat:
-      code = "bfloat";
-      break;
-    default:
-      break;
-  }
-  return std::string(code) + std::to_string(d.bits);
-}
-
-kc::ScalarType float_type(Array const& a, char const* name) {
-  nb::dlpack::dtype const d = a.dtype();
-  auto const code = static_cast<nb::dlpack::dtype_code>(d.code);
-  if (d.lanes == 1 && d.bits == 32 && code == nb::dlpack::dtype_code::Float) return kc::ScalarType::kFloat32;
-  if (d.lanes == 1 && d.bits == 16 && code == nb::dlpack::dtype_code::Bfloat) return kc::ScalarType::kBFloat16;
-  if (d.lanes == 1 && d.bits == 16 && code == nb::dlpack::dtype_code::Float) return kc::ScalarType::kFloat16;
-  throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 or float16, got " + dtype_str(d));
-}
 
 std::string list_str(std::vector<std::int64_t> const& s) {
   std::string out = "[";
