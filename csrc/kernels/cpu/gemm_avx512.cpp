@@ -64,6 +64,16 @@ inline void clamp_rows(std::int64_t n0, std::int64_t n, std::int64_t (&rows)[kNR
   for (int r = 0; r < kNR; ++r) rows[r] = std::min(n0 + r, n - 1);
 }
 
+// Lane sums of a, b, c, d as one xmm {sum a, sum b, sum c, sum d}.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 const ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  __m512 const cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 const abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee));
+  __m256 const h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // Register tiles live in arrays indexed by constants only after full unrolling; without it GCC keeps
 // them in memory (a load and store per FMA), hence the unroll pragmas and always_inline.
 template <int MR, int kNR, class XT>
@@ -73,9 +83,18 @@ template <int MR, int kNR, class XT>
   XT const* bias = static_cast<XT const*>(bias_v);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
+    if constexpr (kNR == 4) {
+      // The four lane sums together: ~13 instructions instead of ~4 x 8.
+      alignas(16) float v[4];
+      _mm_store_ps(v, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      for (int r = 0; r < kNR; ++r) {
+        if (n0 + r < n) store_out(out + (m0 + i) * n, bias, n0 + r, v[r]);
+      }
+    } else {
 #pragma GCC unroll 8
-    for (int r = 0; r < kNR; ++r) {
-      if (n0 + r < n) store_out(out + (m0 + i) * n, bias, n0 + r, _mm512_reduce_add_ps(acc[i][r]));
+      for (int r = 0; r < kNR; ++r) {
+        if (n0 + r < n) store_out(out + (m0 + i) * n, bias, n0 + r, _mm512_reduce_add_ps(acc[i][r]));
+      }
     }
   }
 }
@@ -371,6 +390,199 @@ struct W4Fma {
   }
 };
 
+// ---- Batched fp32 paths (W4Tiled, W8Tiled): fp32 / fp16 x and m >= kTiledMinM ----------------------
+//
+// With several x rows the products, not the weight bytes, bound the time, and fp32 FMA is as fast as
+// W4Dot's two bf16 dot products per x value (hi + lo) while being exact fp32 math. Each weight vector
+// is dequantised once per tile and used by up to kMaxMR x rows: 8 x rows by 3 weight rows is 24
+// accumulators, 3 weight vectors, 3 int4 lookup tables and one x vector in registers. x is converted to
+// fp32 once per M tile into the scratch buffer (int4: split into even / odd k per 32, to match the low /
+// high nibbles of 16 weight bytes). A tile first widens its rows' scales (and offsets) to fp32 on the
+// stack, so a group's scale is a broadcast load.
+//
+// int4 dequantisation is a table lookup: per row and group, the 16 possible weights q * scale + offset
+// (one FMA, the same rounding as the reference) sit in a register, and VPERMPS picks 16 of them by the
+// nibbles: no convert and no FMA per weight vector. int8: convert, multiply by the scale.
+constexpr std::int64_t kTiledMinM = 4;
+constexpr std::size_t kTiledScratchBytes = 96 * 1024;
+constexpr std::int64_t kTiledMaxGroups = 512;  // >= 96 KiB / (4 bytes * 2 rows) / 32
+
+// Keeps v in a register: without it GCC folds the x load into each of the kNR FMAs that use it (kNR
+// loads instead of one), and loads, not FMAs, then bound the loop.
+inline void pin(__m512& v) { __asm__("" : "+v"(v)); }
+
+// Widens count 16-bit or fp32 values to fp32 (count <= kTiledMaxGroups).
+template <class ST>
+inline void widen(ST const* src, std::int64_t count, float* dst) {
+  for (std::int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(dst + i, load16_masked(src + i, mask16(count - i)));
+}
+
+template <class Params>
+struct TiledBase {
+  static constexpr int kNR = 3;
+  static constexpr int kMaxMR = 8;
+  static constexpr std::size_t kScratchBytes = kTiledScratchBytes;
+  Params const& p;
+  // The whole fp32 M tile must fit; below 2 rows per tile the untiled kernels do as well.
+  int max_mr() const {
+    return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / (4 * p.k)));
+  }
+  bool fits() const { return max_mr() >= 2 && p.k / p.group_size <= kTiledMaxGroups; }
+
+  // Rows m0 .. m0 + MR - 1, columns n0 .. n0 + 2 (those < n).
+  template <int MR, class XT>
+  [[gnu::always_inline]] void store(__m512 const (&acc)[MR][kNR], std::int64_t m0, std::int64_t n0) const {
+    XT* out = static_cast<XT*>(p.out);
+    XT const* bias = static_cast<XT const*>(p.bias);
+    __m512 const zero = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      alignas(16) float v[4];
+      _mm_store_ps(v, reduce4(acc[i][0], acc[i][1], acc[i][2], zero));
+      for (int r = 0; r < kNR; ++r) {
+        if (n0 + r < p.n) store_out(out + (m0 + i) * p.n, bias, n0 + r, v[r]);
+      }
+    }
+  }
+};
+
+// XT: x/out storage type (float or Float16); ST: scale/offset storage type; kAsym: offsets given.
+template <class XT, class ST, bool kAsym>
+struct W4Tiled : TiledBase<W4A16GemmParams> {
+  explicit W4Tiled(W4A16GemmParams const& params) : TiledBase{params} {}
+
+  void prepare(int mr, std::int64_t m0, void* scratch) const {
+    __m512i const even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i const odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int i = 0; i < mr; ++i) {
+      XT const* x = static_cast<XT const*>(p.x) + (m0 + i) * p.k;
+      float* dst = static_cast<float*>(scratch) + i * p.k;
+      for (std::int64_t kb = 0; kb < p.k; kb += 32) {  // k is a multiple of the group size (>= 32)
+        __m512 const a = load16(x + kb), b = load16(x + kb + 16);
+        _mm512_store_ps(dst + kb, _mm512_permutex2var_ps(a, even, b));
+        _mm512_store_ps(dst + kb + 16, _mm512_permutex2var_ps(a, odd, b));
+      }
+    }
+  }
+
+  void tile(int mr, std::int64_t m0, std::int64_t n0, void const* scratch) const {
+    dispatch_mr<kMaxMR>(*this, mr, m0, n0, scratch);
+  }
+
+  template <int MR>
+  void run(std::int64_t m0, std::int64_t n0, void const* scratch) const {
+    std::int64_t const k_dim = p.k;
+    int const g_size = p.group_size;
+    std::int64_t const groups = k_dim / g_size;
+    std::int64_t rows[kNR];
+    clamp_rows<kNR>(n0, p.n, rows);
+    std::uint8_t const* w[kNR];
+    alignas(64) float sc[kNR][kTiledMaxGroups];
+    alignas(64) float of[kNR][kTiledMaxGroups];
+    for (int r = 0; r < kNR; ++r) {
+      w[r] = p.qweight + rows[r] * (k_dim / 2);
+      widen(static_cast<ST const*>(p.scales) + rows[r] * groups, groups, sc[r]);
+      if constexpr (kAsym) widen(static_cast<ST const*>(p.offsets) + rows[r] * groups, groups, of[r]);
+    }
+    float const* x = static_cast<float const*>(scratch);
+    __m512 acc[MR][kNR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_setzero_ps();
+    // q (asymmetric) or q - 8 (symmetric: s * (q - 8) rounded once, like the reference).
+    __m512 const iota = kAsym ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                              : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (std::int64_t g = 0; g < groups; ++g) {
+      __m512 table[kNR];
+#pragma GCC unroll 4
+      for (int r = 0; r < kNR; ++r) {
+        table[r] = kAsym ? _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[r][g]), _mm512_set1_ps(of[r][g]))
+                         : _mm512_mul_ps(iota, _mm512_set1_ps(sc[r][g]));
+      }
+      for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
+        // Low nibbles (even k), then high nibbles (odd k).
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m512 wv[kNR];
+#pragma GCC unroll 4
+          for (int r = 0; r < kNR; ++r) {
+            __m512i const d = _mm512_cvtepu8_epi32(load_bytes16(w[r] + kb / 2));
+            // VPERMPS reads only the low 4 bits of each index: the high nibble needs the shift only.
+            __m512i const q = half == 0 ? d : _mm512_srli_epi32(d, 4);
+            wv[r] = _mm512_permutexvar_ps(q, table[r]);
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            __m512 xv = _mm512_load_ps(x + i * k_dim + kb + 16 * half);
+            pin(xv);
+#pragma GCC unroll 4
+            for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
+          }
+        }
+      }
+    }
+    this->template store<MR, XT>(acc, m0, n0);
+  }
+};
+
+// int8 weights, any x type (x widened to fp32 once per M tile).
+template <class XT, class ST>
+struct W8Tiled : TiledBase<W8A16GemmParams> {
+  explicit W8Tiled(W8A16GemmParams const& params) : TiledBase{params} {}
+
+  void prepare(int mr, std::int64_t m0, void* scratch) const {
+    for (int i = 0; i < mr; ++i) {
+      XT const* x = static_cast<XT const*>(p.x) + (m0 + i) * p.k;
+      float* dst = static_cast<float*>(scratch) + i * p.k;
+      for (std::int64_t kb = 0; kb < p.k; kb += 16) _mm512_store_ps(dst + kb, load16(x + kb));
+    }
+  }
+
+  void tile(int mr, std::int64_t m0, std::int64_t n0, void const* scratch) const {
+    dispatch_mr<kMaxMR>(*this, mr, m0, n0, scratch);
+  }
+
+  template <int MR>
+  void run(std::int64_t m0, std::int64_t n0, void const* scratch) const {
+    std::int64_t const k_dim = p.k;
+    int const g_size = p.group_size;
+    std::int64_t const groups = k_dim / g_size;
+    std::int64_t rows[kNR];
+    clamp_rows<kNR>(n0, p.n, rows);
+    std::int8_t const* w[kNR];
+    alignas(64) float sc[kNR][kTiledMaxGroups];
+    for (int r = 0; r < kNR; ++r) {
+      w[r] = p.qweight + rows[r] * k_dim;
+      widen(static_cast<ST const*>(p.scales) + rows[r] * groups, groups, sc[r]);
+    }
+    float const* x = static_cast<float const*>(scratch);
+    __m512 acc[MR][kNR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (std::int64_t g = 0; g < groups; ++g) {
+      for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 16) {
+        __m512 wv[kNR];
+#pragma GCC unroll 4
+        for (int r = 0; r < kNR; ++r) {
+          wv[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w[r] + kb))),
+                                _mm512_set1_ps(sc[r][g]));
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          __m512 xv = _mm512_load_ps(x + i * k_dim + kb);
+          pin(xv);
+#pragma GCC unroll 4
+          for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
+        }
+      }
+    }
+    this->template store<MR, XT>(acc, m0, n0);
+  }
+};
+
 // bf16 activations through VDPBF16PS. ST: scale/offset storage type; kAsym: offsets given.
 template <class ST, bool kAsym>
 struct W4Bf16Dot {
@@ -521,6 +733,16 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
         run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
         return true;
       };
+      if constexpr (!std::is_same_v<XT, BFloat16>) {
+        if (p.m >= kTiledMinM) {
+          auto run_tiled = [&](auto const& kernel) {
+            if (!kernel.fits()) return false;
+            run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
+            return true;
+          };
+          if (asym ? run_tiled(W4Tiled<XT, ST, true>(p)) : run_tiled(W4Tiled<XT, ST, false>(p))) return;
+        }
+      }
       if (asym ? run_dot(W4Dot<XT, ST, true>(p)) : run_dot(W4Dot<XT, ST, false>(p))) return;
       // Rows too long for the scratch buffer (k beyond ~16K): the in-register kernels, no reordering.
       if constexpr (std::is_same_v<XT, BFloat16>) {
@@ -541,7 +763,15 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
 void w8a16_gemm_avx512(W8A16GemmParams const& p) {
   dispatch_type(p.x_type, [&](auto xt) {
     dispatch_type(p.scale_type, [&](auto st) {
-      run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads);
+      using XT = decltype(xt);
+      using ST = decltype(st);
+      // Every x type: bf16 x is widened to fp32 exactly, and W8Fma's bf16 path is slower.
+      W8Tiled<XT, ST> const tiled(p);
+      if (p.m >= kTiledMinM && tiled.fits()) {
+        run_tiles(tiled, p.m, p.n, p.k, p.num_threads);
+        return;
+      }
+      run_tiles(W8Fma<XT, ST>{p}, p.m, p.n, p.k, p.num_threads);
     });
   });
 }
