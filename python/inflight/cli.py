@@ -12,6 +12,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="a Hugging Face model directory, a .gguf file, or a known name (default: smollm2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--quantization", default=None, choices=["auto", "gguf", "none"],
+                   help="GGUF 4-bit weights: auto (native with --dtype auto on a CPU, else dequantised), gguf "
+                        "(always native; --dtype is the activation dtype), none (always dequantised)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-tokens", type=int, default=8192)
@@ -34,7 +37,7 @@ def _make_llm(args):
 
     kv = KvCacheConfig(max_tokens=args.kv_cache_max_tokens)
     return LLM(args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-               max_num_tokens=args.max_num_tokens, kv_cache_config=kv)
+               max_num_tokens=args.max_num_tokens, kv_cache_config=kv, quantization=args.quantization)
 
 
 def cmd_generate(args) -> int:

@@ -55,9 +55,15 @@ class LLM:
     """An inference engine for one model.
 
     Args:
-        model: a Hugging Face model directory (config.json + safetensors).
+        model: a Hugging Face model directory (config.json + safetensors), a ``.gguf`` file, or a known
+            short name ("smollm2").
         dtype: "auto" (the checkpoint's dtype; float16 becomes bfloat16 on a CPU), "float32",
-            "bfloat16", "float16" (or fp32/bf16/fp16, or a torch dtype).
+            "bfloat16", "float16" (or fp32/bf16/fp16, or a torch dtype). For natively quantised weights it
+            is the activation dtype.
+        quantization: what a GGUF file's 4-bit weights do. None ("auto"): native 4-bit kernels with
+            ``dtype="auto"`` on a CPU (fp32 activations), dequantised into an explicit dtype. "gguf":
+            always native, ``dtype`` the activation dtype (as vLLM runs GGUF files), e.g.
+            ``LLM("smollm2", dtype="bfloat16", quantization="gguf")``. "none": always dequantised.
         kv_cache_config: :class:`KvCacheConfig`.
         scheduler_config: :class:`SchedulerConfig` (capacity and chunking policies).
         max_batch_size: most requests in one forward (default 256).
@@ -92,13 +98,15 @@ class LLM:
         attention_backend: str | None = None,
         device: str | torch.device | None = None,
         log_iteration_stats: int = 0,
+        quantization: str | None = None,
         **unknown: Any,
     ):
         if unknown:
             raise ValueError(
                 f"unknown LLM argument(s): {', '.join(sorted(unknown))} (accepted: dtype, kv_cache_config, "
                 "scheduler_config, max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill, "
-                "disable_overlap_scheduler, scheduler, seed, attention_backend, device, log_iteration_stats)"
+                "disable_overlap_scheduler, scheduler, seed, attention_backend, device, log_iteration_stats, "
+                "quantization)"
             )
         _ensure_logging()
         for name, value in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
@@ -129,7 +137,8 @@ class LLM:
 
         t0 = time.perf_counter()
         loaded = load_model(model, dtype=parse_dtype(dtype), device=self.device,
-                            attention_backend=attention_backend, max_seq_len=max_seq_len)
+                            attention_backend=attention_backend, max_seq_len=max_seq_len,
+                            quantization=quantization)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.dtype = loaded.dtype
         cfg = self.model_config

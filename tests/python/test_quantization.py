@@ -353,20 +353,48 @@ def test_smollm2_w4a16_fp32_greedy_equals_transformers(monkeypatch):
 
 
 @needs_smollm2
-@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_smollm2_native_q4_answers_paris(monkeypatch, act):
+@pytest.mark.parametrize("dtype,quantization,act", [
+    ("auto", None, torch.float32),            # the default: native 4-bit, fp32 activations
+    ("bfloat16", "gguf", torch.bfloat16),     # native 4-bit with bf16 activations, as vLLM runs GGUF files
+    ("float32", "gguf", torch.float32),
+])
+def test_smollm2_native_q4_answers_paris(dtype, quantization, act):
     from inflight import LLM, KvCacheConfig, SamplingParams
-    from inflight.models import auto
     from inflight.models.auto import load_model
 
-    monkeypatch.setattr(auto, "QUANTIZED_CPU_DTYPE", act)
-    loaded = load_model("smollm2", dtype=None, device=torch.device("cpu"), attention_backend="torch",
-                        max_seq_len=256)
+    loaded = load_model("smollm2", dtype=None if dtype == "auto" else act, device=torch.device("cpu"),
+                        attention_backend="torch", max_seq_len=256, quantization=quantization)
     assert isinstance(loaded.model.layers[0].qkv_proj, W4A16Linear)
     assert isinstance(loaded.model.embedding, W8A16Embedding)
+    assert loaded.dtype == act
     del loaded
-    with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
+    with LLM("smollm2", dtype=dtype, quantization=quantization, kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
         assert llm.dtype == act
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0))
     assert "Paris" in out.outputs[0].text
+
+
+@needs_smollm2
+def test_quantization_option_dequantises_or_refuses():
+    from inflight import LLM
+    from inflight.models.auto import load_model
+
+    # "none": dequantised even with dtype="auto" (bf16 on a CPU); an explicit dtype without "gguf" too.
+    for dtype, quantization, want in ((None, "none", torch.bfloat16), (torch.float32, None, torch.float32)):
+        loaded = load_model("smollm2", dtype=dtype, device=torch.device("cpu"), attention_backend="torch",
+                            max_seq_len=64, quantization=quantization)
+        assert loaded.dtype == want
+        assert not isinstance(loaded.model.layers[0].qkv_proj, W4A16Linear)
+        assert loaded.model.embedding is None
+        del loaded
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['auto', 'gguf', 'none'\], got 'awq'"):
+        LLM("smollm2", quantization="awq")
+
+
+def test_quantization_gguf_needs_a_gguf_file(tmp_path):
+    from inflight.models.auto import load_model
+
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf file"):
+        load_model(tmp_path, dtype=None, device=torch.device("cpu"), attention_backend="torch", max_seq_len=64,
+                   quantization="gguf")

@@ -135,10 +135,12 @@ def test_cli_parsers():
     add_bench_parser(sub)
     args = parser.parse_args(["serve", "some/model", "--port", "9000", "--max-batch-size", "8",
                               "--enable-chunked-prefill", "--capacity-scheduler-policy", "MAX_UTILIZATION",
-                              "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16"])
+                              "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16",
+                              "--dtype", "bfloat16", "--quantization", "gguf"])
     assert (args.model, args.port, args.max_batch_size, args.enable_chunked_prefill) == ("some/model", 9000, 8, True)
     assert args.capacity_scheduler_policy == "MAX_UTILIZATION" and args.tokens_per_block == 16
     assert args.host == "127.0.0.1" and args.max_queue_size == 1024
+    assert (args.dtype, args.quantization) == ("bfloat16", "gguf")
     args = parser.parse_args(["bench", "serve", "--url", "http://x:1", "--request-rates", "2", "4", "8",
                               "--max-concurrency", "4", "--num-prompts", "10", "--arrival", "fixed"])
     assert args.request_rates == [2, 4, 8] and args.arrival == "fixed" and callable(args.func)

@@ -66,10 +66,30 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+
+
+def check_quantization(value: str | None) -> str:
+    """The quantization mode: "auto" (None), "gguf" or "none"; anything else is a ValueError."""
+    if value is None:
+        return "auto"
+    if not isinstance(value, str) or value.lower() not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_MODES)}, got {value!r}")
+    return value.lower()
+
+
 def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: torch.device,
-               attention_backend: str, max_seq_len: int | None) -> LoadedModel:
+               attention_backend: str, max_seq_len: int | None, quantization: str | None = None) -> LoadedModel:
     """``model``: a Hugging Face model directory, a ``.gguf`` file, or a known short name
-    (``smollm2``). ``dtype`` None means auto."""
+    (``smollm2``). ``dtype`` None means auto.
+
+    ``quantization`` decides what happens to a GGUF file's 4-bit weights:
+      - "auto" (None): native 4-bit kernels when ``dtype`` is auto and the device a CPU (fp32
+        activations); an explicit dtype dequantises every weight into that dtype;
+      - "gguf": always native (Q4_0/Q4_1 linears as W4A16, a tied Q8_0 embedding as W8A16), with ``dtype``
+        as the activation dtype (auto: fp32 on a CPU, fp16 on a GPU), as vLLM runs GGUF files;
+      - "none": always dequantised (auto dtype: bf16 on a CPU, fp16 on a GPU).
+    Quantised Hugging Face directories (``inflight quantize``) always run natively."""
     from inflight.models import gguf_loader
     from inflight.models.llama import LlamaForCausalLM
     from inflight.models.loader import iter_safetensors
@@ -79,13 +99,20 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
     factories: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         reader, config = gguf_loader.read_gguf(path)
-        # dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and runs
-        # them natively; an explicit dtype dequantises everything into it.
-        plan = gguf_loader.gguf_quant_plan(reader, config) if dtype is None and device.type == "cpu" else None
+        mode = check_quantization(quantization)
+        # "auto": dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and
+        # runs them natively; an explicit dtype dequantises everything into it.
+        native = mode == "gguf" or (mode == "auto" and dtype is None and device.type == "cpu")
+        plan = gguf_loader.gguf_quant_plan(reader, config) if native else None
+        if mode == "gguf" and plan is None:
+            raise ValueError(
+                f"quantization='gguf' needs every linear weight of {path.name} in Q4_0 or Q4_1, found "
+                f"{sorted(gguf_loader.gguf_linear_kinds(reader))}; use quantization=None to dequantise")
         if plan is not None:
             from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding
 
-            dtype = QUANTIZED_CPU_DTYPE
+            if dtype is None:
+                dtype = QUANTIZED_CPU_DTYPE if device.type == "cpu" else torch.float16
             factories["linear_factory"] = partial(
                 W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric)
             if plan.q8_embedding:
@@ -97,6 +124,8 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
         tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
     elif path.is_dir():
+        if check_quantization(quantization) == "gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
         config = ModelConfig.from_hf_dir(path)
         if config.quantization is not None:
             from inflight.layers.quantized_linear import W4A16Linear

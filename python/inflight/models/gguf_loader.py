@@ -199,15 +199,17 @@ class GGUFQuantPlan:
     q8_embedding: bool
 
 
+def gguf_linear_kinds(reader) -> set[str]:
+    """The GGUF tensor types of the file's linear (attention and MLP projection) weights."""
+    return {t.tensor_type.name for t in reader.tensors if _hf_name(t.name).endswith(_LINEAR_WEIGHTS)}
+
+
 def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
     """The native plan, or None when some linear weight is in another format (then dequantise all)."""
-    kinds = set()
+    kinds = gguf_linear_kinds(reader)
     embedding_kind = None
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name.endswith(_LINEAR_WEIGHTS):
-            kinds.add(t.tensor_type.name)
-        elif name == "model.embed_tokens.weight":
+        if _hf_name(t.name) == "model.embed_tokens.weight":
             embedding_kind = t.tensor_type.name
     if not kinds or not kinds <= {"Q4_0", "Q4_1"}:
         return None

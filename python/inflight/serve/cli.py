@@ -56,6 +56,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      choices=("critical", "error", "warning", "info", "debug", "trace"))
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    eng.add_argument("--quantization", default=None, choices=["auto", "gguf", "none"],
+                     help="GGUF 4-bit weights: auto (native with --dtype auto on a CPU, else dequantised), gguf "
+                          "(always native; --dtype is the activation dtype), none (always dequantised)")
     eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available)")
     eng.add_argument("--max-seq-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     eng.add_argument("--max-batch-size", type=int, default=256)

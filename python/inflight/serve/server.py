@@ -37,7 +37,7 @@ def build_llm(args):
     return LLM(args.model, dtype=args.dtype, kv_cache_config=kv, scheduler_config=sched,
                max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed,
-               log_iteration_stats=args.log_iteration_stats, **kwargs)
+               log_iteration_stats=args.log_iteration_stats, quantization=args.quantization, **kwargs)
 
 
 def _served_names(args) -> tuple[str, tuple[str, ...]]:
