@@ -7,7 +7,10 @@
 //
 //  - int4, the main path (W4Dot): 64-byte chunks become exact bf16 integers (128 + q) with shifts and
 //    logic only, VDPBF16PS does the products exactly; x is reordered to match, per M tile, into a
-//    per-thread scratch buffer (see the comment above W4Dot).
+//    per-thread scratch buffer (see the comment above W4Dot). Decode (m < 4) and bf16 x.
+//  - batched fp32 / fp16 x, m >= 4 (W4Tiled, and W8Tiled for every x type): products bound the time,
+//    so fp32 FMA on exactly dequantised weights, 8 x rows by 3 weight rows per tile; int4 through a
+//    per-group lookup table (see the comment above W4Tiled).
 //  - int4 rows too long for that buffer (k beyond ~16K): W4Fma (fp32/fp16 x: nibbles -> fp32 in
 //    registers, w = q * scale + offset by FMA, x split into even/odd k) and W4Bf16Dot (bf16 x: VPERMW
 //    table lookup -> bf16 q, VDPBF16PS, scale per group).
