@@ -119,6 +119,26 @@ def test_batched_fp32_paths_are_exact_fp32_math(isa, k):
                 torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
 
 
+def test_batched_bf16_equals_the_bf16_dequantised_weights(isa):
+    # bf16 x with many rows: the weights are dequantised (s * q + o in fp32), rounded to bf16, and multiplied
+    # in fp32 (AVX-512: L2-sized panels through the dense bf16 kernel). That is the model dequantised to
+    # bf16, so the result equals fp32 math on those bf16 weights up to the final rounding to bf16 (1 ulp).
+    gen = torch.Generator().manual_seed(11)
+    k = 640
+    for symmetric in (False, True):
+        qweight, scales, offsets = _w4(203, k, 32, symmetric, torch.float16, gen)
+        q8 = torch.randint(-127, 128, (203, k), dtype=torch.int8, generator=gen)
+        w4 = ref.dequantize_w4(qweight, scales, offsets, 32).float().to(torch.bfloat16).float()
+        w8 = ref.dequantize_w8(q8, scales, 32).float().to(torch.bfloat16).float()
+        for m in (12, 16, 37):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            for got, w in ((ops.w4a16_gemm(x, qweight, scales, offsets, 32), w4), (ops.w8a16_gemm(x, q8, scales, 32), w8)):
+                want = x.float() @ w.T
+                if isa == "avx512":
+                    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4 * want.abs().max().item())
+                _close(got, want.to(torch.bfloat16), torch.bfloat16)
+
+
 def test_threads_do_not_change_results(isa):
     gen = torch.Generator().manual_seed(3)
     qweight, scales, offsets = _w4(301, 384, 64, False, torch.float16, gen)

@@ -55,7 +55,7 @@ struct DensePortable {
     }
     T* out = static_cast<T*>(p.out);
     T const* bias = static_cast<T const*>(p.bias);
-    for (int i = 0; i < MR; ++i) store_out(out + (m0 + i) * p.n, bias, n, acc[i]);
+    for (int i = 0; i < MR; ++i) store_out(out + (m0 + i) * (p.ldo > 0 ? p.ldo : p.n), bias, n, acc[i]);
   }
 };
 
@@ -69,6 +69,10 @@ void check(DenseGemmParams const& p) {
   if (p.m < 0) throw std::invalid_argument(where + "m must be >= 0, got " + std::to_string(p.m));
   if (p.n < 1) throw std::invalid_argument(where + "n must be >= 1, got " + std::to_string(p.n));
   if (p.k < 1) throw std::invalid_argument(where + "k must be >= 1, got " + std::to_string(p.k));
+  if (p.ldo != 0 && p.ldo < p.n) {
+    throw std::invalid_argument(where + "ldo must be 0 or >= n = " + std::to_string(p.n) + ", got " +
+                                std::to_string(p.ldo));
+  }
   if (p.num_threads < 1) {
     throw std::invalid_argument(where + "num_threads must be >= 1, got " + std::to_string(p.num_threads));
   }

@@ -9,8 +9,8 @@
 // re-read that chunk from L2, not from memory (gemm_detail::run_tiles).
 //
 // x, weight, bias and out share one dtype (fp32, bf16 or fp16). Products and sums are fp32 (bf16 pairs
-// through VDPBF16PS on AVX-512); out is rounded once, to nearest even. x and out are contiguous (row
-// stride k and n).
+// through VDPBF16PS on AVX-512); out is rounded once, to nearest even. x is contiguous (row stride k);
+// out's row stride is ldo (default n).
 //
 // Follows gemm.h's pattern: params struct, a launcher that validates once and picks the ISA
 // (cpu_features.h), per-ISA files instantiating an explicit set of {dtype} x {M tile} micro-kernels.
@@ -26,8 +26,9 @@ struct DenseGemmParams {
   void const* x = nullptr;       // [m, k], type, row-major contiguous
   void const* weight = nullptr;  // [n, k], type, row-major contiguous (torch Linear layout)
   void const* bias = nullptr;    // [n], type; nullptr: none
-  void* out = nullptr;           // [m, n], type, row-major contiguous; fully overwritten
+  void* out = nullptr;           // [m, n], type, row-major; fully overwritten
   std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t ldo = 0;          // row stride of out in elements (0: n; else >= n): a column block of a wider out
   ScalarType type = ScalarType::kFloat32;  // x, weight, bias, out all share it: fp32, bf16 or fp16
   int num_threads = 1;
 };

@@ -85,7 +85,7 @@ struct DenseTile {
       alignas(16) float sums[4];
       _mm_store_ps(sums, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
       for (int r = 0; r < kNR; ++r) {
-        if (n0 + r < p.n) store_out(out + (m0 + i) * p.n, bias, n0 + r, sums[r]);
+        if (n0 + r < p.n) store_out(out + (m0 + i) * (p.ldo > 0 ? p.ldo : p.n), bias, n0 + r, sums[r]);
       }
     }
   }

@@ -181,7 +181,8 @@ struct DenseTile {
 
   template <int MR>
   [[gnu::always_inline]] inline void store(__m512 const (&acc)[MR][kNR], std::int64_t m0, std::int64_t n0) const {
-    T* out = static_cast<T*>(p.out) + m0 * p.n + n0;
+    std::int64_t const ldo = p.ldo > 0 ? p.ldo : p.n;
+    T* out = static_cast<T*>(p.out) + m0 * ldo + n0;
     T const* bias = static_cast<T const*>(p.bias);
 #pragma GCC unroll 4
     for (int r = 0; r < kNR; r += 4) {
@@ -193,7 +194,7 @@ struct DenseTile {
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         __m128 const sums = reduce4(acc[i][r], acc[i][r + 1], acc[i][r + 2], acc[i][r + 3]);
-        store4(out + i * p.n + r, m, _mm_add_ps(sums, b));
+        store4(out + i * ldo + r, m, _mm_add_ps(sums, b));
       }
     }
   }
