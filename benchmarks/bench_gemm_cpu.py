@@ -114,26 +114,20 @@ def print_table(rows: list[dict]) -> None:
               f"{q32:>10.1f}{q16:>10.1f}{t['torch fp32'] / best_q:>8.2f}x{t['torch bf16'] / best_q:>8.2f}x")
 
 
-_MODEL_VARIANTS = [("q4 native, bf16 act", None, torch.bfloat16), ("q4 native, fp32 act", None, torch.float32),
+# (label, dtype, quantization): "gguf" keeps the file's 4-bit weights, dtype being the activation dtype.
+_MODEL_VARIANTS = [("q4 native, bf16 act", torch.bfloat16, "gguf"), ("q4 native, fp32 act", torch.float32, "gguf"),
                    ("dequantised bf16", torch.bfloat16, None), ("dequantised fp32", torch.float32, None)]
 
 
 def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, float]]:
     """Milliseconds of every projection of one SmolLM2 decode step (30 layers x qkv, o, gate_up, down,
     plus the LM head) through the loaded model's own modules: the part of a step this work changes."""
-    from inflight.models import auto
     from inflight.models.auto import load_model
 
     results: dict[str, dict[int, float]] = {}
-    default = auto.QUANTIZED_CPU_DTYPE
-    for label, dtype, act in _MODEL_VARIANTS:
-        if act is not None:
-            auto.QUANTIZED_CPU_DTYPE = act
-        try:
-            net = load_model("smollm2", dtype=dtype, device=torch.device("cpu"), attention_backend="torch",
-                             max_seq_len=256).model
-        finally:
-            auto.QUANTIZED_CPU_DTYPE = default
+    for label, dtype, quantization in _MODEL_VARIANTS:
+        net = load_model("smollm2", dtype=dtype, device=torch.device("cpu"), attention_backend="torch",
+                         max_seq_len=256, quantization=quantization).model
         c = net.config
         head = net.embedding if net.embedding is not None else (lambda h: F.linear(h, net.lm_head))
         results[label] = {}
@@ -159,33 +153,26 @@ def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, fl
 def bench_e2e(new_tokens: int, repeats: int) -> dict[str, float]:
     """Single-stream greedy decode tok/s of SmolLM2: (t(1 + new_tokens) - t(1)) / new_tokens."""
     from inflight import LLM, KvCacheConfig, SamplingParams
-    from inflight.models import auto
 
     results = {}
-    default = auto.QUANTIZED_CPU_DTYPE
-    for label, dtype, act in _MODEL_VARIANTS:
-        dtype = "auto" if dtype is None else dtype
-        if act is not None:
-            auto.QUANTIZED_CPU_DTYPE = act
-        try:
-            with LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=2048)) as llm:
-                prompt = llm.apply_chat_template([{"role": "user", "content": "Write a short story about a robot "
-                                                   "who learns to paint, with a beginning, a middle and an end."}])
+    for label, dtype, quantization in _MODEL_VARIANTS:
+        with LLM("smollm2", dtype=dtype, quantization=quantization,
+                 kv_cache_config=KvCacheConfig(max_tokens=2048)) as llm:
+            prompt = llm.apply_chat_template([{"role": "user", "content": "Write a short story about a robot "
+                                               "who learns to paint, with a beginning, a middle and an end."}])
 
-                def run(n: int) -> float:
-                    t0 = time.perf_counter()
-                    llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                 use_tqdm=False)
-                    return time.perf_counter() - t0
+            def run(n: int) -> float:
+                t0 = time.perf_counter()
+                llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                             use_tqdm=False)
+                return time.perf_counter() - t0
 
-                run(4)
-                best = 0.0
-                for _ in range(repeats):
-                    best = max(best, new_tokens / (run(new_tokens + 1) - run(1)))
-                results[label] = best
-                print(f"  {label:<22} {best:7.1f} tok/s", flush=True)
-        finally:
-            auto.QUANTIZED_CPU_DTYPE = default
+            run(4)
+            best = 0.0
+            for _ in range(repeats):
+                best = max(best, new_tokens / (run(new_tokens + 1) - run(1)))
+            results[label] = best
+            print(f"  {label:<22} {best:7.1f} tok/s", flush=True)
     return results
 
 
