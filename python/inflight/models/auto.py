@@ -51,10 +51,10 @@ def auto_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return dtype
 
 
-# Activation dtype of natively quantised weights on a CPU with dtype="auto". fp32: the W4A16 kernels
-# run about as fast with fp32 as with bf16 activations (bf16 hi + lo dot products), fp32 is the more
-# accurate, and torch's other CPU ops are no faster in bf16. Measured SmolLM2 Q4 decode step (2 cores,
-# AVX-512): ~10.9 ms fp32 vs ~11.1 ms bf16 (native attention), ~17 vs ~22 ms (torch attention).
+# Activation dtype of natively quantised weights on a CPU with dtype="auto": fp32, exact fp32 math (greedy
+# tokens equal transformers' fp32 run of the same GGUF). Single-stream decode is as fast as with bf16
+# activations (memory-bound; ~7 ms per SmolLM2 step either way); batches of 12+ rows run ~1.3-2x faster
+# with bf16 activations (VDPBF16PS), which LLM(..., dtype="bfloat16", quantization="gguf") selects.
 QUANTIZED_CPU_DTYPE = torch.float32
 
 
