@@ -10,9 +10,11 @@ Cases:
 Goals (the issue): single-stream decode >= 1.0x llama.cpp, batched >= 3x llama.cpp.
 
 How each system runs:
-  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights), prefix reuse off so repeats
-                prefill again, no detokenisation; single-stream times come from the request's own
-                metrics (ttft, e2e_latency), taken on the executor thread.
+  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights, fp32 activations) and, as
+                "inflight-bf16", LLM("smollm2", dtype="bfloat16", quantization="gguf") (the same 4-bit
+                weights, bf16 activations); prefix reuse off so repeats prefill again, no
+                detokenisation; single-stream times come from the request's own metrics (ttft,
+                e2e_latency), taken on the executor thread.
   llama.cpp     its low-level API through llama-cpp-python: one llama_decode per step (the prompt in
                 one call, then one token per call; batched: every prompt in one multi-sequence batch,
                 then the 16 next tokens together), greedy argmax over the logits in numpy, KV cleared
@@ -27,7 +29,7 @@ source: about 4 minutes on 2 idle cores). Without it, its rows are skipped with 
 
     python benchmarks/bench_decode_cpu.py [--repeats 3] [--threads N] [--max-tokens 128]
         [--skip-transformers] [--skip-llamacpp] [--llamacpp-flash-attn off|on|auto] [--profile]
-        [--out results.json]
+        [--inflight-activations fp32 bf16] [--out results.json]
 
 --profile: where inflight's single-stream decode step goes, from torch.profiler over --profile-steps
 steps on the executor thread (inflight's C++ calls are wrapped in profiler ranges so that they show).
@@ -89,15 +91,19 @@ def _batched_row(system: str, runs: list[tuple[float, int]]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- inflight
-class InflightRunner:
-    name = "inflight"
+# inflight's variants: the default (dtype "auto": 4-bit weights, fp32 activations) and 4-bit weights
+# with bf16 activations (LLM(dtype="bfloat16", quantization="gguf")).
+INFLIGHT_VARIANTS = {"fp32": ("inflight", "auto", None), "bf16": ("inflight-bf16", "bfloat16", "gguf")}
 
-    def __init__(self, max_kv_tokens: int):
+
+class InflightRunner:
+    def __init__(self, max_kv_tokens: int, activations: str = "fp32"):
         from inflight import LLM, KvCacheConfig
 
+        self.name, dtype, quantization = INFLIGHT_VARIANTS[activations]
         # No prefix reuse: a repeat of the same prompt must prefill again, as it does in llama.cpp.
         kv = KvCacheConfig(max_tokens=max_kv_tokens, enable_block_reuse=False)
-        self.llm = LLM("smollm2", kv_cache_config=kv)
+        self.llm = LLM("smollm2", dtype=dtype, quantization=quantization, kv_cache_config=kv)
 
     def _params(self, n: int):
         from inflight import SamplingParams
@@ -316,46 +322,60 @@ def _leading_agreement(a: list[int], b: list[int]) -> int:
 
 
 def print_table(rows: list[dict], ids_len: int, reqs) -> dict:
+    """Both tables, with every inflight variant's ratio to each system (``inflight/x``: the default
+    variant; ``bf16/x``: 4-bit weights with bf16 activations, when measured)."""
     by = {(r["case"], r["system"]): r for r in rows}
-    inf_single, inf_batch = by.get(("single", "inflight")), by.get(("batched", "inflight"))
+    variants = [v for v, _, _ in INFLIGHT_VARIANTS.values() if ("single", v) in by]
+    systems = variants + ["llama.cpp", "transformers"]
     ratios: dict[str, float] = {}
+
+    def key(variant: str) -> str:  # "inflight" keeps the historical key names
+        return "inflight" if variant == "inflight" else variant.replace("-", "_")
+
+    first = by[("single", variants[0])]
     print()
-    print(f"single: one {ids_len}-token chat prompt, {inf_single['new_tokens']} new tokens "
-          "(greedy, EOS ignored)")
-    print(f"{'system':<13} {'prefill ms':>10} {'decode tok/s':>13} {'e2e tok/s':>10} "
-          f"{'inflight/x decode':>18} {'inflight/x e2e':>15} {'same tokens':>12}")
-    for system in ("inflight", "llama.cpp", "transformers"):
+    print(f"single: one {ids_len}-token chat prompt, {first['new_tokens']} new tokens (greedy, EOS ignored)")
+    print(f"{'system':<14} {'prefill ms':>10} {'decode tok/s':>13} {'e2e tok/s':>10} "
+          + " ".join(f"{v + '/x decode':>20}" for v in variants) + f" {'same tokens':>12}")
+    for system in systems:
         r = by.get(("single", system))
         if r is None:
             continue
-        rd = inf_single["decode_tok_s"] / r["decode_tok_s"]
-        re_ = inf_single["e2e_tok_s"] / r["e2e_tok_s"]
-        agree = _leading_agreement(inf_single["tokens"], r["tokens"])
+        cells = []
+        for v in variants:
+            rd = by[("single", v)]["decode_tok_s"] / r["decode_tok_s"]
+            re_ = by[("single", v)]["e2e_tok_s"] / r["e2e_tok_s"]
+            if system not in variants:
+                ratios[f"single_decode_{key(v)}_over_{system}"] = rd
+                ratios[f"single_e2e_{key(v)}_over_{system}"] = re_
+            cells.append(f"{rd:>19.2f}x")
+        agree = _leading_agreement(first["tokens"], r["tokens"])
         r["leading_tokens_equal_to_inflight"] = agree
-        if system != "inflight":
-            ratios[f"single_decode_inflight_over_{system}"] = rd
-            ratios[f"single_e2e_inflight_over_{system}"] = re_
-        print(f"{system:<13} {r['prefill_ms']:>10.1f} {r['decode_tok_s']:>13.1f} {r['e2e_tok_s']:>10.1f} "
-              f"{rd:>17.2f}x {re_:>14.2f}x {agree:>5}/{len(r['tokens'])}")
+        print(f"{system:<14} {r['prefill_ms']:>10.1f} {r['decode_tok_s']:>13.1f} {r['e2e_tok_s']:>10.1f} "
+              + " ".join(cells) + f" {agree:>5}/{len(r['tokens'])}")
     lens = [len(p) for p, _ in reqs]
     print(f"\nbatched: case ({BATCHED_CASE}), {len(reqs)} prompts of {min(lens)}-{max(lens)} tokens x "
           f"{reqs[0][1]} new tokens (EOS ignored)")
-    print(f"{'system':<13} {'total tok/s':>11} {'seconds':>8} {'inflight/x':>11}")
-    for system in ("inflight", "llama.cpp", "transformers"):
+    print(f"{'system':<14} {'total tok/s':>11} {'seconds':>8} " + " ".join(f"{v + '/x':>15}" for v in variants))
+    for system in systems:
         r = by.get(("batched", system))
         if r is None:
             continue
-        ratio = inf_batch["total_tok_s"] / r["total_tok_s"]
-        if system != "inflight":
-            ratios[f"batched_inflight_over_{system}"] = ratio
-        print(f"{system:<13} {r['total_tok_s']:>11.1f} {r['total_s']:>8.2f} {ratio:>10.2f}x")
-    if "single_decode_inflight_over_llama.cpp" in ratios:
-        print("\ngoals vs llama.cpp: single-stream decode {:.2f}x (goal >= 1.0x: {}), batched {:.2f}x "
-              "(goal >= 3.0x: {})".format(
-                  ratios["single_decode_inflight_over_llama.cpp"],
-                  "met" if ratios["single_decode_inflight_over_llama.cpp"] >= 1.0 else "not met",
-                  ratios["batched_inflight_over_llama.cpp"],
-                  "met" if ratios["batched_inflight_over_llama.cpp"] >= 3.0 else "not met"))
+        cells = []
+        for v in variants:
+            ratio = by[("batched", v)]["total_tok_s"] / r["total_tok_s"]
+            if system not in variants:
+                ratios[f"batched_{key(v)}_over_{system}"] = ratio
+            cells.append(f"{ratio:>14.2f}x")
+        print(f"{system:<14} {r['total_tok_s']:>11.1f} {r['total_s']:>8.2f} " + " ".join(cells))
+    for v in variants:
+        k = key(v)
+        if f"single_decode_{k}_over_llama.cpp" in ratios:
+            single, batched = ratios[f"single_decode_{k}_over_llama.cpp"], ratios[f"batched_{k}_over_llama.cpp"]
+            print(f"\ngoals vs llama.cpp ({v}): single-stream decode {single:.2f}x (goal >= 1.0x: "
+                  f"{'met' if single >= 1.0 else 'not met'}), batched {batched:.2f}x (goal >= 3.0x: "
+                  f"{'met' if batched >= 3.0 else 'not met'})", end="")
+    print()
     return ratios
 
 
@@ -496,6 +516,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-flash-attn", choices=("off", "on", "auto"), default="off",
                         help="llama.cpp's flash_attn_type (default: off, its faster setting here)")
     parser.add_argument("--skip-inflight", action="store_true", help="only the baselines (no ratios)")
+    parser.add_argument("--inflight-activations", nargs="+", choices=sorted(INFLIGHT_VARIANTS), default=["fp32", "bf16"],
+                        help="inflight variants: fp32 (the default LLM(\"smollm2\"): 4-bit weights, fp32 activations) "
+                             "and/or bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf')")
     parser.add_argument("--profile", action="store_true",
                         help="also profile inflight's single-stream decode step")
     parser.add_argument("--profile-steps", type=int, default=32)
@@ -542,7 +565,8 @@ def main() -> None:
     rows: list[dict] = []
     factories: list[tuple[str, Callable[[], object]]] = []
     if not args.skip_inflight:
-        factories.append(("inflight", lambda: InflightRunner(max_kv_tokens)))
+        for act in args.inflight_activations:
+            factories.append((INFLIGHT_VARIANTS[act][0], lambda act=act: InflightRunner(max_kv_tokens, act)))
     if not args.skip_transformers:
         factories.append(("transformers", lambda: TransformersRunner(path)))
     # llama.cpp last: its ggml OpenMP threads share torch's libgomp (one soname per process), and torch
@@ -565,8 +589,8 @@ def main() -> None:
     ratios = print_table(rows, len(ids), reqs) if not args.skip_inflight else {}
 
     profile = None
-    if args.profile and not args.skip_inflight:
-        single = next(r for r in rows if r["case"] == "single" and r["system"] == "inflight")
+    single = next((r for r in rows if r["case"] == "single" and r["system"] == "inflight"), None)
+    if args.profile and single is not None:  # the profile is of the default variant
         profile = profile_inflight(ids, args.profile_steps, max_kv_tokens, 1e3 / single["decode_tok_s"])
 
     load_end = os.getloadavg()

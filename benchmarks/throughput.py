@@ -7,7 +7,7 @@ Cases:
       order, each to its longest requested output, and only the requested tokens count
   (c) one prompt, 128 new tokens
 
-    python benchmarks/throughput.py [--dtypes float32 bfloat16] [--cases a b c] [--json out.json]
+    python benchmarks/throughput.py [--dtypes float32 bfloat16 auto q4-bfloat16] [--cases a b c] [--json out.json]
 """
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ def run_transformers(model, reqs, batch_size: int = 16) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "auto"],
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "auto", "q4-bfloat16"],
+                        choices=["float32", "bfloat16", "auto", "q4-bfloat16"],
                         help="float32 / bfloat16: dequantised weights on both sides; auto: inflight's native "
-                             "4-bit path vs transformers fp32")
+                             "4-bit path (fp32 activations) vs transformers fp32; q4-bfloat16: inflight's 4-bit "
+                             "weights with bf16 activations (quantization='gguf') vs transformers bf16")
     parser.add_argument("--cases", nargs="+", default=["a", "b", "c"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", help="write the results here")
@@ -85,14 +87,18 @@ def main() -> None:
     cases = make_cases()
     rows = []
     print(f"threads: {torch.get_num_threads()}")
-    print(f"{'case':>4} {'dtype':>9} {'inflight tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
+    print(f"{'case':>4} {'dtype':>11} {'inflight tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for dtype in args.dtypes:
         # "auto": inflight's default for the GGUF (4-bit weights run natively, fp32 activations),
         # against transformers in fp32 (the dtype of those activations).
         # One engine alive at a time: a live LLM's executor thread holds an OpenMP pool of its own, and
         # with two pools libgomp stops spinning between parallel regions, which slowed transformers'
         # generate ~1.5x in the same process. Each engine runs all cases, then is released.
-        llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
+        if dtype == "q4-bfloat16":
+            llm = LLM("smollm2", dtype="bfloat16", quantization="gguf",
+                      kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
+        else:
+            llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
         run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
         results = {case: run_inflight(llm, cases[case]) for case in args.cases}
         llm.shutdown()
@@ -100,7 +106,7 @@ def main() -> None:
         gc.collect()
         hf_results = {}
         if not args.skip_transformers:
-            hf_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+            hf_dtype = {"auto": torch.float32, "q4-bfloat16": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
             # Dense weights in hf_dtype (transformers may otherwise keep GGUF blocks packed).
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype,
                                                       quantization_config=GgufConfig(dequantize=True)).eval()
@@ -117,7 +123,7 @@ def main() -> None:
                 row.update(transformers_tok_s=n_hf / t_hf, transformers_s=t_hf, ratio=(n_if / t_if) / (n_hf / t_hf))
                 hf_s = f"{row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x"
             rows.append(row)
-            print(f"{case:>4} {dtype:>9} {row['inflight_tok_s']:>15.1f} {hf_s}", flush=True)
+            print(f"{case:>4} {dtype:>11} {row['inflight_tok_s']:>15.1f} {hf_s}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
