@@ -646,31 +646,30 @@ template <class ST, bool kAsym>
 struct W4Bf16Panel {
   W4A16GemmParams const& p;
 
-  // Rows [n0, n0 + rows) of the weight as bf16, row stride k.
+  // Rows [n0, n0 + rows) of the weight as bf16, row stride k. Per row and group, the 16 possible weights
+  // (q * scale + offset in fp32, rounded to bf16) form a word table; VPERMW looks 32 weights up at once
+  // by their nibbles, already in natural k order.
   void dequantise(std::int64_t n0, std::int64_t rows, std::uint16_t* panel) const {
     std::int64_t const k_dim = p.k;
     int const g_size = p.group_size;
     std::int64_t const groups = k_dim / g_size;
     __m512 const iota = kAsym ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
                               : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    // Natural word p of a 32-weight block: even k from the low nibbles (words 0..15), odd from the high.
-    alignas(64) std::uint16_t order[32];
-    for (int w = 0; w < 32; ++w) order[w] = static_cast<std::uint16_t>(w % 2 == 0 ? w / 2 : 16 + w / 2);
-    __m512i const idx = _mm512_load_si512(order);
+    __m512i const nibbles = _mm512_set1_epi32(0x000f000f);
     for (std::int64_t r = 0; r < rows; ++r) {
       std::uint8_t const* w = p.qweight + (n0 + r) * (k_dim / 2);
       ST const* s = static_cast<ST const*>(p.scales) + (n0 + r) * groups;
       ST const* o = kAsym ? static_cast<ST const*>(p.offsets) + (n0 + r) * groups : nullptr;
       std::uint16_t* dst = panel + r * k_dim;
       for (std::int64_t g = 0; g < groups; ++g) {
-        __m512 const sc = _mm512_set1_ps(to_float(s[g]));
-        __m512 const table = kAsym ? _mm512_fmadd_ps(iota, sc, _mm512_set1_ps(to_float(o[g]))) : _mm512_mul_ps(iota, sc);
+        __m512 const sc = bcast(s + g);
+        __m512 const t32 = kAsym ? _mm512_fmadd_ps(iota, sc, bcast(o + g)) : _mm512_mul_ps(iota, sc);
+        __m512i const table = (__m512i)_mm512_cvtne2ps_pbh(t32, t32);  // words 0..15 (and again 16..31)
         for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
           __m512i const d = _mm512_cvtepu8_epi32(load_bytes16(w + kb / 2));
-          __m512 const lo = _mm512_permutexvar_ps(d, table);                         // k = kb + 2j
-          __m512 const hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);  // k = kb + 2j + 1
-          __m512i const packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-          _mm512_store_si512(dst + kb, _mm512_permutexvar_epi16(idx, packed));
+          // (d | d << 12) & 0x000f000f: byte j's low nibble in word 2j (k = kb + 2j), its high in word 2j + 1.
+          __m512i const idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibbles, 0xa8);
+          _mm512_store_si512(dst + kb, _mm512_permutexvar_epi16(idx, table));
         }
       }
     }
@@ -691,7 +690,7 @@ struct W8Bf16Panel {
       ST const* s = static_cast<ST const*>(p.scales) + (n0 + r) * groups;
       std::uint16_t* dst = panel + r * k_dim;
       for (std::int64_t g = 0; g < groups; ++g) {
-        __m512 const sc = _mm512_set1_ps(to_float(s[g]));
+        __m512 const sc = bcast(s + g);
         for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
           __m512 const a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w + kb))), sc);
           __m512 const b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w + kb + 16))), sc);
