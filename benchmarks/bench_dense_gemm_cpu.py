@@ -16,6 +16,7 @@ alternating blocks of calls, each after a warm-up (see ``_time_pair``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -70,13 +71,8 @@ def _time_pair(fa, fb, calls: int, percentile: float, rounds: int = 4) -> tuple[
 
 
 def _cycle(items):
-    state = {"i": 0}
-
-    def nxt():
-        state["i"] = (state["i"] + 1) % len(items)
-        return items[state["i"]]
-
-    return nxt
+    """A function returning the items in turn, forever (cold-cache runs: each call uses the next copy)."""
+    return itertools.cycle(items).__next__
 
 
 def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[int], cache: str,

@@ -21,6 +21,7 @@ native Q4 weights (bf16 or fp32 activations) vs the dequantised bf16 / fp32 mode
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -59,13 +60,8 @@ def _time(fn, iters: int, repeats: int) -> float:
 
 
 def _cycle(items):
-    state = {"i": 0}
-
-    def nxt():
-        state["i"] = (state["i"] + 1) % len(items)
-        return items[state["i"]]
-
-    return nxt
+    """A function returning the items in turn, forever (cold-cache runs: each call uses the next copy)."""
+    return itertools.cycle(items).__next__
 
 
 def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repeats: int) -> list[dict]:

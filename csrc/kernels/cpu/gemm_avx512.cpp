@@ -26,6 +26,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+#include "avx512_common.h"
 #include "dense_gemm.h"
 #include "gemm.h"
 
@@ -33,6 +34,7 @@ namespace inflight::kernels::cpu {
 namespace {
 
 using namespace gemm_detail;
+using namespace avx512_common;
 
 inline __m512 bcast(float const* p) { return _mm512_set1_ps(*p); }
 inline __m512 bcast(BFloat16 const* p) { return _mm512_set1_ps(bf16_to_float(p->bits)); }
@@ -67,16 +69,6 @@ constexpr NibbleTable<8> kTableSym{};   // q - 8
 template <int kNR>
 inline void clamp_rows(std::int64_t n0, std::int64_t n, std::int64_t (&rows)[kNR]) {
   for (int r = 0; r < kNR; ++r) rows[r] = std::min(n0 + r, n - 1);
-}
-
-// Lane sums of a, b, c, d as one xmm {sum a, sum b, sum c, sum d}.
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 const ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  __m512 const cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 const abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee));
-  __m256 const h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // Register tiles live in arrays indexed by constants only after full unrolling; without it GCC keeps
@@ -150,10 +142,6 @@ inline __m512 load16_masked(float const* p, __mmask16 m) { return _mm512_maskz_l
 inline __m512 load16_masked(Float16 const* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 inline __m512 load16_masked(BFloat16 const* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __mmask16 mask16(std::int64_t count) {
-  if (count <= 0) return 0;
-  return count >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
 }
 inline __m512 bf16_lo_to_ps(__m512i v) {  // words 0..15 -> fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
@@ -422,12 +410,44 @@ inline void widen(ST const* src, std::int64_t count, float* dst) {
   for (std::int64_t i = 0; i < count; i += 16) _mm512_storeu_ps(dst + i, load16_masked(src + i, mask16(count - i)));
 }
 
-template <class Params>
+// The 16 values a nibble stands for: q (asymmetric) or q - 8 (symmetric).
+template <bool kAsym>
+inline __m512 nibble_values() {
+  return kAsym ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+               : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+// A group's 16 possible weights: q * scale + offset in one FMA, or scale * (q - 8) (symmetric; offset
+// unused), each rounded once like the reference.
+template <bool kAsym>
+inline __m512 group_table(__m512 values, __m512 scale, __m512 offset) {
+  return kAsym ? _mm512_fmadd_ps(values, scale, offset) : _mm512_mul_ps(values, scale);
+}
+
+// Derived: the kernel (run<MR>(m0, n0, scratch)); tile() dispatches to it.
+template <class Params, class Derived>
 struct TiledBase {
   static constexpr int kNR = 3;
   static constexpr int kMaxMR = 8;
   static constexpr std::size_t kScratchBytes = kTiledScratchBytes;
   Params const& p;
+
+  void tile(int mr, std::int64_t m0, std::int64_t n0, void const* scratch) const {
+    dispatch_mr<kMaxMR>(static_cast<Derived const&>(*this), mr, m0, n0, scratch);
+  }
+
+  // acc[i][r] += wv[r] * x row i (16 fp32 at x + i * k): each x vector loaded once, used kNR times.
+  template <int MR>
+  [[gnu::always_inline]] static void madd_rows(__m512 (&acc)[MR][kNR], __m512 const (&wv)[kNR], float const* x,
+                                              std::int64_t k) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      __m512 xv = _mm512_load_ps(x + i * k);
+      pin(xv);
+#pragma GCC unroll 4
+      for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
+    }
+  }
   // The whole fp32 M tile must fit; below 2 rows per tile the untiled kernels do as well.
   int max_mr() const {
     return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / (4 * p.k)));
@@ -453,8 +473,10 @@ struct TiledBase {
 
 // XT: x/out storage type (float or Float16); ST: scale/offset storage type; kAsym: offsets given.
 template <class XT, class ST, bool kAsym>
-struct W4Tiled : TiledBase<W4A16GemmParams> {
-  explicit W4Tiled(W4A16GemmParams const& params) : TiledBase{params} {}
+struct W4Tiled : TiledBase<W4A16GemmParams, W4Tiled<XT, ST, kAsym>> {
+  using Base = TiledBase<W4A16GemmParams, W4Tiled>;
+  using Base::kNR, Base::p;
+  explicit W4Tiled(W4A16GemmParams const& params) : Base{params} {}
 
   void prepare(int mr, std::int64_t m0, void* scratch) const {
     __m512i const even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -468,10 +490,6 @@ struct W4Tiled : TiledBase<W4A16GemmParams> {
         _mm512_store_ps(dst + kb + 16, _mm512_permutex2var_ps(a, odd, b));
       }
     }
-  }
-
-  void tile(int mr, std::int64_t m0, std::int64_t n0, void const* scratch) const {
-    dispatch_mr<kMaxMR>(*this, mr, m0, n0, scratch);
   }
 
   template <int MR>
@@ -495,15 +513,12 @@ struct W4Tiled : TiledBase<W4A16GemmParams> {
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_setzero_ps();
-    // q (asymmetric) or q - 8 (symmetric: s * (q - 8) rounded once, like the reference).
-    __m512 const iota = kAsym ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-                              : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 const iota = nibble_values<kAsym>();
     for (std::int64_t g = 0; g < groups; ++g) {
       __m512 table[kNR];
 #pragma GCC unroll 4
       for (int r = 0; r < kNR; ++r) {
-        table[r] = kAsym ? _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[r][g]), _mm512_set1_ps(of[r][g]))
-                         : _mm512_mul_ps(iota, _mm512_set1_ps(sc[r][g]));
+        table[r] = group_table<kAsym>(iota, _mm512_set1_ps(sc[r][g]), kAsym ? _mm512_set1_ps(of[r][g]) : iota);
       }
       for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
         // Low nibbles (even k), then high nibbles (odd k).
@@ -517,13 +532,7 @@ struct W4Tiled : TiledBase<W4A16GemmParams> {
             __m512i const q = half == 0 ? d : _mm512_srli_epi32(d, 4);
             wv[r] = _mm512_permutexvar_ps(q, table[r]);
           }
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
-            __m512 xv = _mm512_load_ps(x + i * k_dim + kb + 16 * half);
-            pin(xv);
-#pragma GCC unroll 4
-            for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
-          }
+          this->madd_rows(acc, wv, x + kb + 16 * half, k_dim);
         }
       }
     }
@@ -533,8 +542,10 @@ struct W4Tiled : TiledBase<W4A16GemmParams> {
 
 // int8 weights, any x type (x widened to fp32 once per M tile).
 template <class XT, class ST>
-struct W8Tiled : TiledBase<W8A16GemmParams> {
-  explicit W8Tiled(W8A16GemmParams const& params) : TiledBase{params} {}
+struct W8Tiled : TiledBase<W8A16GemmParams, W8Tiled<XT, ST>> {
+  using Base = TiledBase<W8A16GemmParams, W8Tiled>;
+  using Base::kNR, Base::p;
+  explicit W8Tiled(W8A16GemmParams const& params) : Base{params} {}
 
   void prepare(int mr, std::int64_t m0, void* scratch) const {
     for (int i = 0; i < mr; ++i) {
@@ -542,10 +553,6 @@ struct W8Tiled : TiledBase<W8A16GemmParams> {
       float* dst = static_cast<float*>(scratch) + i * p.k;
       for (std::int64_t kb = 0; kb < p.k; kb += 16) _mm512_store_ps(dst + kb, load16(x + kb));
     }
-  }
-
-  void tile(int mr, std::int64_t m0, std::int64_t n0, void const* scratch) const {
-    dispatch_mr<kMaxMR>(*this, mr, m0, n0, scratch);
   }
 
   template <int MR>
@@ -575,13 +582,7 @@ struct W8Tiled : TiledBase<W8A16GemmParams> {
           wv[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w[r] + kb))),
                                 _mm512_set1_ps(sc[r][g]));
         }
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          __m512 xv = _mm512_load_ps(x + i * k_dim + kb);
-          pin(xv);
-#pragma GCC unroll 4
-          for (int r = 0; r < kNR; ++r) acc[i][r] = _mm512_fmadd_ps(wv[r], xv, acc[i][r]);
-        }
+        this->madd_rows(acc, wv, x + kb, k_dim);
       }
     }
     this->template store<MR, XT>(acc, m0, n0);
@@ -653,8 +654,7 @@ struct W4Bf16Panel {
     std::int64_t const k_dim = p.k;
     int const g_size = p.group_size;
     std::int64_t const groups = k_dim / g_size;
-    __m512 const iota = kAsym ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-                              : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 const iota = nibble_values<kAsym>();
     __m512i const nibbles = _mm512_set1_epi32(0x000f000f);
     for (std::int64_t r = 0; r < rows; ++r) {
       std::uint8_t const* w = p.qweight + (n0 + r) * (k_dim / 2);
@@ -663,7 +663,7 @@ struct W4Bf16Panel {
       std::uint16_t* dst = panel + r * k_dim;
       for (std::int64_t g = 0; g < groups; ++g) {
         __m512 const sc = bcast(s + g);
-        __m512 const t32 = kAsym ? _mm512_fmadd_ps(iota, sc, bcast(o + g)) : _mm512_mul_ps(iota, sc);
+        __m512 const t32 = group_table<kAsym>(iota, sc, kAsym ? bcast(o + g) : iota);
         __m512i const table = (__m512i)_mm512_cvtne2ps_pbh(t32, t32);  // words 0..15 (and again 16..31)
         for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
           __m512i const d = _mm512_cvtepu8_epi32(load_bytes16(w + kb / 2));
@@ -846,21 +846,12 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
       using XT = decltype(xt);
       using ST = decltype(st);
       bool const asym = p.offsets != nullptr;
-      auto run_dot = [&](auto const& kernel) {
+      // Runs a scratch-buffer kernel when one x row (or M tile) fits its scratch.
+      auto run_if_fits = [&](auto const& kernel) {
         if (!kernel.fits()) return false;
         run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
         return true;
       };
-      if constexpr (!std::is_same_v<XT, BFloat16>) {
-        if (p.m >= kTiledMinM) {
-          auto run_tiled = [&](auto const& kernel) {
-            if (!kernel.fits()) return false;
-            run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
-            return true;
-          };
-          if (asym ? run_tiled(W4Tiled<XT, ST, true>(p)) : run_tiled(W4Tiled<XT, ST, false>(p))) return;
-        }
-      }
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (p.m >= kPanelMinM && panel_fits(p.k)) {
           if (asym) {
@@ -870,8 +861,10 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
           }
           return;
         }
+      } else if (p.m >= kTiledMinM) {
+        if (asym ? run_if_fits(W4Tiled<XT, ST, true>(p)) : run_if_fits(W4Tiled<XT, ST, false>(p))) return;
       }
-      if (asym ? run_dot(W4Dot<XT, ST, true>(p)) : run_dot(W4Dot<XT, ST, false>(p))) return;
+      if (asym ? run_if_fits(W4Dot<XT, ST, true>(p)) : run_if_fits(W4Dot<XT, ST, false>(p))) return;
       // Rows too long for the scratch buffer (k beyond ~16K): the in-register kernels, no reordering.
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (asym) {

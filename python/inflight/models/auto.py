@@ -94,12 +94,12 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
     from inflight.models.llama import LlamaForCausalLM
     from inflight.models.loader import iter_safetensors
 
+    mode = check_quantization(quantization)
     known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
     path = known if known is not None else Path(os.fspath(model)).expanduser()
     factories: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         reader, config = gguf_loader.read_gguf(path)
-        mode = check_quantization(quantization)
         # "auto": dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and
         # runs them natively; an explicit dtype dequantises everything into it.
         native = mode == "gguf" or (mode == "auto" and dtype is None and device.type == "cpu")
@@ -124,7 +124,7 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | None, device: t
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
         tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
     elif path.is_dir():
-        if check_quantization(quantization) == "gguf":
+        if mode == "gguf":
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
         config = ModelConfig.from_hf_dir(path)
         if config.quantization is not None:
