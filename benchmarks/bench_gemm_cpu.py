@@ -118,7 +118,7 @@ _MODEL_VARIANTS = [("q4 native, bf16 act", torch.bfloat16, "gguf"), ("q4 native,
 def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, float]]:
     """Milliseconds of every projection of one SmolLM2 decode step (30 layers x qkv, o, gate_up, down,
     plus the LM head) through the loaded model's own modules: the part of a step this work changes."""
-    from inflight.models.auto import load_model
+    from inflight.models.loader import load_model
 
     results: dict[str, dict[int, float]] = {}
     for label, dtype, quantization in _MODEL_VARIANTS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from inflight.batch_manager import KVCacheManager, LlmRequest
-from inflight.batch_manager.simulator import SchedulingSimulator
+from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import BindMicroBatchScheduler, CapacityScheduler, SimpleScheduler
 
 

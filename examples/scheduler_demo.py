@@ -2,7 +2,7 @@
 
 48 requests with shared prompt prefixes arrive over time; a small KV pool and MAX_UTILIZATION make
 the capacity scheduler pause and later recompute requests; chunked prefill splits long prompts. The
-model is a stand-in (see inflight.batch_manager.simulator), everything else is the real C++ runtime.
+model is a stand-in (see inflight.executor.simulator), everything else is the real C++ runtime.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from inflight.batch_manager import (
     KVCacheManager,
     LlmRequest,
 )
-from inflight.batch_manager.simulator import SchedulingSimulator
+from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import BindCapacityScheduler, BindMicroBatchScheduler, SimpleScheduler
 
 

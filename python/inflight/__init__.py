@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from inflight import _C  # noqa: F401  (fails loudly here if the native module is missing)
 from inflight.cuda import cuda_available
-from inflight.llm import LLM, RequestHandle
-from inflight.llm_args import KvCacheConfig, SchedulerConfig
+from inflight.llm import LLM
+from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig
 from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.request_handle import RequestHandle
 from inflight.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "KvCacheConfig",
+    "LlmArgs",
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",

@@ -1,48 +1,255 @@
-"""Configuration objects of the LLM API (frozen, validated on construction)."""
+"""The engine's arguments: :class:`LlmArgs` and its nested :class:`KvCacheConfig` / :class:`SchedulerConfig`.
+
+Every argument is one field declared with :func:`arg`: its default, its help text and its rule
+(:class:`Rule`). From that one line follow
+
+- validation, once, on construction (configs are frozen; a bad value is a ``ValueError`` naming the
+  argument, the value and what is allowed), with values normalised (dtype names, enums);
+- the ``LLM(model, **kwargs)`` keyword (an unknown keyword is an error that lists the known ones);
+- the command-line option of ``inflight generate`` / ``inflight serve`` (:func:`add_cli_arguments`,
+  :meth:`LlmArgs.from_cli`): ``--max-batch-size`` for ``max_batch_size``, ``--kv-cache-max-tokens``
+  for ``kv_cache_config.max_tokens`` (a nested config's fields carry its prefix unless they name a
+  flag of their own).
+
+Adding an engine argument is therefore one line here; the executor factory reads it from the
+:class:`LlmArgs` it is given.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from inflight.batch_manager import CapacitySchedulerPolicy, ContextChunkingPolicy
+from inflight.utils.dtypes import FLOAT_DTYPES, dtype_name, parse_dtype
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-
-
-def parse_dtype(value: str | torch.dtype, name: str = "dtype", allow_auto: bool = True) -> torch.dtype | None:
-    """A torch dtype from a name or dtype; None for "auto" (when allowed)."""
-    if isinstance(value, torch.dtype):
-        if value in (torch.float32, torch.bfloat16, torch.float16):
-            return value
-    elif isinstance(value, str):
-        key = value.lower().removeprefix("torch.")
-        if key == "auto" and allow_auto:
-            return None
-        if key in _DTYPES:
-            return _DTYPES[key]
-    allowed = "'auto', " if allow_auto else ""
-    raise ValueError(
-        f"{name} must be {allowed}'float32', 'bfloat16', 'float16' (or fp32/bf16/fp16, or a torch dtype), "
-        f"got {value!r}"
-    )
+__all__ = [
+    "KvCacheConfig",
+    "LlmArgs",
+    "SchedulerConfig",
+    "add_cli_arguments",
+    "arg",
+]
 
 
-def _enum(value, enum_cls, name: str):
-    if isinstance(value, enum_cls):
+# ---------------------------------------------------------------------------------------------- rules
+
+
+class Rule:
+    """How one argument is checked, normalised and offered on the command line."""
+
+    cli_type: Callable[[str], Any] | None = None  # argparse type; None: a flag without a value
+    choices: tuple[Any, ...] | None = None
+
+    def check(self, name: str, value: Any) -> Any:
+        """The normalised value, or ValueError naming ``name``."""
         return value
-    if isinstance(value, str) and value.upper() in enum_cls.__members__:
-        return enum_cls[value.upper()]
-    raise ValueError(f"{name} must be one of {', '.join(enum_cls.__members__)}, got {value!r}")
+
+    def describe(self) -> str:
+        return ""
 
 
 @dataclass(frozen=True)
-class KvCacheConfig:
+class Int(Rule):
+    lo: int | None = None
+    hi: int | None = None
+    optional: bool = False
+    cli_type: ClassVar = int
+
+    def describe(self) -> str:
+        if self.hi is not None:
+            what = f"an integer in [{self.lo}, {self.hi}]"
+        else:
+            what = f"an integer >= {self.lo}" if self.lo is not None else "an integer"
+        return f"None or {what}" if self.optional else what
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
+        # bool is an Integral, but `max_batch_size=True` is a bug in the caller, not the number 1.
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if ok:
+            value = int(value)
+            ok = (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+        if not ok:
+            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Float(Rule):
+    lo: float
+    hi: float
+    lo_open: bool = False
+    cli_type: ClassVar = float
+
+    def describe(self) -> str:
+        return f"a number in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+    def check(self, name: str, value: Any) -> Any:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            # NaN fails every comparison, so it would slip through a plain range check.
+            ok = math.isfinite(value) and (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi
+        if not ok:
+            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Bool(Rule):
+    optional: bool = False  # None: "the engine decides" (e.g. by device)
+
+    def describe(self) -> str:
+        return "None or a bool" if self.optional else "a bool"
+
+    def check(self, name: str, value: Any) -> Any:
+        if (value is None and self.optional) or isinstance(value, bool):
+            return value
+        raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Choice(Rule):
+    options: tuple[str, ...]
+    optional: bool = False
+    cli_type: ClassVar = str
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.options
+
+    def describe(self) -> str:
+        return ("None or one of " if self.optional else "one of ") + str(list(self.options))
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
+        if isinstance(value, str) and value.lower() in self.options:
+            return value.lower()
+        raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EnumRule(Rule):
+    """A member of ``enum_cls`` (a bound C++ enum or a Python Enum), or its name as a string."""
+
+    enum_cls: Any
+    cli_type: ClassVar = str
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.enum_cls.__members__)
+
+    def check(self, name: str, value: Any) -> Any:
+        if isinstance(value, self.enum_cls):
+            return value
+        if isinstance(value, str) and value.upper() in self.enum_cls.__members__:
+            return self.enum_cls[value.upper()]
+        raise ValueError(f"{name} must be one of {', '.join(self.enum_cls.__members__)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DType(Rule):
+    """Stored as its canonical name ("auto", "float32", "bfloat16", "float16")."""
+
+    cli_type: ClassVar = str
+
+    def check(self, name: str, value: Any) -> Any:
+        dtype = parse_dtype(value, name)
+        return "auto" if dtype is None else dtype_name(dtype)
+
+
+@dataclass(frozen=True)
+class Device(Rule):
+    """None (CUDA when available, else the CPU) or anything ``torch.device`` accepts; stored as a str."""
+
+    cli_type: ClassVar = str
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return str(torch.device(value))
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"{name} must be None or a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Config(Rule):
+    """A nested config object of ``config_cls`` (None: its defaults)."""
+
+    config_cls: type
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None:
+            return self.config_cls()
+        if not isinstance(value, self.config_cls):
+            raise ValueError(f"{name} must be a {self.config_cls.__name__}, got {type(value).__name__}")
+        return value
+
+
+@dataclass(frozen=True)
+class Scheduler(Rule):
+    """A RequestScheduler (an object with ``schedule_request``) or a factory that returns one."""
+
+    def check(self, name: str, value: Any) -> Any:
+        if value is None or hasattr(value, "schedule_request") or callable(value):
+            return value
+        raise ValueError(f"{name} must be a RequestScheduler or a factory of one, got {type(value).__name__}")
+
+
+def arg(default: Any, help: str, rule: Rule | None = None, *, flag: str | None = None, negate: bool = False,
+        cli: bool = True) -> Any:
+    """One argument: a dataclass field carrying its help, its rule and its command-line form.
+
+    ``flag``: the option name when it is not ``--field-name`` (with a nested config's prefix);
+    ``negate``: a bool whose default is True offered as a ``--disable-...``-style flag that sets it
+    False; ``cli=False``: not on the command line (e.g. Python objects).
+    """
+    meta = {"help": help, "rule": rule if rule is not None else Rule(), "flag": flag, "negate": negate, "cli": cli}
+    if isinstance(default, (dict, list, set)):
+        raise TypeError("arg defaults must be immutable")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class _Args:
+    """Validation shared by every config class: each field through its rule, once."""
+
+    _cli_prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            rule = f.metadata.get("rule")
+            if rule is not None:
+                object.__setattr__(self, f.name, rule.check(self._qualified(f.name), getattr(self, f.name)))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Checks across fields (after each field's own rule)."""
+
+    @classmethod
+    def _qualified(cls, name: str) -> str:
+        return name
+
+    def replace(self, **changes: Any):
+        """A copy with ``changes``, validated again."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class KvCacheConfig(_Args):
     """Size and behaviour of the paged KV cache.
 
     ``free_memory_fraction`` follows TensorRT-LLM: the fraction of the memory that is *free after the
@@ -52,43 +259,156 @@ class KvCacheConfig:
     way. ``dtype="auto"`` stores KV in the model's dtype.
     """
 
-    max_tokens: int | None = None
-    free_memory_fraction: float = 0.9
-    tokens_per_block: int = 32
-    enable_block_reuse: bool = True
-    dtype: str | torch.dtype = "auto"
+    _cli_prefix: ClassVar[str] = "kv-cache-"
 
-    def __post_init__(self):
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.free_memory_fraction, (int, float)) or not 0.0 < self.free_memory_fraction <= 1.0:
-            raise ValueError(f"free_memory_fraction must be in (0, 1], got {self.free_memory_fraction!r}")
+    max_tokens: int | None = arg(None, "cap the KV pool at this many tokens", Int(1, optional=True))
+    free_memory_fraction: float = arg(
+        0.9, "fraction of the memory free after the weights given to the KV cache (TensorRT-LLM's meaning)",
+        Float(0.0, 1.0, lo_open=True))
+    tokens_per_block: int = arg(32, "KV cache block size in tokens (a power of two)", Int(1),
+                                flag="--tokens-per-block")
+    enable_block_reuse: bool = arg(True, "prefix caching (reuse of KV blocks across requests)", Bool(),
+                                   flag="--disable-block-reuse", negate=True)
+    dtype: str | torch.dtype = arg("auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType())
+
+    @classmethod
+    def _qualified(cls, name: str) -> str:
+        return name if name in ("max_tokens", "free_memory_fraction", "tokens_per_block") else f"KvCacheConfig.{name}"
+
+    def _validate(self) -> None:
         tpb = self.tokens_per_block
-        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1 or tpb & (tpb - 1):
-            # The attention kernels index blocks with shifts and masks.
+        if tpb & (tpb - 1):  # the attention kernels index blocks with shifts and masks
             raise ValueError(f"tokens_per_block must be a power of two >= 1, got {tpb!r}")
-        if not isinstance(self.enable_block_reuse, bool):
-            raise ValueError(f"enable_block_reuse must be a bool, got {self.enable_block_reuse!r}")
-        parse_dtype(self.dtype, "KvCacheConfig.dtype")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(_Args):
     """Scheduling policies (enums of :mod:`inflight.batch_manager` or their names)."""
 
-    capacity_scheduler_policy: CapacitySchedulerPolicy | str = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
-    context_chunking_policy: ContextChunkingPolicy | str = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    capacity_scheduler_policy: CapacitySchedulerPolicy | str = arg(
+        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "who may hold KV memory: GUARANTEED_NO_EVICT (default), "
+        "MAX_UTILIZATION (may pause requests), STATIC_BATCH", EnumRule(CapacitySchedulerPolicy),
+        flag="--capacity-scheduler-policy")
+    context_chunking_policy: ContextChunkingPolicy | str = arg(
+        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, "how chunked prefill splits the token budget: "
+        "FIRST_COME_FIRST_SERVED (default), EQUAL_PROGRESS", EnumRule(ContextChunkingPolicy),
+        flag="--context-chunking-policy")
 
-    def __post_init__(self):
-        object.__setattr__(
-            self,
-            "capacity_scheduler_policy",
-            _enum(self.capacity_scheduler_policy, CapacitySchedulerPolicy, "capacity_scheduler_policy"),
-        )
-        object.__setattr__(
-            self,
-            "context_chunking_policy",
-            _enum(self.context_chunking_policy, ContextChunkingPolicy, "context_chunking_policy"),
-        )
+
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+ATTENTION_BACKENDS = ("native", "torch")
+
+
+@dataclass(frozen=True)
+class LlmArgs(_Args):
+    """Everything ``LLM(model, ...)`` accepts (frozen, validated on construction).
+
+    Values found at run time (the KV pool's size, a reduced ``max_seq_len``) are not written back
+    here: the executor factory returns them.
+    """
+
+    model: str = arg("smollm2", "a Hugging Face model directory, a .gguf file, or a known name", cli=False)
+    dtype: str | torch.dtype = arg(
+        "auto", "auto (the checkpoint's; float16 becomes bfloat16 on a CPU), float32, bfloat16, float16; for "
+        "natively quantised weights, the activation dtype", DType())
+    quantization: str | None = arg(
+        None, "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
+        "native; dtype is the activation dtype, as vLLM runs GGUF files), none (always dequantised)",
+        Choice(QUANTIZATION_MODES, optional=True))
+    kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
+    scheduler_config: SchedulerConfig = arg(None, "the scheduling policies", Config(SchedulerConfig))
+    max_batch_size: int = arg(256, "most requests in one forward", Int(1))
+    max_num_tokens: int = arg(8192, "most tokens in one forward", Int(1))
+    max_seq_len: int | None = arg(
+        None, "prompt + output limit (default: the model's max_position_embeddings, reduced to what the KV "
+        "pool holds)", Int(2, optional=True))
+    enable_chunked_prefill: bool = arg(False, "split long prompts over several steps", Bool())
+    disable_overlap_scheduler: bool | None = arg(
+        None, "run each step's host work after its forward instead of beside the next one (default: on a CPU)",
+        Bool(optional=True))
+    scheduler: Any = arg(None, "a RequestScheduler, or a factory f(kv_cache_manager=, max_batch_size=, "
+                         "max_num_tokens=) returning one", Scheduler(), cli=False)
+    seed: int = arg(0, "seed of the requests without a seed of their own", Int(0, 2**63 - 1))
+    attention_backend: str | None = arg(
+        None, "native (C++ / CUDA kernels over the paged cache; the default) or torch (the plain-torch "
+        "reference)", Choice(ATTENTION_BACKENDS, optional=True))
+    device: str | torch.device | None = arg(None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device())
+    log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
+
+    def _validate(self) -> None:
+        if not isinstance(self.model, str):
+            object.__setattr__(self, "model", str(self.model))  # a PathLike
+
+    @classmethod
+    def from_kwargs(cls, model: Any, **kwargs: Any) -> LlmArgs:
+        """``LLM(model, **kwargs)``: an unknown keyword is a ValueError that lists the accepted ones."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "model"]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)} (accepted: {', '.join(names)})")
+        return cls(model=model, **kwargs)
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace, **overrides: Any) -> LlmArgs:
+        """The arguments :func:`add_cli_arguments` parsed (``overrides`` win, e.g. ``model``)."""
+        values = vars(namespace)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            rule = f.metadata.get("rule")
+            if isinstance(rule, Config):
+                nested = {g.name: values[dest] for g, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix)
+                          if dest in values}
+                kwargs[f.name] = rule.config_cls(**nested)
+            elif f.metadata.get("cli") and f.name in values:
+                kwargs[f.name] = values[f.name]
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a torch dtype (None for "auto")."""
+        return FLOAT_DTYPES.get(self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _cli_fields(cls: type, prefix: str) -> Iterator[tuple[dataclasses.Field, str]]:
+    """(field, argparse dest) of every command-line field of ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") and not isinstance(f.metadata.get("rule"), Config):
+            yield f, (prefix + f.name).replace("-", "_")
+
+
+def _add_field(group, f: dataclasses.Field, dest: str, prefix: str) -> None:
+    meta = f.metadata
+    rule: Rule = meta["rule"]
+    flag = meta["flag"] or "--" + (prefix + f.name).replace("_", "-")
+    default = f.default.name if isinstance(rule, EnumRule) else f.default
+    if isinstance(rule, Bool):
+        # store_const so that an absent flag keeps the field's own default (None means "decide").
+        const = not meta["negate"]
+        group.add_argument(flag, dest=dest, action="store_const", const=const, default=f.default, help=meta["help"])
+        return
+    kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": meta["help"]}
+    if rule.cli_type is not None:
+        kwargs["type"] = rule.cli_type
+    if rule.choices is not None and not isinstance(rule, EnumRule):
+        kwargs["choices"] = rule.choices
+    if default is not None:
+        kwargs["help"] += f" (default: {default})"
+    group.add_argument(flag, **kwargs)
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+    """Adds one option per :class:`LlmArgs` field (nested configs flattened); read back with
+    :meth:`LlmArgs.from_cli`. The model itself is the command's own argument."""
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(LlmArgs):
+        rule = f.metadata.get("rule")
+        if isinstance(rule, Config):
+            prefix = rule.config_cls._cli_prefix
+            for g, dest in _cli_fields(rule.config_cls, prefix):
+                _add_field(group, g, dest, prefix)
+        elif f.metadata.get("cli"):
+            _add_field(group, f, f.name, "")

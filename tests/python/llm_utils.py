@@ -75,15 +75,13 @@ def wait_until(pred, timeout: float = TIMEOUT, what: str = "condition") -> None:
 
 def wait_idle(llm, timeout: float = TIMEOUT) -> None:
     """Waits until the executor holds no request (active, waiting, or a step in flight)."""
-    ex = llm.executor
-    wait_until(lambda: len(ex.active) == 0 and not ex._waiting and ex._prev is None and ex._queue.empty(),
-               timeout, "the executor to become idle")
+    wait_until(lambda: llm.executor.is_idle, timeout, "the executor to become idle")
 
 
 def assert_kv_idle(llm) -> None:
     """Once the executor is idle: no KV block is used, and the manager's books balance."""
     wait_idle(llm)
-    impl = llm.kv_cache_manager.impl
+    impl = llm.executor.kv_cache_manager.impl
     impl.check_integrity()
     assert impl.num_used_blocks == 0
     assert impl.num_sequences == 0

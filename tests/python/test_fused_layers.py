@@ -29,7 +29,7 @@ def _quantized_dir(tmp_path, arch: str, **overrides):
 
 
 def _load(path, dtype, backend="native"):
-    from inflight.models.auto import load_model
+    from inflight.models.loader import load_model
 
     return load_model(path, dtype=dtype, device=torch.device("cpu"), attention_backend=backend,
                       max_seq_len=256).model
@@ -126,7 +126,7 @@ def test_fused_can_be_switched_off(tmp_path, monkeypatch):
 
 
 def test_reloading_weights_rebuilds_the_stack(tmp_path):
-    from inflight.models.loader import iter_safetensors
+    from inflight.utils.checkpoint_files import iter_safetensors
 
     path = _quantized_dir(tmp_path, "llama")
     model = _load(path, torch.float32)

@@ -21,9 +21,9 @@ def _slow_forward(monkeypatch, llm, delay: float = 0.01) -> None:
     engine = llm.executor.model_engine
     orig = engine.forward
 
-    def forward(inputs, prev_tokens=None):
+    def forward(inputs):
         time.sleep(delay)
-        return orig(inputs, prev_tokens)
+        return orig(inputs)
 
     monkeypatch.setattr(engine, "forward", forward)
 
@@ -205,7 +205,7 @@ def test_loop_death_wakes_every_waiter(make_llm, monkeypatch, overlap, exc_type)
     # At most 4 active requests (2 x max_batch_size): the others wait in the executor's queue.
     llm = make_llm(disable_overlap_scheduler=not overlap, max_batch_size=2)
     _slow_forward(monkeypatch, llm)
-    orig = llm.scheduler.schedule_request
+    orig = llm.executor.scheduler.schedule_request
     calls = {"n": 0}
     all_submitted = threading.Event()
 
@@ -217,7 +217,7 @@ def test_loop_death_wakes_every_waiter(make_llm, monkeypatch, overlap, exc_type)
             raise exc_type("scheduler exploded")
         return orig(active, inflight_ids)
 
-    monkeypatch.setattr(llm.scheduler, "schedule_request", schedule_request)
+    monkeypatch.setattr(llm.executor.scheduler, "schedule_request", schedule_request)
     handles = [llm.generate_async(p, greedy()) for p in LLM_PROMPTS[:5]]
     streaming = llm.generate_async(LLM_PROMPTS[6], greedy(), streaming=True)
     all_submitted.set()

@@ -137,7 +137,7 @@ def test_kv_pool_starts_zeroed(make_llm):
     import torch
 
     llm = make_llm(kv_cache_config=KvCacheConfig(max_tokens=24 * LLM_TPB, tokens_per_block=LLM_TPB))
-    pool = llm.kv_cache_manager.pool
+    pool = llm.executor.kv_cache_manager.pool
     assert pool.numel() > 0 and torch.count_nonzero(pool) == 0
 
 
@@ -412,7 +412,7 @@ def test_user_scheduler_instance_is_used(make_llm, hf_greedy_refs):
     cap = _RecordingCapacity()
     sched = SimpleScheduler(cap, BindMicroBatchScheduler(max_batch_size=3, max_num_tokens=64))
     llm = make_llm(scheduler=sched)
-    assert llm.scheduler is sched
+    assert llm.executor.scheduler is sched
     outs = llm.generate(LLM_PROMPTS, greedy(), use_tqdm=False)
     _assert_same(_tokens(outs), hf_greedy_refs("llama"))
     assert cap.calls, "the user's capacity scheduler was never called"
@@ -437,7 +437,7 @@ def test_user_scheduler_factory_and_bad_scheduler(make_llm):
 
     llm = make_llm(scheduler=factory, max_batch_size=5, max_num_tokens=100)
     assert made == {"max_batch_size": 5, "max_num_tokens": 100}
-    assert isinstance(llm.scheduler, RequestScheduler)
+    assert isinstance(llm.executor.scheduler, RequestScheduler)
     llm.generate(LLM_PROMPTS[:4], greedy(4), use_tqdm=False)
     assert max(s["num_scheduled_requests"] for s in llm.get_stats()) == 2
     with pytest.raises(ValueError, match="scheduler"):

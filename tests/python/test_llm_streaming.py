@@ -127,9 +127,9 @@ def test_handle_created_in_sync_code_binds_to_the_loop_that_awaits_it(make_llm, 
     engine = llm.executor.model_engine
     forward = engine.forward
 
-    def slow_forward(inputs, prev_tokens=None):
+    def slow_forward(inputs):
         time.sleep(0.005)  # keeps requests running while the loops are set up
-        return forward(inputs, prev_tokens)
+        return forward(inputs)
 
     monkeypatch.setattr(engine, "forward", slow_forward)
     # Created with no event loop anywhere; still running when a loop first awaits it.

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from inflight.models import LlamaForCausalLM, ModelConfig, load_hf_model
-from inflight.models.loader import iter_safetensors
+from inflight.models import LlamaForCausalLM, ModelConfig, load_model
+from inflight.utils.checkpoint_files import iter_safetensors
 from model_utils import ARCHS, PagedKV, load_hf_reference, make_tiny_model
 
 ATOL = 1e-4
@@ -19,13 +19,20 @@ def _prompt(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
+def _load(path, dtype, **kwargs):
+    """The engine's loader; the plain-torch attention backend unless the test names one."""
+    kwargs.setdefault("attention_backend", "torch")
+    loaded = load_model(path, dtype=dtype, **kwargs)
+    return loaded.model, loaded.config
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """arch -> (checkpoint path, transformers fp32 model, our fp32 model)."""
     out = {}
     for arch in ARCHS:
         path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, with_tokenizer=False)
-        model, _ = load_hf_model(path, torch.float32)
+        model, _ = _load(path, torch.float32)
         out[arch] = (path, load_hf_reference(path), model)
     return out
 
@@ -105,7 +112,7 @@ def test_mixed_batch_in_one_forward(tiny, arch):
 def test_low_precision_close_to_transformers(tiny, dtype):
     path, hf32, _ = tiny["llama"]
     ids = _prompt(33, seed=7)
-    model, _ = load_hf_model(path, dtype)
+    model, _ = _load(path, dtype)
     assert model.embed_tokens.dtype == dtype
     kv = PagedKV.for_model(model, tokens_per_block=8)
     input_ids, positions, md = kv.step([(0, ids[:20])], logits="all")
@@ -127,7 +134,7 @@ def test_sharded_checkpoint_loads(tmp_path, tiny):
     path = make_tiny_model(tmp_path, "qwen2", with_tokenizer=False, max_shard_size="60KB")
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
-    model, _ = load_hf_model(path, torch.float32)
+    model, _ = _load(path, torch.float32)
     _, _, unsharded = tiny["qwen2"]  # same seed and config: the same weights
     for (name, p), (_, q) in zip(model.named_parameters(), unsharded.named_parameters()):
         assert torch.equal(p, q), name
@@ -137,7 +144,7 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
     path = make_tiny_model(
         tmp_path, "llama", with_tokenizer=False, rope_scaling={"rope_type": "linear", "factor": 3.0}
     )
-    model, config = load_hf_model(path, torch.float32)
+    model, config = _load(path, torch.float32)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 3.0}
     ids = _prompt(30, seed=8)
     kv = PagedKV.for_model(model)
@@ -276,8 +283,8 @@ def test_sliding_window_refused_only_when_it_would_matter(tmp_path):
     # At load time: the default max_seq_len (max_position_embeddings = 512) exceeds the window.
     path = make_tiny_model(tmp_path, "mistral", with_tokenizer=False, sliding_window=64)
     with pytest.raises(ValueError, match="sliding_window"):
-        load_hf_model(path, torch.float32)
-    model, _ = load_hf_model(path, torch.float32, max_seq_len=64)
+        _load(path, torch.float32)
+    model, _ = _load(path, torch.float32, max_seq_len=64)
     assert model.rotary.cos_sin.shape[0] == 64
 
 
@@ -304,8 +311,8 @@ def test_bad_arguments_raise(tiny):
     with pytest.raises(ValueError, match="dtype"):
         LlamaForCausalLM(model.config, torch.int8)
     with pytest.raises(ValueError, match="dtype"):
-        load_hf_model(path, "float64")
+        _load(path, "float64")
     with pytest.raises(ValueError, match="max_seq_len"):
-        load_hf_model(path, torch.float32, max_seq_len=513)
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_hf_model(path / "nowhere", torch.float32)
+        _load(path, torch.float32, max_seq_len=513)
+    with pytest.raises(ValueError, match="model must be a Hugging Face model directory.*nowhere"):
+        _load(path / "nowhere", torch.float32)

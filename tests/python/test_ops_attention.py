@@ -329,9 +329,9 @@ def tiny_llama(tiny_model_dir):
 
 
 def _greedy(path, backend, prompts, steps: int):
-    from inflight.models import load_hf_model
+    from inflight.models import load_model
 
-    model, _ = load_hf_model(path, torch.float32, attention_backend=backend)
+    model = load_model(path, dtype=torch.float32, attention_backend=backend).model
     kv = PagedKV.for_model(model, tokens_per_block=4, num_blocks=128)
     tokens = {i: list(p) for i, p in enumerate(prompts)}
     all_logits = []

@@ -327,7 +327,7 @@ SMOL_TOKENS = 12
 @needs_smollm2
 def test_smollm2_w4a16_fp32_greedy_equals_transformers(monkeypatch):
     from inflight import LLM, KvCacheConfig, SamplingParams
-    from inflight.models import auto
+    from inflight.models import loader
     from inflight.models.gguf_loader import resolve_known_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -343,7 +343,7 @@ def test_smollm2_w4a16_fp32_greedy_equals_transformers(monkeypatch):
                               eos_token_id=None, pad_token_id=tok.eos_token_id)
             want.append(gen[0, len(ids):].tolist())
     del hf
-    monkeypatch.setattr(auto, "QUANTIZED_CPU_DTYPE", torch.float32)  # native weights, fp32 activations
+    monkeypatch.setattr(loader, "QUANTIZED_CPU_DTYPE", torch.float32)  # native weights, fp32 activations
     with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
         assert llm.dtype == torch.float32
         outs = llm.generate(prompts, SamplingParams(max_tokens=SMOL_TOKENS, temperature=0, ignore_eos=True),
@@ -360,7 +360,7 @@ def test_smollm2_w4a16_fp32_greedy_equals_transformers(monkeypatch):
 ])
 def test_smollm2_native_q4_answers_paris(dtype, quantization, act):
     from inflight import LLM, KvCacheConfig, SamplingParams
-    from inflight.models.auto import load_model
+    from inflight.models.loader import load_model
 
     loaded = load_model("smollm2", dtype=None if dtype == "auto" else act, device=torch.device("cpu"),
                         attention_backend="torch", max_seq_len=256, quantization=quantization)
@@ -378,7 +378,7 @@ def test_smollm2_native_q4_answers_paris(dtype, quantization, act):
 @needs_smollm2
 def test_quantization_option_dequantises_or_refuses():
     from inflight import LLM
-    from inflight.models.auto import load_model
+    from inflight.models.loader import load_model
 
     # "none": dequantised even with dtype="auto" (bf16 on a CPU); an explicit dtype without "gguf" too.
     for dtype, quantization, want in ((None, "none", torch.bfloat16), (torch.float32, None, torch.float32)):
@@ -393,7 +393,7 @@ def test_quantization_option_dequantises_or_refuses():
 
 
 def test_quantization_gguf_needs_a_gguf_file(tmp_path):
-    from inflight.models.auto import load_model
+    from inflight.models.loader import load_model
 
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf file"):
         load_model(tmp_path, dtype=None, device=torch.device("cpu"), attention_backend="torch", max_seq_len=64,

@@ -15,14 +15,14 @@ from inflight.batch_manager import (
     KVCacheManager,
     LlmRequest,
 )
-from inflight.batch_manager.simulator import SchedulingSimulator
+from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
     BindMicroBatchScheduler,
     CapacityScheduler,
     MicroBatchScheduler,
     RequestScheduler,
-    SchedulerOutput,
+    ScheduledRequests,
     SimpleScheduler,
 )
 
@@ -104,7 +104,7 @@ def test_a_whole_request_scheduler_can_be_user_written():
         def schedule_request(self, active_requests, inflight_request_ids):
             out = self.inner.schedule_request(active_requests, inflight_request_ids)
             if out.generation_requests:
-                return SchedulerOutput([], out.generation_requests, out.paused_requests, out.num_fitting_requests)
+                return ScheduledRequests([], out.generation_requests, out.paused_requests, out.num_fitting_requests)
             return out
 
     records, sim = _run(GenerationFirst, _requests(20, seed=5))
@@ -133,6 +133,6 @@ def test_scheduler_output_counts_tokens():
     reqs = _requests(3, seed=0)
     for r in reqs:
         r.set_context_chunk_size(5)
-    out = SchedulerOutput(reqs[:2], [reqs[2]], [], 3)
+    out = ScheduledRequests(reqs[:2], [reqs[2]], [], 3)
     assert out.batch_size == 3
     assert out.num_tokens == sum(min(5, r.prompt_len) for r in reqs[:2]) + 1

@@ -1,4 +1,6 @@
-"""The Python executor: scheduling interfaces (and, as they land, the step loop and its components)."""
+"""The Python executor: the step loop (:class:`PyExecutor`), its components (scheduler, resource
+managers, model engine, sampler), the factory that assembles them from :class:`~inflight.llm_args.LlmArgs`,
+and the scheduling simulator. This package re-exports the scheduling interfaces users implement."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from inflight.executor.scheduler import (
     CapacityScheduler,
     MicroBatchScheduler,
     RequestScheduler,
-    SchedulerOutput,
+    ScheduledRequests,
     SimpleScheduler,
 )
 
@@ -18,6 +20,6 @@ __all__ = [
     "CapacityScheduler",
     "MicroBatchScheduler",
     "RequestScheduler",
-    "SchedulerOutput",
+    "ScheduledRequests",
     "SimpleScheduler",
 ]

@@ -1,42 +1,51 @@
-"""The executor's request: the C++ LlmRequest plus the Python-side state (py_ attributes).
+"""The executor's request: the C++ LlmRequest plus the Python-side state (``py_`` attributes).
 
-The C++ part (scheduling state, tokens) goes straight into the C++ schedulers; the py_ attributes
-carry what only Python needs: sampling parameters and state, streaming offsets, timings, results.
+The C++ part (scheduling state, tokens, the sequence slot, the finish reason) goes straight into the
+C++ schedulers; the ``py_`` attributes carry what only Python needs: the sampling state, streaming
+offsets, timings, logprobs, an error message.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from inflight.batch_manager import LlmRequest
+from inflight.batch_manager import FinishReason, LlmRequest
+from inflight.executor.sampler import SamplingState
+
+# The API's finish_reason for each C++ FinishReason of a finished request (vLLM / OpenAI names).
+FINISH_REASON_NAMES = {
+    FinishReason.END_ID: "stop",
+    FinishReason.STOP_WORDS: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.TIMED_OUT: "timed_out",
+}
 
 
 class ExecutorRequest(LlmRequest):
+    """A request as the executor runs it. Finished means state GENERATION_COMPLETE; then either
+    ``finish_reason`` (C++) says why, or ``py_error`` holds the engine failure that ended it."""
+
     def __init__(
         self,
         request_id: int,
         prompt_token_ids: list[int],
         max_new_tokens: int,
-        sampling_params: Any,
-        sampling_state: Any,
+        sampling_state: SamplingState,
         streaming: bool = False,
         priority: float = 0.5,
     ):
         super().__init__(request_id, max_new_tokens, prompt_token_ids, priority)
         # The C++ max_new_tokens shrinks when a pause folds tokens into the prompt; this does not.
         self.py_max_new_tokens = max_new_tokens
-        self.py_sampling_params = sampling_params
         self.py_sampling_state = sampling_state
-        self.py_streaming = streaming
+        self.py_streaming = streaming  # a response for every token, not only the final one
         self.py_num_returned = 0  # output tokens already sent in a response
         self.py_logprobs: list[dict[int, float]] = []  # one dict per output token, when requested
         self.py_cumulative_logprob = 0.0
-        self.py_finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-        self.py_stop_reason: int | str | None = None
+        self.py_stop_reason: int | None = None  # the stop token id, when one ended the request
         self.py_error: str | None = None
-        self.py_cancel_requested = False
         self.py_num_preemptions = 0
         self.py_arrival_time = time.monotonic()
         self.py_first_scheduled_time: float | None = None
@@ -49,7 +58,16 @@ class ExecutorRequest(LlmRequest):
 
     @property
     def py_done(self) -> bool:
-        return self.py_finish_reason is not None
+        return self.is_finished
+
+    @property
+    def py_finish_reason(self) -> str | None:
+        """"stop" | "length" | "cancelled" | "timed_out" | "error", None while running."""
+        if not self.is_finished:
+            return None
+        if self.py_error is not None:
+            return "error"
+        return FINISH_REASON_NAMES.get(self.finish_reason)
 
 
 @dataclass

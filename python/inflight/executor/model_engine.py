@@ -4,6 +4,11 @@ One step's inputs: the tokens of each context chunk, then one token per decode r
 no padding), their positions, and the :class:`AttentionMetadata` (block tables written by the C++
 KV manager in one call, slot mapping, lengths). Only rows whose logits are needed (a context's
 last chunk, every decode) go through the LM head.
+
+Per-request state on the device is indexed by the request's sequence slot (``seq_slot``, from the
+SeqSlotManager), as TensorRT-LLM indexes its decoder state: ``new_tokens[slot]`` is the newest token
+sampled for the request. In overlap mode a decode's input token is read from there, on the device,
+when the host has not appended it yet (it was sampled by the step still in flight).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import numpy as np
 import torch
 
 from inflight.batch_manager import RequestList
-from inflight.executor.resource_manager import KVCacheResourceManager, ScheduledBatch
+from inflight.executor.resource_manager import KVCacheResourceManager
+from inflight.executor.scheduler import ScheduledRequests
 from inflight.layers.attention import AttentionMetadata
 
 
@@ -23,25 +29,29 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     sampled_requests: list  # requests with a logits row, in row order
-    # Overlap mode: decode rows whose input token is the previous step's sampled token, still on
-    # the device: input_ids[dst] = prev_tokens[src].
-    prev_token_dst: torch.Tensor | None = None
-    prev_token_src: torch.Tensor | None = None
+    sampled_slots: torch.Tensor  # [len(sampled_requests)] int64: their seq_slots (rows of new_tokens)
+    # Overlap mode: decode rows whose input token is still only on the device:
+    # input_ids[pending_dst] = new_tokens[pending_slots].
+    pending_dst: torch.Tensor | None = None
+    pending_slots: torch.Tensor | None = None
 
 
 class ModelEngine:
+    """Builds a step's inputs and runs the model's forward; ``max_num_slots`` bounds ``seq_slot``."""
+
     def __init__(self, model: torch.nn.Module, kv_manager: KVCacheResourceManager, device: torch.device,
-                 max_batch_size: int):
+                 max_batch_size: int, max_num_slots: int):
         self.model = model
         self.kv = kv_manager
         self.device = device
         self.tpb = kv_manager.tokens_per_block
         # Reused host buffer for the block tables (the C++ manager writes rows in place).
         self._tables = np.zeros((max_batch_size, kv_manager.impl.max_blocks_per_seq), dtype=np.int32)
+        self.new_tokens = torch.zeros(max_num_slots, dtype=torch.int64, device=device)
 
-    def prepare(self, batch: ScheduledBatch, pending_rows: dict[int, int] | None = None) -> ModelInputs:
-        """``pending_rows``: request id -> row of the previous step's sampled tokens that has not been
-        appended to the request yet (overlap mode)."""
+    def prepare(self, batch: ScheduledRequests, pending_ids: set[int] | frozenset[int] = frozenset()) -> ModelInputs:
+        """``pending_ids``: requests whose newest token was sampled by the step still in flight and is
+        not appended to the request yet (overlap mode): it is read from ``new_tokens``."""
         ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
@@ -61,11 +71,10 @@ class ModelEngine:
         dst, src = [], []
         for req in batch.generation_requests:
             pos = req.num_tokens - 1
-            row = pending_rows.get(req.request_id) if pending_rows else None
-            if row is not None:
+            if req.request_id in pending_ids:
                 pos += 1  # its newest token is still on the device
                 dst.append(len(ids))
-                src.append(row)
+                src.append(req.seq_slot)
                 ids.append(0)
             else:
                 ids.append(req.last_token)
@@ -100,15 +109,26 @@ class ModelEngine:
             seq_lens_host=tuple(seq_lens),
             kv_lens_host=tuple(kv_lens),
         )
-        inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled)
+        slots = torch.tensor([r.seq_slot for r in sampled], dtype=torch.int64, device=dev)
+        inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled, slots)
         if dst:
-            inputs.prev_token_dst = torch.tensor(dst, dtype=torch.int64, device=dev)
-            inputs.prev_token_src = torch.tensor(src, dtype=torch.int64, device=dev)
+            inputs.pending_dst = torch.tensor(dst, dtype=torch.int64, device=dev)
+            inputs.pending_slots = torch.tensor(src, dtype=torch.int64, device=dev)
         return inputs
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The logits of the sampled rows, ``[len(inputs.sampled_requests), vocab]``."""
         input_ids = inputs.input_ids
-        if inputs.prev_token_dst is not None:
-            input_ids = input_ids.index_copy(0, inputs.prev_token_dst, prev_tokens.index_select(0, inputs.prev_token_src))
+        if inputs.pending_dst is not None:
+            input_ids = input_ids.index_copy(0, inputs.pending_dst, self.new_tokens.index_select(0, inputs.pending_slots))
         return self.model(input_ids, inputs.metadata.positions, inputs.metadata, self.kv.kv_caches)
+
+    def store_new_tokens(self, inputs: ModelInputs, token_ids: torch.Tensor) -> None:
+        """Records a step's sampled tokens in ``new_tokens``, by slot (on the device, no sync)."""
+        self.new_tokens.index_copy_(0, inputs.sampled_slots, token_ids)
+
+    def shutdown(self) -> None:
+        """Drops the model (its weights) and the device buffers."""
+        self.model = None
+        self.new_tokens = torch.empty(0, dtype=torch.int64)

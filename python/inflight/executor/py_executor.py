@@ -8,8 +8,13 @@ for reuse) -> iteration stats.
 
 Overlap mode (``disable_overlap_scheduler=False``): step N's forward is launched (on a second
 thread) before the host work of step N-1, which then runs while N computes. N's decode inputs come
-from N-1's sampled-token tensor (no host round trip); a request that met a stop condition at N-1
-but was already scheduled into N has its step-N token discarded, and is freed only once N is done.
+from the device buffer of newest tokens that N-1's sampling wrote, by sequence slot (no host round
+trip); a request that met a stop condition at N-1 but was already scheduled into N has its step-N
+token discarded, and is freed only once N is done.
+
+The loop runs on a worker thread (:meth:`start_worker`, by default at construction). Without one,
+:meth:`step` runs one iteration on the caller's thread: the scheduling simulator drives the executor
+that way, step by step.
 
 Failure handling: an exception in forward or sampling fails the requests of that batch
 (``finish_reason="error"``), frees them, and the loop goes on. If the loop itself dies, every waiter
@@ -31,28 +36,40 @@ from typing import Any
 
 import torch
 
-from inflight.batch_manager import LlmRequestState, RequestList
+from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.llm_request import ExecutorRequest, Response
 from inflight.executor.model_engine import ModelEngine, ModelInputs
-from inflight.executor.resource_manager import ResourceManager, ScheduledBatch
+from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
+from inflight.executor.sampler import Sampler, SamplerOutput
+from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
 
 logger = logging.getLogger("inflight")
 
-_SHUTDOWN = object()
+
+@dataclass(frozen=True)
+class _Cancel:
+    """Queue item: cancel this request (wherever it is)."""
+
+    request_id: int
+
+
+class _Shutdown:
+    """Queue item: finish everything queued before this, then stop."""
 
 
 @dataclass
 class _InFlight:
     """A launched step whose host work (tokens, stop checks, responses) is not done yet."""
 
-    batch: ScheduledBatch
+    batch: ScheduledRequests
     inputs: ModelInputs
     future: concurrent.futures.Future | None = None
-    output: Any = None  # SamplerOutput once finished
+    output: SamplerOutput | None = None
     processed: set[int] = field(default_factory=set)  # request ids whose token was taken
 
-    def pending_rows(self) -> dict[int, int]:
-        return {r.request_id: i for i, r in enumerate(self.inputs.sampled_requests)}
+    def pending_ids(self) -> set[int]:
+        """Requests whose token of this step is sampled but not appended on the host yet."""
+        return {r.request_id for r in self.inputs.sampled_requests} - self.processed
 
 
 class PyExecutor:
@@ -60,8 +77,8 @@ class PyExecutor:
         self,
         model_engine: ModelEngine,
         resource_manager: ResourceManager,
-        scheduler: Any,
-        sampler: Any,
+        scheduler: RequestScheduler,
+        sampler: Sampler,
         *,
         max_seq_len: int,
         max_num_active_requests: int,
@@ -69,6 +86,7 @@ class PyExecutor:
         response_callback: Callable[[Response], None] | None = None,
         stats_window: int = 1024,
         log_stats_every: int = 0,
+        start_worker: bool = True,
     ):
         self.model_engine = model_engine
         self.resource_manager = resource_manager
@@ -96,8 +114,15 @@ class PyExecutor:
         self._forward_pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inflight-forward") if self.overlap else None
         )
-        self._thread = threading.Thread(target=self._loop, name="inflight-executor", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if start_worker:
+            self.start_worker()
+
+    def start_worker(self) -> None:
+        """Runs the loop on a worker thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="inflight-executor", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ public API (any thread)
     def enqueue_request(self, request: ExecutorRequest) -> int:
@@ -109,7 +134,7 @@ class PyExecutor:
     def cancel_request(self, request_id: int) -> None:
         with self._lock:
             if self._error is None and not self._closing:
-                self._queue.put(("cancel", request_id))
+                self._queue.put(_Cancel(request_id))
 
     def await_responses(self, timeout: float | None = None) -> list[Response]:
         """Responses gathered so far (at least one, unless ``timeout`` passes); only when the
@@ -127,19 +152,33 @@ class PyExecutor:
         return list(self._stats)
 
     @property
+    def kv_cache_manager(self) -> KVCacheResourceManager | None:
+        return self.resource_manager.get("kv_cache_manager")
+
+    @property
     def is_alive(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        return self._error is None and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def is_idle(self) -> bool:
+        """No request queued, waiting, running or in flight."""
+        return len(self.active) == 0 and not self._waiting and self._prev is None and self._queue.empty()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Finishes every queued and running request, then stops the loop and frees memory."""
         with self._lock:
             if not self._closing:
                 self._closing = True
-                self._queue.put(_SHUTDOWN)
-        self._thread.join(timeout)
+                self._queue.put(_Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            while self.step():
+                pass
         if self._forward_pool is not None:
             self._forward_pool.shutdown(wait=True)
         self.resource_manager.shutdown()
+        self.model_engine.shutdown()
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -148,16 +187,22 @@ class PyExecutor:
             raise RuntimeError("the executor is shut down")
 
     # ------------------------------------------------------------------ the loop
+    def step(self, block: bool = False) -> bool:
+        """One iteration of the loop; False once a shutdown has drained everything. ``block``: wait
+        for a request while idle (the worker thread does)."""
+        if not self._fetch_new_requests(block):
+            return False
+        if self.overlap:
+            self._step_overlap()
+        else:
+            self._step()
+        self._flush_responses()
+        return True
+
     def _loop(self) -> None:
         try:
-            while True:
-                if not self._fetch_new_requests():
-                    break
-                if self.overlap:
-                    self._step_overlap()
-                else:
-                    self._step()
-                self._flush_responses()
+            while self.step(block=True):
+                pass
         except BaseException as exc:  # noqa: BLE001  (the loop must report any death)
             logger.error("executor loop died:\n%s", traceback.format_exc())
             with self._lock:
@@ -169,15 +214,14 @@ class PyExecutor:
             return
         t0 = time.perf_counter()
         self._step_num_tokens = 0
-        out = self.scheduler.schedule_request(self.active, set())
-        batch = ScheduledBatch(out.context_requests, out.generation_requests)
-        self._pause(out.paused_requests)
+        batch = self.scheduler.schedule_request(self.active, set())
+        self._pause(batch.paused_requests)
         if len(batch):
             try:
                 self.resource_manager.prepare_resources(batch)
                 inputs = self.model_engine.prepare(batch)
                 self._step_num_tokens = inputs.metadata.num_tokens
-                sampler_output = self._forward_and_sample(inputs, None)
+                sampler_output = self._forward_and_sample(inputs)
             except Exception as exc:  # noqa: BLE001
                 self._fail_batch(batch, exc)
             else:
@@ -185,7 +229,7 @@ class PyExecutor:
                 self._process_output(_InFlight(batch, inputs, output=sampler_output))
                 self._free_finished()
                 self.resource_manager.update_resources(batch, finished_contexts)
-        self._record_stats(out, batch, t0)
+        self._record_stats(batch, t0)
 
     def _step_overlap(self) -> None:
         prev = self._prev
@@ -193,18 +237,16 @@ class PyExecutor:
             return
         t0 = time.perf_counter()
         self._step_num_tokens = 0
-        out = self.scheduler.schedule_request(self.active, set())
-        batch = ScheduledBatch(out.context_requests, out.generation_requests)
-        self._pause(out.paused_requests, prev)
+        batch = self.scheduler.schedule_request(self.active, set())
+        self._pause(batch.paused_requests, prev)
         launched = None
         if len(batch):
             try:
                 self.resource_manager.prepare_resources(batch)
-                inputs = self.model_engine.prepare(batch, prev.pending_rows() if prev else None)
+                inputs = self.model_engine.prepare(batch, prev.pending_ids() if prev else frozenset())
                 self._step_num_tokens = inputs.metadata.num_tokens
-                prev_tokens = prev.output.token_ids if prev else None
                 launched = _InFlight(batch, inputs)
-                launched.future = self._forward_pool.submit(self._forward_and_sample, inputs, prev_tokens)
+                launched.future = self._forward_pool.submit(self._forward_and_sample, inputs)
             except Exception as exc:  # noqa: BLE001
                 self._fail_batch(batch, exc)
                 launched = None
@@ -221,16 +263,16 @@ class PyExecutor:
         self._free_finished()
         if launched is not None:
             self.resource_manager.update_resources(launched.batch, finished_contexts)
-        self._record_stats(out, batch, t0)
+        self._record_stats(batch, t0)
 
     # ------------------------------------------------------------------ components of a step
-    def _fetch_new_requests(self) -> bool:
+    def _fetch_new_requests(self, block: bool) -> bool:
         """Moves queued requests into the waiting queue and (up to the limit) into the active list.
-        Blocks while there is nothing to do. Returns False when the loop should stop."""
+        With ``block``, waits while there is nothing to do. Returns False when the loop should stop."""
         idle = len(self.active) == 0 and not self._waiting and self._prev is None
         # Block only while nothing is running and no shutdown is pending: once the marker has been
         # taken (while requests were still running), nothing else may ever arrive.
-        block = idle and not self._draining
+        block = block and idle and not self._draining
         stop = False
         while True:
             try:
@@ -238,10 +280,10 @@ class PyExecutor:
             except queue.Empty:
                 break
             block = False
-            if item is _SHUTDOWN:
+            if isinstance(item, _Shutdown):
                 stop = True  # drain: keep stepping until everything queued before it is done
-            elif isinstance(item, tuple):
-                self._cancel(item[1])
+            elif isinstance(item, _Cancel):
+                self._cancel(item.request_id)
             else:
                 self._waiting.append(item)
         while self._waiting and len(self.active) < self.max_num_active_requests:
@@ -270,12 +312,12 @@ class PyExecutor:
         for req in self._waiting:
             if req.request_id == request_id:
                 self._waiting.remove(req)
-                self._finish(req, "cancelled")
+                self._finish(req, FinishReason.CANCELLED)
                 return
         for req in self.active:
             if req.request_id == request_id:
                 if not req.py_done:
-                    self._finish(req, "cancelled")
+                    self._finish(req, FinishReason.CANCELLED)
                     # In overlap mode the running step may still use its KV: free after it.
                     self._deferred_free.append(req)
                     if self._prev is None:
@@ -294,11 +336,14 @@ class PyExecutor:
             req.pause(self.max_seq_len)
             req.py_num_preemptions += 1
 
-    def _forward_and_sample(self, inputs: ModelInputs, prev_tokens):
-        logits = self.model_engine.forward(inputs, prev_tokens)
-        return self.sampler.sample(logits, [r.py_sampling_state for r in inputs.sampled_requests])
+    def _forward_and_sample(self, inputs: ModelInputs) -> SamplerOutput:
+        logits = self.model_engine.forward(inputs)
+        output = self.sampler.sample(logits, [r.py_sampling_state for r in inputs.sampled_requests])
+        if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
+            self.model_engine.store_new_tokens(inputs, output.token_ids)
+        return output
 
-    def _update_request_states(self, batch: ScheduledBatch) -> list:
+    def _update_request_states(self, batch: ScheduledRequests) -> list:
         finished_contexts = []
         now = time.monotonic()
         for req in batch.context_requests:
@@ -333,23 +378,24 @@ class PyExecutor:
             if req.py_first_token_time is None:
                 req.py_first_token_time = now
             reason, stop_reason = self._stop_condition(req, tok)
-            if reason is not None:
+            if reason != FinishReason.NOT_FINISHED:
                 req.py_stop_reason = stop_reason
                 self._finish(req, reason)
                 self._deferred_free.append(req)
             elif req.py_streaming:
                 self._respond(req)
 
-    def _stop_condition(self, req: ExecutorRequest, tok: int) -> tuple[str | None, Any]:
+    def _stop_condition(self, req: ExecutorRequest, tok: int) -> tuple[FinishReason, int | None]:
+        """Why the request stops after ``tok`` (NOT_FINISHED: it goes on), and the stop token."""
         state = req.py_sampling_state
         params = state.params
         if tok in state.eos_token_ids and not params.ignore_eos:
-            return "stop", None
+            return FinishReason.END_ID, None
         if params.stop_token_ids and tok in params.stop_token_ids:
-            return "stop", tok
+            return FinishReason.STOP_WORDS, tok
         if req.py_num_output_tokens >= req.py_max_new_tokens or req.num_tokens >= self.max_seq_len:
-            return "length", None
-        return None, None
+            return FinishReason.LENGTH, None
+        return FinishReason.NOT_FINISHED, None
 
     def _respond(self, req: ExecutorRequest) -> None:
         n = req.py_num_output_tokens
@@ -385,8 +431,9 @@ class PyExecutor:
             except Exception:  # noqa: BLE001  (one bad consumer must not stop the loop)
                 logger.exception("response callback failed for request %d", resp.request_id)
 
-    def _finish(self, req: ExecutorRequest, reason: str, error: str | None = None) -> None:
-        req.py_finish_reason = reason
+    def _finish(self, req: ExecutorRequest, reason: FinishReason, error: str | None = None) -> None:
+        """Ends the request: ``reason``, or an engine failure (``error``; reason NOT_FINISHED)."""
+        req.finish_reason = reason
         req.py_error = error
         req.py_finish_time = time.monotonic()
         req.state = LlmRequestState.GENERATION_COMPLETE
@@ -401,12 +448,12 @@ class PyExecutor:
             self.resource_manager.free_resources(req, store_for_reuse=req.py_finish_reason != "error")
         self.active.remove_ids({r.request_id for r in done})
 
-    def _fail_batch(self, batch: ScheduledBatch, exc: BaseException) -> None:
+    def _fail_batch(self, batch: ScheduledRequests, exc: BaseException) -> None:
         logger.error("step failed for requests %s: %r", [r.request_id for r in batch.all_requests], exc)
         message = f"{type(exc).__name__}: {exc}"
         for req in batch.all_requests:
             if not req.py_done:
-                self._finish(req, "error", message)
+                self._finish(req, FinishReason.NOT_FINISHED, message)
                 self._deferred_free.append(req)
         self._free_finished()
 
@@ -423,15 +470,15 @@ class PyExecutor:
         for req in pending:
             if not req.py_done:
                 try:
-                    self._finish(req, "error", message)
+                    self._finish(req, FinishReason.NOT_FINISHED, message)
                 except Exception:  # noqa: BLE001  (keep waking the others)
                     logger.exception("could not report the failure of request %d", req.request_id)
         self._flush_responses()
 
     # ------------------------------------------------------------------ stats
-    def _record_stats(self, out, batch: ScheduledBatch, t0: float) -> None:
-        kv = self.resource_manager.get("kv_cache_manager")
-        kv_stats = kv.impl.get_kv_cache_stats().to_dict() if kv is not None else {}
+    def _record_stats(self, batch: ScheduledRequests, t0: float) -> None:
+        kv = self.kv_cache_manager
+        kv_stats = kv.get_kv_cache_stats() if kv is not None else {}
         stat = {
             "iter": self._iter,
             "timestamp": time.time(),
@@ -441,7 +488,7 @@ class PyExecutor:
             "num_scheduled_requests": len(batch),
             "num_context_requests": len(batch.context_requests),
             "num_generation_requests": len(batch.generation_requests),
-            "num_paused_requests": len(out.paused_requests),
+            "num_paused_requests": len(batch.paused_requests),
             "num_tokens": self._step_num_tokens,
             "kv_cache_stats": kv_stats,
         }

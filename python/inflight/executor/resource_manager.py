@@ -12,35 +12,21 @@ import logging
 import math
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from inflight.batch_manager import KVCacheManager, RequestList, SequenceSlotManager
+from inflight.executor.scheduler import ScheduledRequests
 
 logger = logging.getLogger("inflight")
 
 
-@dataclass
-class ScheduledBatch:
-    """This step's requests, as the scheduler chose them (contexts first)."""
-
-    context_requests: Sequence
-    generation_requests: Sequence
-
-    @property
-    def all_requests(self) -> list:
-        return list(self.context_requests) + list(self.generation_requests)
-
-    def __len__(self) -> int:
-        return len(self.context_requests) + len(self.generation_requests)
-
-
 class BaseResourceManager(abc.ABC):
     @abc.abstractmethod
-    def prepare_resources(self, batch: ScheduledBatch) -> None: ...
+    def prepare_resources(self, batch: ScheduledRequests) -> None: ...
 
-    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+    def update_resources(self, batch: ScheduledRequests, finished_contexts: Sequence) -> None:
         """After a step: ``finished_contexts`` are the requests whose last context chunk just ran."""
 
     @abc.abstractmethod
@@ -56,14 +42,14 @@ class ResourceManager:
     def __init__(self, managers: dict[str, BaseResourceManager]):
         self.managers = dict(managers)
 
-    def get(self, name: str):
+    def get(self, name: str) -> BaseResourceManager | None:
         return self.managers.get(name)
 
-    def prepare_resources(self, batch: ScheduledBatch) -> None:
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
         for m in self.managers.values():
             m.prepare_resources(batch)
 
-    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+    def update_resources(self, batch: ScheduledRequests, finished_contexts: Sequence) -> None:
         for m in self.managers.values():
             m.update_resources(batch, finished_contexts)
 
@@ -77,12 +63,16 @@ class ResourceManager:
 
 
 class SeqSlotManager(BaseResourceManager):
-    """Dense slot per running request (C++ SequenceSlotManager)."""
+    """A dense slot in ``[0, max_num_sequences)`` per running request (C++ SequenceSlotManager): the
+    row of the per-request state the model engine keeps on the device (overlap mode's newest tokens),
+    as TensorRT-LLM indexes its decoder state. A context gets its slot when it is first scheduled; a
+    request keeps it until it finishes or is paused."""
 
     def __init__(self, max_num_sequences: int):
         self.impl = SequenceSlotManager(max_num_sequences, 180.0)
+        self.max_num_sequences = max_num_sequences
 
-    def prepare_resources(self, batch: ScheduledBatch) -> None:
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
         for req in batch.context_requests:
             if req.seq_slot is None:
                 slot = self.impl.get_sequence_slot(True, req.request_id)
@@ -106,13 +96,26 @@ def _zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 
 class KVCacheResourceManager(BaseResourceManager):
-    """Owns the KV pool (torch tensors, one per layer) and drives the C++ KVCacheManager.
+    """Owns the KV pool (torch tensors, one per layer) and drives the block accounting of a
+    KVCacheManager (the C++ one, or its twin; ``impl``).
 
-    Pool layout per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``.
+    Pool layout per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``. Build it with
+    :meth:`allocate`; ``KVCacheResourceManager(impl)`` without a pool does the accounting only (for a
+    model engine that does not read KV, as the scheduling simulator's).
     """
 
-    def __init__(
-        self,
+    def __init__(self, impl: Any, pool: torch.Tensor | None = None):
+        self.impl = impl
+        self.tokens_per_block = impl.tokens_per_block
+        self.num_blocks = impl.max_num_blocks
+        self.max_seq_len = impl.max_seq_len
+        self.pool = pool
+        self.dtype = pool.dtype if pool is not None else None
+        self.kv_caches = list(pool.unbind(0)) if pool is not None else []
+
+    @classmethod
+    def allocate(
+        cls,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
@@ -122,13 +125,9 @@ class KVCacheResourceManager(BaseResourceManager):
         dtype: torch.dtype,
         device: torch.device,
         enable_block_reuse: bool,
-    ):
-        self.impl = KVCacheManager(num_blocks, tokens_per_block, max_seq_len, enable_block_reuse)
-        self.tokens_per_block = tokens_per_block
-        self.num_blocks = num_blocks
-        self.max_seq_len = max_seq_len
-        self.dtype = dtype
-        self.device = device
+    ) -> KVCacheResourceManager:
+        """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index."""
+        impl = KVCacheManager(num_blocks, tokens_per_block, max_seq_len, enable_block_reuse)
         shape = (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
         # Never-written slots must not hold NaN/Inf patterns: attention gathers whole blocks (and
         # padding up to the longest sequence of the batch), and a masked-out NaN value still poisons
@@ -137,16 +136,20 @@ class KVCacheResourceManager(BaseResourceManager):
         # malloc's mmap threshold (up to 32 MiB) recycles freed heap memory, garbage included.
         # GPU memory may hold anything, so it is cleared once.
         if device.type == "cpu":
-            self.pool = _zeroed_host_tensor(shape, dtype)
+            pool = _zeroed_host_tensor(shape, dtype)
         else:
-            self.pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = list(self.pool.unbind(0))
+            pool = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(impl, pool)
 
     @property
     def bytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return 0 if self.pool is None else self.pool.numel() * self.pool.element_size()
 
-    def prepare_resources(self, batch: ScheduledBatch) -> None:
+    def get_kv_cache_stats(self) -> dict[str, Any]:
+        """The KV stats of docs/batch-manager.md as a dict (used/free blocks, hit rate, ...)."""
+        return self.impl.get_kv_cache_stats().to_dict()
+
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
         kv = self.impl
         for req in batch.context_requests:
             if not kv.has_sequence(req.request_id):
@@ -155,7 +158,7 @@ class KVCacheResourceManager(BaseResourceManager):
         for req in batch.generation_requests:
             kv.add_token(req.request_id)
 
-    def update_resources(self, batch: ScheduledBatch, finished_contexts: Sequence) -> None:
+    def update_resources(self, batch: ScheduledRequests, finished_contexts: Sequence) -> None:
         if self.impl.enable_block_reuse:
             for req in finished_contexts:
                 if self.impl.has_sequence(req.request_id):
@@ -171,4 +174,4 @@ class KVCacheResourceManager(BaseResourceManager):
 
     def shutdown(self) -> None:
         self.kv_caches = []
-        self.pool = torch.empty(0, dtype=self.dtype)
+        self.pool = None

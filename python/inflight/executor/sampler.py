@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inflight.ops.reference.sampling import apply_temperature_top_k_top_p_min_p
 from inflight.ops.sampling import sample as fused_sample
 from inflight.sampling_params import SamplingParams
 
@@ -359,45 +360,3 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         tokens[idx] = sampled
         return tokens
-
-
-def apply_temperature_top_k_top_p_min_p(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks (-inf), batched with per-row ``[N]`` tensors.
-
-    ``top_k`` 0 keeps all tokens; ``top_p`` 1 and ``min_p`` 0 are no-ops (pass None when no row
-    uses a filter, to skip its sort or softmax). Rows must not be greedy (temperature > 0).
-    Among equal logits the lower token id ranks first (a stable sort), as ``torch.argmax``.
-    """
-    x = logits / temperature.to(logits.dtype).unsqueeze(1)
-    vocab = x.shape[1]
-    if top_k is not None or top_p is not None:
-        vals, order = x.sort(dim=-1, descending=True, stable=True)
-        drop = torch.zeros_like(vals, dtype=torch.bool)
-        if top_k is not None:
-            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp_max(vocab)
-            drop |= torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)
-            vals = vals.masked_fill(drop, float("-inf"))
-        if top_p is not None:
-            probs = torch.softmax(vals, dim=-1)
-            # Mass strictly before each token: it is kept while that is short of top_p, so the first
-            # (most likely) token always stays. top_p == 1 keeps everything even when rounding
-            # makes the cumulative sum reach 1 early.
-            cum = probs.cumsum(dim=-1)
-            before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-            p = top_p.to(vals.dtype).unsqueeze(1)
-            drop |= (before >= p) & (p < 1.0)
-            vals = vals.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, vals)
-    if min_p is not None:
-        probs = torch.softmax(x, dim=-1)
-        # Relative to the largest probability, so it does not matter that top-k/top-p above did
-        # not renormalize: the ratio p_i / p_max is the same before and after.
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(1)
-        x = x.masked_fill(probs < threshold, float("-inf"))
-    return x

@@ -1,6 +1,7 @@
 """Scheduler interfaces that users can implement in Python, and wrappers of the C++ schedulers.
 
-The executor asks one :class:`RequestScheduler` per step for a :class:`SchedulerOutput`. The usual
+The executor asks one :class:`RequestScheduler` per step for its :class:`ScheduledRequests`: the step
+object that every later stage (resource managers, model engine, stats) reads. The usual
 one is :class:`SimpleScheduler`, which chains a :class:`CapacityScheduler` (who may hold KV memory;
 who is paused) and a :class:`MicroBatchScheduler` (who runs in this forward pass, with which context
 chunk). Either half can be the C++ implementation (``BindCapacityScheduler``,
@@ -31,13 +32,17 @@ from inflight.batch_manager import (
     LlmRequest,
     LlmRequestState,
 )
+from inflight.batch_manager import reference as reference_impl
+from inflight.llm_args import EnumRule
 
 RequestSeq = Sequence[LlmRequest]
 
 
 @dataclass
-class SchedulerOutput:
-    """What runs this step: context chunks, decode steps, and the requests paused to make room."""
+class ScheduledRequests:
+    """One step: the context chunks and decode steps that run in this forward (contexts first, in
+    scheduling order), the requests paused to make room, and how many the capacity scheduler let hold
+    KV memory. Built by the scheduler, read by every later stage of the step."""
 
     context_requests: RequestSeq = field(default_factory=list)
     generation_requests: RequestSeq = field(default_factory=list)
@@ -47,6 +52,14 @@ class SchedulerOutput:
     @property
     def batch_size(self) -> int:
         return len(self.context_requests) + len(self.generation_requests)
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def all_requests(self) -> list[LlmRequest]:
+        """The requests of the forward: contexts, then generations."""
+        return [*self.context_requests, *self.generation_requests]
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +96,8 @@ class RequestScheduler(abc.ABC):
     """The executor's single scheduling entry point."""
 
     @abc.abstractmethod
-    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> SchedulerOutput:
-        """Returns this step's :class:`SchedulerOutput`."""
+    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> ScheduledRequests:
+        """Returns this step's :class:`ScheduledRequests`."""
 
 
 class SimpleScheduler(RequestScheduler):
@@ -102,19 +115,10 @@ class SimpleScheduler(RequestScheduler):
         self.capacity_scheduler = capacity_scheduler
         self.micro_batch_scheduler = micro_batch_scheduler
 
-    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> SchedulerOutput:
+    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> ScheduledRequests:
         fitting, paused = self.capacity_scheduler.schedule_request(active_requests)
         context, generation = self.micro_batch_scheduler.schedule(fitting, inflight_request_ids)
-        return SchedulerOutput(context, generation, paused, len(fitting))
-
-
-def _policy(value: CapacitySchedulerPolicy | str) -> CapacitySchedulerPolicy:
-    if isinstance(value, CapacitySchedulerPolicy):
-        return value
-    if isinstance(value, str) and value.upper() in CapacitySchedulerPolicy.__members__:
-        return CapacitySchedulerPolicy[value.upper()]
-    allowed = ", ".join(CapacitySchedulerPolicy.__members__)
-    raise ValueError(f"capacity_scheduler_policy must be one of {allowed}, got {value!r}")
+        return ScheduledRequests(context, generation, paused, len(fitting))
 
 
 class BindCapacityScheduler(CapacityScheduler):
@@ -134,10 +138,10 @@ class BindCapacityScheduler(CapacityScheduler):
         no_schedule_after_state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
         reference: bool = False,
     ):
-        cls = _reference().CapacityScheduler if reference else bm.CapacityScheduler
+        cls = reference_impl.CapacityScheduler if reference else bm.CapacityScheduler
         self.impl = cls(
             max_num_requests,
-            _policy(policy),
+            EnumRule(CapacitySchedulerPolicy).check("capacity_scheduler_policy", policy),
             no_schedule_until_state,
             no_schedule_after_state,
             two_steps_lookahead,
@@ -168,7 +172,7 @@ class BindMicroBatchScheduler(MicroBatchScheduler):
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if max_num_tokens is not None and (not isinstance(max_num_tokens, int) or max_num_tokens < 1):
             raise ValueError(f"max_num_tokens must be None or an integer >= 1, got {max_num_tokens!r}")
-        cls = _reference().MicroBatchScheduler if reference else bm.MicroBatchScheduler
+        cls = reference_impl.MicroBatchScheduler if reference else bm.MicroBatchScheduler
         self.impl = cls(ctx_chunk_config, max_context_length, no_schedule_until_state, no_schedule_after_state)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -178,9 +182,3 @@ class BindMicroBatchScheduler(MicroBatchScheduler):
     ) -> tuple[RequestSeq, RequestSeq]:
         ids = inflight_request_ids if isinstance(inflight_request_ids, set) else set(inflight_request_ids)
         return self.impl.schedule(active_requests, ids, self.max_batch_size, self.max_num_tokens)
-
-
-def _reference():
-    from inflight.batch_manager import reference
-
-    return reference

@@ -25,14 +25,12 @@ from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
 from inflight.layers.attention import AttentionMetadata
-from inflight.layers.native_attention import NativeAttentionBackend, _plan
+from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.linear import Linear
 from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
+from inflight.utils.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["FusedCpuLayers", "fused_layers_enabled"]
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def fused_layers_enabled() -> bool:
     return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
@@ -75,7 +73,7 @@ class FusedCpuLayers:
             return "INFLIGHT_FUSED_LAYERS=0"
         if not isinstance(model.attention_backend, NativeAttentionBackend):
             return f"attention backend is {model.attention_backend.name!r}, not 'native'"
-        if model.dtype not in _DTYPE_NAMES:
+        if model.dtype not in SUPPORTED_DTYPES:
             return f"dtype {model.dtype}"
         if model.rotary.cos_sin.device.type != "cpu":
             return "not on the CPU"
@@ -101,7 +99,7 @@ class FusedCpuLayers:
         c = model.config
         stack = _C.LlamaLayerStack(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-            float(c.rms_norm_eps), float(c.head_dim**-0.5), _DTYPE_NAMES[model.dtype],
+            float(c.rms_norm_eps), float(c.head_dim**-0.5), dtype_name(model.dtype),
         )
         for layer in model.layers:
             stack.add_layer(
@@ -137,7 +135,7 @@ class FusedCpuLayers:
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         self._bind_caches(kv_caches)
-        plan = _plan(metadata)
+        plan = plan_kernels(metadata)
         none = None
         self._stack.forward(
             _dl(hidden),

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from inflight.layers.attention import AttentionBackend, AttentionMetadata
-from inflight.layers.torch_attention import _check_metadata
 from inflight.ops.attention import context_attention, paged_attention, store_kv
 
 
 @dataclass(frozen=True)
-class _Plan:
+class KernelPlan:
+    """One step's arguments of the attention kernels, sliced from the metadata once per step."""
+
     num_context_tokens: int  # flattened tokens 0 .. num_context_tokens-1 go to context_attention
     # context_attention's arguments (None: no context work this step)
     ctx_block_tables: torch.Tensor | None
@@ -36,8 +37,9 @@ class _Plan:
     dec_kv_lens: torch.Tensor | None
 
 
-def _plan(metadata: AttentionMetadata) -> _Plan:
-    _check_metadata(metadata)
+def plan_kernels(metadata: AttentionMetadata) -> KernelPlan:
+    """Splits the step into the context_attention part and the paged_attention part."""
+    metadata.check()
     nc, bs = metadata.num_contexts, metadata.batch_size
     if any(s != 1 for s in metadata.seq_lens_host[nc:]):
         nc = bs  # multi-token decodes: everything is a context chunk
@@ -50,7 +52,7 @@ def _plan(metadata: AttentionMetadata) -> _Plan:
         cu = metadata.cu_seqlens[: nc + 1].to(i32).contiguous()
     if nc < bs:
         dec = (metadata.block_tables[nc:].to(i32).contiguous(), metadata.kv_lens[nc:].to(i32).contiguous())
-    return _Plan(num_ctx_tokens, ctx[0], cu, ctx[1], dec[0], dec[1])
+    return KernelPlan(num_ctx_tokens, ctx[0], cu, ctx[1], dec[0], dec[1])
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -59,7 +61,7 @@ class NativeAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         # One-entry memo (metadata object, its plan); identity, not id(), so reuse cannot fool it.
         self._planned_for: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        self._plan: KernelPlan | None = None
 
     def forward(
         self,
@@ -71,7 +73,7 @@ class NativeAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
-            self._plan, self._planned_for = _plan(metadata), metadata
+            self._plan, self._planned_for = plan_kernels(metadata), metadata
         plan = self._plan
         dtype = q.dtype
         if kv_cache.dtype != dtype:  # a cache kept in another dtype: the kernels run in the cache's

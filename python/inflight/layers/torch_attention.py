@@ -111,16 +111,6 @@ def _plan_group(
     return _GroupPlan(tok_begin, tok_end, batch, max_q, gather, q_index, mask, is_causal)
 
 
-def _check_metadata(metadata: AttentionMetadata) -> None:
-    if sum(metadata.seq_lens_host) != metadata.num_tokens:
-        raise ValueError(
-            f"seq_lens sum to {sum(metadata.seq_lens_host)}, but num_tokens is {metadata.num_tokens}"
-        )
-    for i, (s, k) in enumerate(zip(metadata.seq_lens_host, metadata.kv_lens_host)):
-        if s < 1 or k < s:
-            raise ValueError(f"sequence {i}: need 1 <= seq_len <= kv_len, got seq_len={s}, kv_len={k}")
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -132,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _get_plan(self, metadata: AttentionMetadata, device: torch.device) -> tuple[_GroupPlan, ...]:
         if self._planned_for is metadata:
             return self._plan
-        _check_metadata(metadata)
+        metadata.check()
         nc, bs = metadata.num_contexts, metadata.batch_size
         groups = [(b, e) for b, e in ((0, nc), (nc, bs)) if e > b]
         plan = tuple(_plan_group(metadata, b, e, device) for b, e in groups)

@@ -1,16 +1,15 @@
-"""Native llama-family models (Llama 2/3, Mistral, Qwen2, SmolLM2, TinyLlama) and their loaders."""
+"""Native llama-family models (Llama 2/3, Mistral, Qwen2, SmolLM2, TinyLlama) and their one loader."""
 
 from __future__ import annotations
 
 from inflight.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from inflight.models.llama import LlamaForCausalLM
-from inflight.models.loader import iter_safetensors, load_hf_model, resolve_dtype
+from inflight.models.loader import LoadedModel, load_model
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "LlamaForCausalLM",
+    "LoadedModel",
     "ModelConfig",
-    "iter_safetensors",
-    "load_hf_model",
-    "resolve_dtype",
+    "load_model",
 ]

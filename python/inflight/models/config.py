@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inflight.quantization.w4a16 import GROUP_SIZES, QUANT_METHOD
+
 # HF architecture name -> model_type. One model class covers all three: they differ only in which
 # projections carry a bias, the tied LM head and the sliding-window fields, all of which are config.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -247,10 +249,10 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
     if not q:
         return None
     method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
-    if method != "inflight_w4a16":
-        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported (only 'inflight_w4a16')")
+    if method != QUANT_METHOD:
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r})")
     group_size = q.get("group_size")
-    if group_size not in (32, 64, 128):
+    if group_size not in GROUP_SIZES:
         raise ValueError(f"quantization_config.group_size must be 32, 64 or 128, got {group_size!r}")
     symmetric = q.get("symmetric", False)
     if not isinstance(symmetric, bool):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from inflight.models.config import ModelConfig
+from inflight.quantization.gguf_import import q4_0_offsets, q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
 
 # Short model names that LLM(model=...) resolves.
 KNOWN_MODELS = {
@@ -223,13 +224,6 @@ def iter_gguf_quantized_tensors(
     """Like :func:`iter_gguf_tensors`, but linear weights come as ``<prefix>.qweight/.scales(/.offsets)``
     repacked bit for bit from their Q4 blocks (and a Q8_0 tied embedding as ``qweight/scales``); the
     Q/K row permutation is undone on the packed rows and their scales alike (rows only: exact)."""
-    from inflight.quantization.gguf_import import (
-        q4_0_offsets,
-        q4_0_to_w4a16,
-        q4_1_to_w4a16,
-        q8_0_to_w8a16,
-    )
-
     for t in reader.tensors:
         name = _hf_name(t.name)
         kind = t.tensor_type.name

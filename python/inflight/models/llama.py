@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import RMSNorm
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models.config import ModelConfig
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from inflight.ops.gemm import dense_gemm
+from inflight.utils.dtypes import SUPPORTED_DTYPES
 
 # Where a checkpoint tensor goes: a fused Linear's shard, or a plain parameter.
 _LinearTarget = tuple[nn.Module, int, str]
@@ -184,8 +185,6 @@ class LlamaForCausalLM(nn.Module):
         if self._fused is False:
             return None
         if self._fused is None:
-            from inflight.layers.fused_cpu import FusedCpuLayers
-
             built = FusedCpuLayers.build(self)
             self._fused = built if built is not None else False
             return built
@@ -228,8 +227,6 @@ class LlamaForCausalLM(nn.Module):
         if self.embedding is not None:
             return self.embedding(hidden).float()
         if run_fused:  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
-            from inflight.ops.gemm import dense_gemm
-
             return dense_gemm(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 

@@ -1,90 +1,164 @@
-"""Load a Hugging Face model directory (config.json + safetensors, single file or sharded index)."""
+"""``load_model``: what ``LLM(model=...)`` accepts (a Hugging Face directory, a ``.gguf`` file or a known
+short name), resolved to a model with its weights loaded, its config and its tokenizer.
+
+This is the one loader: the engine and the tests both build models through :func:`load_model`.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+import os
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from inflight.cuda import cuda_compiled
 from inflight.layers.attention import AttentionBackend
+from inflight.layers.native_attention import NativeAttentionBackend
+from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding
+from inflight.layers.torch_attention import TorchAttentionBackend
+from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
-from inflight.models.llama import SUPPORTED_DTYPES, LlamaForCausalLM
+from inflight.models.llama import LlamaForCausalLM
+from inflight.utils.checkpoint_files import iter_safetensors
+from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig) -> torch.dtype:
-    """``"auto"`` -> the checkpoint's dtype (float32 when it names none); names as in the LLM API."""
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        resolved = _DTYPE_NAMES.get(config.checkpoint_dtype or "float32", torch.float32)
-    elif dtype in _DTYPE_NAMES:
-        resolved = _DTYPE_NAMES[dtype]
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+    dtype: torch.dtype
+
+
+ATTENTION_BACKENDS = ("native", "torch")
+
+
+def make_attention_backend(name: str | AttentionBackend | None, device: torch.device | None = None) -> AttentionBackend:
+    """"native" (the C++ / CUDA kernels; the default) or "torch" (the plain-torch reference); an
+    :class:`AttentionBackend` instance is used as it is."""
+    if isinstance(name, AttentionBackend):
+        return name
+    if name is None:
+        name = "native"
+        if device is not None and device.type == "cuda" and not cuda_compiled():
+            name = "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "native":
+        return NativeAttentionBackend()
+    raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+
+
+def auto_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The checkpoint's dtype; on a CPU float16 becomes bfloat16 (CPU float16 matmuls are slow)."""
+    dtype = checkpoint_dtype(config.checkpoint_dtype)
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.bfloat16
+    return dtype
+
+
+# Activation dtype of natively quantised weights on a CPU with dtype="auto": fp32, exact fp32 math (greedy
+# tokens equal transformers' fp32 run of the same GGUF). Single-stream decode is as fast as with bf16
+# activations (memory-bound; ~7 ms per SmolLM2 step either way); batches of 12+ rows run ~1.3-2x faster
+# with bf16 activations (VDPBF16PS), which LLM(..., dtype="bfloat16", quantization="gguf") selects.
+QUANTIZED_CPU_DTYPE = torch.float32
+
+
+def load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer  # a second or two to import: only when there is a tokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+
+
+def check_quantization(value: str | None) -> str:
+    """The quantization mode: "auto" (None), "gguf" or "none"; anything else is a ValueError."""
+    if value is None:
+        return "auto"
+    if not isinstance(value, str) or value.lower() not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_MODES)}, got {value!r}")
+    return value.lower()
+
+
+def load_model(
+    model: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attention_backend: str | AttentionBackend | None = None,
+    max_seq_len: int | None = None,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """``model``: a Hugging Face model directory, a ``.gguf`` file, or a known short name
+    (``smollm2``). ``dtype``: a name of :mod:`inflight.utils.dtypes`, a torch dtype, or None / "auto".
+    ``device``: default the CPU.
+
+    ``quantization`` decides what happens to a GGUF file's 4-bit weights:
+      - "auto" (None): native 4-bit kernels when ``dtype`` is auto and the device a CPU (fp32
+        activations); an explicit dtype dequantises every weight into that dtype;
+      - "gguf": always native (Q4_0/Q4_1 linears as W4A16, a tied Q8_0 embedding as W8A16), with ``dtype``
+        as the activation dtype (auto: fp32 on a CPU, fp16 on a GPU), as vLLM runs GGUF files;
+      - "none": always dequantised (auto dtype: bf16 on a CPU, fp16 on a GPU).
+    Quantised Hugging Face directories (``inflight quantize``) always run natively."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    mode = check_quantization(quantization)
+    known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
+    path = known if known is not None else Path(os.fspath(model)).expanduser()
+    factories: dict[str, Any] = {}
+    if path.is_file() and path.suffix == ".gguf":
+        reader, config = gguf_loader.read_gguf(path)
+        # "auto": dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and
+        # runs them natively; an explicit dtype dequantises everything into it.
+        native = mode == "gguf" or (mode == "auto" and dtype is None and device.type == "cpu")
+        plan = gguf_loader.gguf_quant_plan(reader, config) if native else None
+        if mode == "gguf" and plan is None:
+            raise ValueError(
+                f"quantization='gguf' needs every linear weight of {path.name} in Q4_0 or Q4_1, found "
+                f"{sorted(gguf_loader.gguf_linear_kinds(reader))}; use quantization=None to dequantise")
+        if plan is not None:
+            if dtype is None:
+                dtype = QUANTIZED_CPU_DTYPE if device.type == "cpu" else torch.float16
+            factories["linear_factory"] = partial(
+                W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric)
+            if plan.q8_embedding:
+                factories["embedding_factory"] = partial(W8A16Embedding, group_size=gguf_loader.GGUF_GROUP_SIZE)
+            weights = gguf_loader.iter_gguf_quantized_tensors(reader, config, dtype, plan)
+        else:
+            # Dequantised weights: bfloat16 by default (the fp32 copy is twice the memory traffic).
+            dtype = dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
+            weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
+        tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
+    elif path.is_dir():
+        if mode == "gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
+        config = ModelConfig.from_hf_dir(path)
+        if config.quantization is not None:
+            factories["linear_factory"] = partial(W4A16Linear, group_size=config.quantization["group_size"],
+                                                  symmetric=config.quantization["symmetric"])
+            if dtype is None and device.type == "cpu":
+                dtype = QUANTIZED_CPU_DTYPE
+        dtype = dtype if dtype is not None else auto_dtype(config, device)
+        weights = iter_safetensors(path)
+        tokenizer_fn = lambda: load_tokenizer(path)  # noqa: E731
     else:
         raise ValueError(
-            f"dtype must be 'auto', one of {sorted(_DTYPE_NAMES)} or a torch.dtype, got {dtype!r}"
+            f"model must be a Hugging Face model directory, a .gguf file or one of "
+            f"{sorted(gguf_loader.KNOWN_MODELS)}, got {str(model)!r}"
         )
-    if resolved not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {resolved}")
-    return resolved
-
-
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files: those of ``model.safetensors.index.json``, else all ``*.safetensors``."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(
-                    f"shard {file.name!r} named by {index.name} is missing in {str(path)!r}"
-                )
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = f" (found {others}: only safetensors weights are supported)" if others else ""
-        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}{hint}")
-    return files
-
-
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(name, tensor)`` pairs one tensor at a time, so peak memory stays ~one tensor above the model."""
-    from safetensors import safe_open
-
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
-
-
-def load_hf_model(
-    path: str | Path,
-    dtype: torch.dtype | str = torch.float32,
-    attention_backend: AttentionBackend | None = None,
-    max_seq_len: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load the model of a HF directory; raises ValueError for anything unsupported."""
-    config = ModelConfig.from_hf_dir(path)
-    resolved = resolve_dtype(dtype, config)
-    model = LlamaForCausalLM(config, resolved, attention_backend, max_seq_len=max_seq_len, device=device)
-    model.load_weights(iter_safetensors(path))
-    model.eval()
-    return model, config
+    config.check_max_seq_len(max_seq_len if max_seq_len is not None else config.max_position_embeddings)
+    backend = make_attention_backend(attention_backend, device)
+    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device, **factories)
+    net.load_weights(weights)
+    net.eval()
+    return LoadedModel(net, config, tokenizer_fn(), dtype)

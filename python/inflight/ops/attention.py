@@ -21,13 +21,12 @@ import torch
 from torch.utils.dlpack import to_dlpack as _dl
 
 from inflight import _C
+from inflight.cuda import require_cuda_module
 
 __all__ = ["context_attention", "paged_attention", "store_kv"]
 
 
 def _cuda_op(name: str):
-    from inflight.cuda import require_cuda_module
-
     return getattr(require_cuda_module(), name)
 
 

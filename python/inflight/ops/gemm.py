@@ -28,6 +28,8 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
+from inflight.cuda import require_cuda_module
+from inflight.ops.reference import gemm as reference
 
 __all__ = ["W4A16Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
 
@@ -37,8 +39,6 @@ def _cuda(x: torch.Tensor) -> bool:
 
 
 def _cuda_call(name: str, x: torch.Tensor, n: int, out: torch.Tensor | None, *args) -> torch.Tensor:
-    from inflight.cuda import require_cuda_module
-
     if out is None:
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     *head, bias = args
@@ -75,9 +75,7 @@ def w4a16_gemm(
     if _cuda(x):
         return _cuda_call("w4a16_gemm", x, qweight.shape[0], out, qweight, scales, offsets, group_size, bias)
     if x.device.type != "cpu":
-        from inflight.ops.reference.gemm import w4a16_gemm as reference
-
-        return reference(x, qweight, scales, offsets, group_size, out=out, bias=bias)
+        return reference.w4a16_gemm(x, qweight, scales, offsets, group_size, out=out, bias=bias)
     out, out_cap = _out(out, x, qweight.shape[0])
     _C.w4a16_gemm(_cap(x), _cap(qweight), _cap(scales), None if offsets is None else _cap(offsets), group_size,
                   out_cap, None if bias is None else _cap(bias), torch.get_num_threads())
@@ -96,9 +94,7 @@ def w8a16_gemm(
     if _cuda(x):
         return _cuda_call("w8a16_gemm", x, qweight.shape[0], out, qweight, scales, group_size, bias)
     if x.device.type != "cpu":
-        from inflight.ops.reference.gemm import w8a16_gemm as reference
-
-        return reference(x, qweight, scales, group_size, out=out, bias=bias)
+        return reference.w8a16_gemm(x, qweight, scales, group_size, out=out, bias=bias)
     out, out_cap = _out(out, x, qweight.shape[0])
     _C.w8a16_gemm(_cap(x), _cap(qweight), _cap(scales), group_size, out_cap, None if bias is None else _cap(bias),
                   torch.get_num_threads())
@@ -152,9 +148,7 @@ def dense_gemm(
     few attribute reads (a decode-size call is ~10 us): the binding validates dtypes and shapes.
     """
     if not x.is_cpu:
-        from inflight.ops.reference.gemm import dense_gemm as reference
-
-        return reference(x, weight, bias=bias, out=out)
+        return reference.dense_gemm(x, weight, bias=bias, out=out)
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous (row-major [n, k]), got strides {weight.stride()} "
                          f"for shape {tuple(weight.shape)}")

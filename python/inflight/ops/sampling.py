@@ -3,7 +3,7 @@
 Row ``i``'s token depends only on its logits, its parameters and its RNG key
 ``(seeds[i], steps[i])``: the uniform it draws with is a pure function of the key (splitmix64,
 :func:`sampling_uniform`), and the row is reduced in fixed blocks whatever the thread count or the
-batch around it. Masks as :func:`inflight.executor.sampler.apply_temperature_top_k_top_p_min_p`; the
+batch around it. Masks as :func:`inflight.ops.reference.sampling.apply_temperature_top_k_top_p_min_p`; the
 draw is an inverse CDF in token-id order. The plain-torch twin is
 :func:`inflight.ops.reference.sampling.sample`.
 """

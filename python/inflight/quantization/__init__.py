@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from inflight.quantization.gguf_import import q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
+from inflight.quantization.checkpoint import quantize_checkpoint
 from inflight.quantization.w4a16 import (
     GROUP_SIZES,
     dequantize_w4,
     dequantize_w8,
     pack_int4,
-    quantize_checkpoint,
     quantize_w4,
     quantize_w8,
     unpack_int4,

@@ -82,8 +82,7 @@ class ServerState:
         return getattr(self.llm, "tokenizer", None)
 
     def engine_alive(self) -> bool:
-        ex = getattr(self.llm, "executor", None)
-        return ex is not None and bool(ex.is_alive) and not getattr(self.llm, "_shutdown", False)
+        return self.llm.is_alive
 
     def token_str(self, tid: int) -> str:
         s = self._token_strs.get(tid)
@@ -371,8 +370,8 @@ def build_app(llm, model_name: str, max_queue_size: int = 1024, *, aliases: tupl
             raise bad_request(f"This model's maximum context length is {limit} tokens, and the {prompt_field} has "
                               f"{n} tokens (at least one must be left for the output). Shorten the "
                               f"{prompt_field}.", param=prompt_field, code="context_length_exceeded")
-        if not getattr(llm, "enable_chunked_prefill", True) and n > llm.max_num_tokens:
-            raise bad_request(f"The {prompt_field} has {n} tokens, more than max_num_tokens={llm.max_num_tokens} "
+        if not llm.args.enable_chunked_prefill and n > llm.args.max_num_tokens:
+            raise bad_request(f"The {prompt_field} has {n} tokens, more than max_num_tokens={llm.args.max_num_tokens} "
                               "(the server was started without --enable-chunked-prefill).",
                               param=prompt_field, code="context_length_exceeded")
         if params.max_tokens is not None and n + params.max_tokens > limit:
@@ -386,8 +385,8 @@ def build_app(llm, model_name: str, max_queue_size: int = 1024, *, aliases: tupl
 
     async def tokenize(prompt: str) -> list[int]:
         if len(prompt) > 4096:  # long prompts are tokenized off the event loop
-            return (await asyncio.to_thread(llm._tokenize, prompt))[1]
-        return llm._tokenize(prompt)[1]
+            return await asyncio.to_thread(llm.encode, prompt)
+        return llm.encode(prompt)
 
     def submit(prompts: list[list[int]], params: list[SamplingParams], stream: bool, prompt_field: str) -> _Job:
         state.admit()

@@ -1,7 +1,7 @@
 """Plain-torch twin of :func:`inflight.ops.sampling.sample`.
 
-The masks are the executor's own :func:`~inflight.executor.sampler.apply_temperature_top_k_top_p_min_p`
-(a stable sort of the whole row); the draw is an inverse CDF, in token-id order and float64, over
+The masks are :func:`apply_temperature_top_k_top_p_min_p` (a stable sort of the whole row), which the
+executor's sampler also uses on devices without the fused kernel; the draw is an inverse CDF, in token-id order and float64, over
 ``exp(x - max)`` of the kept tokens, at ``u * total`` with the same uniform ``u`` as the kernel
 (splitmix64 of the key ``(seed, step)``, here in numpy). For the same key the twin and the kernel
 pick the same token, except where ``u`` lands within float rounding of a CDF or mask boundary.
@@ -44,6 +44,48 @@ def _as_uint64(v: np.ndarray | torch.Tensor) -> np.ndarray:
     return a.view(np.uint64).reshape(-1) if a.dtype == np.int64 else a.astype(np.uint64).reshape(-1)
 
 
+def apply_temperature_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf), batched with per-row ``[N]`` tensors.
+
+    ``top_k`` 0 keeps all tokens; ``top_p`` 1 and ``min_p`` 0 are no-ops (pass None when no row
+    uses a filter, to skip its sort or softmax). Rows must not be greedy (temperature > 0).
+    Among equal logits the lower token id ranks first (a stable sort), as ``torch.argmax``.
+    """
+    x = logits / temperature.to(logits.dtype).unsqueeze(1)
+    vocab = x.shape[1]
+    if top_k is not None or top_p is not None:
+        vals, order = x.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(vals, dtype=torch.bool)
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp_max(vocab)
+            drop |= torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)
+            vals = vals.masked_fill(drop, float("-inf"))
+        if top_p is not None:
+            probs = torch.softmax(vals, dim=-1)
+            # Mass strictly before each token: it is kept while that is short of top_p, so the first
+            # (most likely) token always stays. top_p == 1 keeps everything even when rounding
+            # makes the cumulative sum reach 1 early.
+            cum = probs.cumsum(dim=-1)
+            before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+            p = top_p.to(vals.dtype).unsqueeze(1)
+            drop |= (before >= p) & (p < 1.0)
+            vals = vals.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, vals)
+    if min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        # Relative to the largest probability, so it does not matter that top-k/top-p above did
+        # not renormalize: the ratio p_i / p_max is the same before and after.
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(1)
+        x = x.masked_fill(probs < threshold, float("-inf"))
+    return x
+
+
 def kept_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -52,8 +94,6 @@ def kept_logits(
     min_p: torch.Tensor,
 ) -> torch.Tensor:
     """float32 ``logits / T`` with -inf where the filters drop a token (rows must not be greedy)."""
-    from inflight.executor.sampler import apply_temperature_top_k_top_p_min_p
-
     return apply_temperature_top_k_top_p_min_p(
         logits.float(),
         temperature=torch.as_tensor(temperature, dtype=torch.float32),
@@ -113,4 +153,11 @@ def sample(
     return out
 
 
-__all__ = ["inverse_cdf", "kept_logits", "sample", "sampling_uniform", "splitmix64"]
+__all__ = [
+    "apply_temperature_top_k_top_p_min_p",
+    "inverse_cdf",
+    "kept_logits",
+    "sample",
+    "sampling_uniform",
+    "splitmix64",
+]
