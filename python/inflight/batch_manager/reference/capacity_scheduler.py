@@ -13,10 +13,12 @@ Data and its invariants:
 * ``schedule`` borrows the requests and the KV cache manager (C++ or twin). It changes no request;
   the only KV state it touches is the planning count (``start_scheduling`` and
   ``scheduling_remove_sequence``, MAX_UTILIZATION only).
-* ``fitting`` is a subsequence of ``active_requests`` in the same order, at most
-  ``max_num_requests`` long, all within the state window. ``paused`` is non-empty only under
-  MAX_UTILIZATION, disjoint from ``fitting``, and holds started requests in the order they were
-  chosen as victims (from the back of the list towards the front).
+* ``fitting`` holds at most ``max_num_requests`` requests of ``active_requests``, all within the
+  state window, each once. Without a KV cache manager and under MAX_UTILIZATION it keeps their
+  order; under GUARANTEED_NO_EVICT and STATIC_BATCH the generating requests come first, then the
+  others admitted, each group in list order. ``paused`` is non-empty only under MAX_UTILIZATION,
+  disjoint from ``fitting``, and holds started requests in the order they were chosen as victims
+  (from the back of the list towards the front).
 * The duplicate-prefill marks of one call are a set of block keys; each request adds at most one.
 
 Semantics: ``docs/batch-manager.md``.
@@ -89,8 +91,8 @@ class CapacityScheduler:
     def schedule(
         self, active_requests: Iterable[LlmRequest], kv_cache_manager: Any
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-        """(fitting, paused). ``fitting`` keeps the order of ``active_requests`` (descending
-        priority); ``paused`` lists the victims in the order they were chosen, i.e. from the back."""
+        """(fitting, paused), ordered as the module docstring says: ``fitting`` in list order
+        (generating requests first under the no-evict policies), ``paused`` in victim order."""
         active = list(active_requests)
         if kv_cache_manager is None:
             return self._schedule_max_requests(active), []
