@@ -1,5 +1,5 @@
 // CapacityScheduler: TRT-LLM's MaxRequests / GuaranteedNoEvict / StaticBatch / MaxUtilization
-// schedulers behind one class. Semantics: shared/docs/batch-manager.md.
+// schedulers behind one class. Semantics: docs/batch-manager.md.
 #include "inflight/batch_manager/capacity_scheduler.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // KVCacheManager: block accounting, the free queue and the prefix-reuse tree (TRT-LLM semantics,
-// see shared/docs/batch-manager.md).
+// see docs/batch-manager.md).
 //
 // Data layout, chosen so that the per-step paths (add_token, copy_block_tables, the scheduling
 // helpers) are O(1) per block and allocation-free:

@@ -1,6 +1,6 @@
 // CapacityScheduler: table-driven simulations (TRT-LLM capacitySchedulerTest style) plus direct
 // checks of validation and the state window. Every expected table is derived by hand from the
-// rules in shared/docs/batch-manager.md; the comments show the arithmetic (tpb = 10 throughout).
+// rules in docs/batch-manager.md; the comments show the arithmetic (tpb = 10 throughout).
 #include "inflight/batch_manager/capacity_scheduler.h"
 
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // MicroBatchScheduler: table-driven simulations (TRT-LLM microBatchSchedulerTest style) and direct
 // checks of the chunking policies, draft fitting and validation. Expected tables are derived by
-// hand from shared/docs/batch-manager.md; the comments show the arithmetic. The KV pool is large,
+// hand from docs/batch-manager.md; the comments show the arithmetic. The KV pool is large,
 // so the capacity scheduler (GUARANTEED_NO_EVICT) admits everything and only the micro batch limits.
 #include "inflight/batch_manager/micro_batch_scheduler.h"
 

@@ -1,7 +1,8 @@
 """The C++ batch manager: requests, KV cache accounting, sequence slots and the two schedulers.
 
-Names and semantics follow TensorRT-LLM's batch manager (snake_case). Pure-Python twins with the
-same interface and decisions live in :mod:`inflight.batch_manager.reference`.
+Names and semantics follow TensorRT-LLM's batch manager (snake_case); the specification, with the
+places where we differ, is ``docs/batch-manager.md``. Pure-Python twins with the same interface and
+decisions live in :mod:`inflight.batch_manager.reference`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from inflight._C import (
     ContextChunkingConfig,
     ContextChunkingPolicy,
     FinishReason,
-    KvCacheStats,
     KVCacheManager,
+    KvCacheStats,
     LlmRequest,
     LlmRequestState,
     MicroBatchScheduler,

@@ -1,0 +1,495 @@
+"""Pure-Python twin of ``KVCacheManager``: ``csrc/batch_manager/kv_cache_manager.cpp`` and
+``csrc/include/inflight/batch_manager/kv_cache_manager.h``.
+
+Accounting only: the twin hands out block ids, like the C++ class; the KV memory itself is a tensor
+owned by Python. Requests are borrowed for the duration of a call and never stored.
+
+Data and its invariants (``KVCacheManager.check_integrity`` verifies them and raises RuntimeError
+naming the first one violated):
+
+* ``_blocks[i]`` is block ``i`` (the pool owns every block). A block is either free (``ref_count``
+  0, in exactly one free list: the one of its ``retention_priority``) or in use (``ref_count`` =
+  the number of sequences holding it, in no free list); free + used = ``max_num_blocks``.
+* ``_free_lists[p]`` holds the free blocks of retention priority ``p`` in release order, oldest
+  first (a dict used as an ordered set, so that a prefix hit can take a block out of the middle).
+  Together the lists are the free queue: a release appends to the back of its list, an allocation
+  takes the front of the lowest-priority non-empty list.
+* ``_sequences[request_id]`` holds ``ceil(num_tokens / tokens_per_block)`` distinct blocks in token
+  order; a block may be shared by several sequences only through prefix reuse.
+* ``_cached`` maps a key to the one block holding it, and that block's ``key`` is that key. A key
+  is the tuple of every token of the prefix its block closes. Keys are closed under taking a parent
+  (``key[:-tokens_per_block]``): a key is only set under an existing parent, and dropping a key
+  drops every key that extends it. A free block keeps its key until its memory is taken.
+
+Where the twin deliberately differs from the C++ in representation (never in decisions): the C++
+identifies a cached prefix by a chained 64-bit hash, checked token by token on lookup, and
+``find_new_context_block`` returns that hash; the twin uses the prefix tuple itself and returns it.
+Callers only compare the result for equality or with ``None``.
+
+Semantics: ``docs/batch-manager.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from inflight.batch_manager import DEFAULT_RETENTION_PRIORITY, KvCacheStats
+
+if TYPE_CHECKING:
+    from inflight.batch_manager import LlmRequest
+
+__all__ = ["KVCacheManager"]
+
+# A cached block's key: every token of the prefix it closes (its own tokens plus its ancestors').
+# Equal keys <=> equal (parent key, block tokens) chains, which is what the C++ chained hash encodes.
+BlockKey = tuple[int, ...]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    retention_priority: int = DEFAULT_RETENTION_PRIORITY
+    key: BlockKey | None = None
+
+
+@dataclass
+class _Sequence:
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    # The request's kv_retention_priority (default without a request), for blocks added later.
+    retention_priority: int = DEFAULT_RETENTION_PRIORITY
+
+
+class KVCacheManager:
+    """Accounting of a paged KV pool: block ids, free queue, prefix-reuse cache.
+
+    The invariants are listed in the module docstring; ``check_integrity`` verifies them.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        max_seq_len: int,
+        enable_block_reuse: bool = False,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self._num_blocks = num_blocks
+        self._tokens_per_block = tokens_per_block
+        self._max_seq_len = max_seq_len
+        self._enable_block_reuse = bool(enable_block_reuse)
+        self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
+        # Retention priority -> its free blocks in release order (dict: ordered, O(1) removal).
+        self._free_lists: dict[int, dict[int, None]] = {
+            DEFAULT_RETENTION_PRIORITY: dict.fromkeys(range(num_blocks))
+        }
+        self._sequences: dict[int, _Sequence] = {}
+        self._cached: dict[BlockKey, int] = {}
+        self._scheduling_num_free_blocks = num_blocks
+        self._alloc_total_blocks = 0
+        self._alloc_new_blocks = 0
+        self._reused_blocks = 0
+        self._missed_blocks = 0
+
+    # ---- properties ------------------------------------------------------------------------------
+
+    @property
+    def max_num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._tokens_per_block
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return _ceil_div(self._max_seq_len, self._tokens_per_block)
+
+    @property
+    def enable_block_reuse(self) -> bool:
+        return self._enable_block_reuse
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(len(free_list) for free_list in self._free_lists.values())
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - self.num_free_blocks
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def scheduling_num_free_blocks(self) -> int:
+        return self._scheduling_num_free_blocks
+
+    def has_sequence(self, request_id: int) -> bool:
+        return request_id in self._sequences
+
+    # ---- sequences -------------------------------------------------------------------------------
+
+    def add_sequence(
+        self,
+        request_id: int,
+        input_length: int,
+        beam_width: int = 1,
+        request: LlmRequest | None = None,
+    ) -> None:
+        """Allocates ceil(input_length / tpb) blocks for the whole prompt (matched prefix first).
+
+        Raises ValueError for a bad argument and RuntimeError (state unchanged) when the free
+        blocks do not suffice.
+        """
+        if request_id in self._sequences:
+            raise ValueError(f"add_sequence: request_id {request_id} is already in the KV cache manager")
+        if not 1 <= input_length <= self._max_seq_len:
+            raise ValueError(
+                f"add_sequence: input_length must be in [1, {self._max_seq_len}] (max_seq_len), got {input_length}"
+            )
+        if beam_width != 1:
+            raise ValueError(f"add_sequence: only beam_width 1 is supported, got beam_width {beam_width}")
+        self._check_request_id("add_sequence", request_id, request)
+
+        num_blocks = _ceil_div(input_length, self._tokens_per_block)
+        hits: list[int] = []
+        if self._enable_block_reuse and request is not None:
+            tokens = request.get_tokens()
+            # Capped at what the request holds, so that hits * tpb < prompt_len always.
+            hits = self._match_prefix(tokens, min(input_length, request.prompt_len, len(tokens)))
+        num_new = num_blocks - len(hits)
+        # A hit block that sits in the free queue leaves it, so it counts against the free blocks.
+        num_free_needed = num_new + sum(1 for block_id in hits if self._blocks[block_id].ref_count == 0)
+        if num_free_needed > self.num_free_blocks:
+            raise RuntimeError(
+                f"add_sequence: not enough free KV blocks for request_id {request_id}: "
+                f"need {num_free_needed}, free {self.num_free_blocks}"
+            )
+
+        # Hits are claimed first, so that allocating the new blocks cannot evict one of them.
+        for block_id in hits:
+            self._acquire(block_id)
+        priority = request.kv_retention_priority if request is not None else DEFAULT_RETENTION_PRIORITY
+        new_blocks = [self._allocate_block(priority) for _ in range(num_new)]
+        self._sequences[request_id] = _Sequence(hits + new_blocks, input_length, priority)
+
+        self._reused_blocks += len(hits)
+        self._missed_blocks += num_new
+        self._alloc_total_blocks += num_blocks
+        self._alloc_new_blocks += num_new
+        if hits:
+            request.set_prepopulated_prompt_len(len(hits) * self._tokens_per_block)
+
+    def add_token(self, request_id: int) -> None:
+        """One more token; a new block (of the sequence's retention priority) when it starts one."""
+        sequence = self._sequence(request_id, "add_token")
+        if sequence.num_tokens >= self._max_seq_len:
+            raise ValueError(
+                f"add_token: request_id {request_id} already holds {sequence.num_tokens} tokens, "
+                f"max_seq_len is {self._max_seq_len}"
+            )
+        if sequence.num_tokens % self._tokens_per_block == 0:  # the new token starts a block
+            if self.num_free_blocks == 0:
+                raise RuntimeError(
+                    f"add_token: not enough free KV blocks for request_id {request_id}: need 1, free 0"
+                )
+            sequence.block_ids.append(self._allocate_block(sequence.retention_priority))
+            self._alloc_total_blocks += 1
+            self._alloc_new_blocks += 1
+        sequence.num_tokens += 1
+
+    def remove_sequence(self, request_id: int, request: LlmRequest | None = None) -> None:
+        """Stores the computed full blocks (reuse on), then frees the blocks, last block first."""
+        sequence = self._sequence(request_id, "remove_sequence")
+        self._check_request_id("remove_sequence", request_id, request)
+        if self._enable_block_reuse and request is not None:
+            # Only tokens whose KV was computed: a context still running has computed its position.
+            num_stored = min(sequence.num_tokens, request.num_tokens)
+            if request.is_context_init_state:
+                num_stored = min(num_stored, request.context_current_position)
+            self._store_blocks(
+                request.get_tokens(), num_stored, sequence.block_ids, request.kv_retention_priority
+            )
+        # Last block first: the leaves of a prefix are evicted before their parents.
+        for block_id in reversed(sequence.block_ids):
+            self._release(block_id)
+        del self._sequences[request_id]
+
+    def store_context_blocks(self, request: LlmRequest) -> None:
+        """Publishes the full prompt blocks of a request whose context finished (reuse only)."""
+        if not self._enable_block_reuse:
+            return
+        sequence = self._sequence(request.request_id, "store_context_blocks")
+        tokens = request.get_tokens()
+        num_stored = min(request.prompt_len, len(tokens), sequence.num_tokens)
+        self._store_blocks(tokens, num_stored, sequence.block_ids, request.kv_retention_priority)
+
+    def get_block_ids(self, request_id: int) -> list[int]:
+        return list(self._sequence(request_id, "get_block_ids").block_ids)
+
+    def get_num_tokens(self, request_id: int) -> int:
+        return self._sequence(request_id, "get_num_tokens").num_tokens
+
+    def copy_block_tables(self, request_ids: Iterable[Any], out: Any) -> None:
+        """Row i of ``out`` (int32 [rows, cols], C-contiguous, numpy or CPU torch) = the blocks of
+        the i-th sequence, the rest of that row 0; other rows untouched. ``request_ids`` holds ids
+        or requests (a RequestList)."""
+        ids = [r.request_id if hasattr(r, "request_id") else r for r in request_ids]
+        table = np.asarray(out)  # a view: a CPU torch tensor shares its memory with it
+        if table.ndim != 2 or table.dtype != np.int32 or not table.flags.c_contiguous:
+            raise TypeError(
+                f"copy_block_tables: out must be a 2-D C-contiguous int32 array, got "
+                f"{table.ndim}-D {table.dtype}{'' if table.flags.c_contiguous else ' (not C-contiguous)'}"
+            )
+        num_rows, row_stride = table.shape
+        if len(ids) > num_rows:
+            raise ValueError(
+                f"copy_block_tables: num_rows must be >= request_ids.size() {len(ids)}, got {num_rows}"
+            )
+        for row, request_id in enumerate(ids):
+            block_ids = self._sequence(request_id, "copy_block_tables").block_ids
+            if len(block_ids) > row_stride:
+                raise ValueError(
+                    f"copy_block_tables: request_id {request_id} holds {len(block_ids)} blocks, "
+                    f"more than row_stride {row_stride}"
+                )
+            table[row, :] = 0
+            table[row, : len(block_ids)] = block_ids
+
+    def get_kv_cache_stats(self) -> KvCacheStats:
+        stats = KvCacheStats()
+        stats.max_num_blocks = self._num_blocks
+        stats.free_num_blocks = self.num_free_blocks
+        stats.used_num_blocks = self.num_used_blocks
+        stats.tokens_per_block = self._tokens_per_block
+        stats.alloc_total_blocks = self._alloc_total_blocks
+        stats.alloc_new_blocks = self._alloc_new_blocks
+        stats.reused_blocks = self._reused_blocks
+        stats.missed_blocks = self._missed_blocks
+        lookups = self._reused_blocks + self._missed_blocks
+        stats.cache_hit_rate = self._reused_blocks / lookups if lookups else 0.0
+        return stats
+
+    # ---- scheduling simulation (no real state changes) -------------------------------------------
+
+    def start_scheduling(self) -> None:
+        self._scheduling_num_free_blocks = self.num_free_blocks
+
+    def scheduling_remove_sequence(self, request_id: int) -> None:
+        """Counts as freed the sequence's blocks that no other sequence holds (unknown id: no-op)."""
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            return
+        self._scheduling_num_free_blocks += sum(
+            1 for block_id in sequence.block_ids if self._blocks[block_id].ref_count == 1
+        )
+
+    def get_needed_blocks_one_step(self, request: LlmRequest, two_steps_lookahead: bool = False) -> int:
+        tpb = self._tokens_per_block
+        if request.is_context_init_state:
+            if not request.is_first_context_chunk:
+                return 0  # the whole prompt was allocated with the first chunk
+            # Prefix hits are not subtracted: a hit block may be free, and taking it costs a free block.
+            return _ceil_div(request.prompt_len + request.num_draft_tokens, tpb)
+        if request.is_generation_in_progress_state:
+            num_past = request.prompt_len + request.num_generated_tokens - 1
+            num_steps = 2 if two_steps_lookahead else 1
+            if num_past + num_steps > self._max_seq_len:
+                return 0
+            new_blocks = _ceil_div(num_past + num_steps, tpb) - _ceil_div(num_past, tpb)
+            return new_blocks * request.beam_width
+        return 0
+
+    def get_remaining_blocks_to_completion(self, request: LlmRequest) -> int:
+        tpb = self._tokens_per_block
+        num_context_blocks = request.prompt_len // tpb  # shared by the beams
+        num_total_blocks = _ceil_div(request.prompt_len + request.max_new_tokens, tpb)
+        sequence = self._sequences.get(request.request_id)
+        num_held = len(sequence.block_ids) if sequence is not None else 0
+        if num_held < num_context_blocks:
+            remaining = (
+                num_context_blocks - num_held + (num_total_blocks - num_context_blocks) * request.beam_width
+            )
+        else:
+            remaining = (num_total_blocks - num_held) * request.beam_width
+        # Negative only when tokens were added past max_new_tokens: never hand out blocks not free.
+        return max(remaining, 0)
+
+    def find_new_context_block(self, request: LlmRequest) -> Hashable | None:
+        """Key of the request's first reusable prompt block not yet cached (None: all cached/none/off)."""
+        if not self._enable_block_reuse:
+            return None
+        tokens = request.get_tokens()
+        for key in self._prompt_block_keys(tokens, min(request.prompt_len, len(tokens))):
+            if key not in self._cached:
+                return key
+        return None
+
+    # ---- integrity -------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raises RuntimeError describing the first violated invariant."""
+
+        def fail(what: str) -> None:
+            raise RuntimeError(f"KVCacheManager integrity check failed: {what}")
+
+        free_list_of: dict[int, int] = {}  # free block -> priority of the list holding it
+        for priority, free_list in self._free_lists.items():
+            for block_id in free_list:
+                if block_id in free_list_of:
+                    fail(f"block {block_id} appears twice in the free lists")
+                free_list_of[block_id] = priority
+
+        holders = [0] * self._num_blocks
+        for request_id, sequence in self._sequences.items():
+            expected = _ceil_div(sequence.num_tokens, self._tokens_per_block)
+            if len(sequence.block_ids) != expected:
+                fail(
+                    f"request_id {request_id} holds {len(sequence.block_ids)} blocks for "
+                    f"{sequence.num_tokens} tokens, expected {expected}"
+                )
+            if len(set(sequence.block_ids)) != len(sequence.block_ids):
+                fail(f"request_id {request_id} holds a block twice")
+            for block_id in sequence.block_ids:
+                holders[block_id] += 1
+
+        for block in self._blocks:
+            block_id = block.block_id
+            if block.ref_count != holders[block_id]:
+                fail(
+                    f"block {block_id} has ref_count {block.ref_count} but {holders[block_id]} sequences hold it"
+                )
+            is_free = block_id in free_list_of
+            if is_free != (block.ref_count == 0):
+                fail(
+                    f"block {block_id} with ref_count {block.ref_count} is {'' if is_free else 'not '}in a free list"
+                )
+            if is_free and free_list_of[block_id] != block.retention_priority:
+                fail(
+                    f"block {block_id} of retention priority {block.retention_priority} is in free list "
+                    f"{free_list_of[block_id]}"
+                )
+            if block.key is not None and self._cached.get(block.key) != block_id:
+                fail(f"the key of block {block_id} does not map to it")
+
+        num_used = sum(1 for block in self._blocks if block.ref_count > 0)
+        if num_used + len(free_list_of) != self._num_blocks:
+            fail(f"free {len(free_list_of)} + used {num_used} != total {self._num_blocks}")
+
+        tpb = self._tokens_per_block
+        for key, block_id in self._cached.items():
+            if self._blocks[block_id].key != key:
+                fail(f"the reuse cache maps a key to block {block_id}, which does not hold that key")
+            if not self._enable_block_reuse:
+                fail(f"block {block_id} holds a key with reuse disabled")
+            if len(key) > tpb and key[:-tpb] not in self._cached:
+                fail(f"keyed block {block_id} has no keyed parent")
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _sequence(self, request_id: int, caller: str) -> _Sequence:
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            raise ValueError(f"{caller}: request_id {request_id} is not in the KV cache manager")
+        return sequence
+
+    @staticmethod
+    def _check_request_id(caller: str, request_id: int, request: LlmRequest | None) -> None:
+        if request is not None and request.request_id != request_id:
+            raise ValueError(
+                f"{caller}: request->request_id() {request.request_id} does not match request_id {request_id}"
+            )
+
+    def _prompt_block_keys(self, tokens: Sequence[int], prompt_len: int) -> Iterable[BlockKey]:
+        """Keys of the first (prompt_len - 1) // tpb full blocks: the last prompt token is never reused."""
+        tpb = self._tokens_per_block
+        for i in range((prompt_len - 1) // tpb):
+            yield tuple(tokens[: (i + 1) * tpb])
+
+    def _match_prefix(self, tokens: Sequence[int], prompt_len: int) -> list[int]:
+        """Blocks of the longest cached chain of prompt blocks from the root (stops at the first miss)."""
+        hits = []
+        for key in self._prompt_block_keys(tokens, prompt_len):
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _acquire(self, block_id: int) -> None:
+        """One more holder of a (cached) block; a free one leaves the free queue, keeping its key."""
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free_lists[block.retention_priority][block_id]
+        block.ref_count += 1
+
+    def _allocate_block(self, retention_priority: int) -> int:
+        """Takes the front of the lowest-priority non-empty free list, for new contents."""
+        priority = min(p for p, free_list in self._free_lists.items() if free_list)
+        block_id = next(iter(self._free_lists[priority]))
+        del self._free_lists[priority][block_id]
+        block = self._blocks[block_id]
+        if block.key is not None:
+            self._drop_key(block.key)
+        block.ref_count = 1
+        block.retention_priority = retention_priority
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        """One holder fewer; at zero the block goes to the back of its priority's free list."""
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free_lists.setdefault(block.retention_priority, {})[block_id] = None
+
+    def _drop_key(self, key: BlockKey) -> None:
+        """Forgets a cached key and every key chained below it (they extend it)."""
+        for cached_key in [k for k in self._cached if k[: len(key)] == key]:
+            self._blocks[self._cached.pop(cached_key)].key = None
+
+    def _store_blocks(
+        self,
+        tokens: Sequence[int],
+        num_tokens: int,
+        block_ids: Sequence[int],
+        retention_priority: int,
+    ) -> None:
+        """Publishes the full blocks of the first num_tokens tokens, walking the cache by content.
+
+        Every block of ours takes the request's retention priority (a block it reused too, as
+        TensorRT-LLM gives a reused block the priority of the request now holding it). Where the
+        cache already holds another block with the same prefix, the walk moves through it and our
+        block stays unkeyed; elsewhere our block is keyed.
+        """
+        tpb = self._tokens_per_block
+        for i in range(num_tokens // tpb):
+            key = tuple(tokens[: (i + 1) * tpb])
+            block = self._blocks[block_ids[i]]
+            block.retention_priority = retention_priority
+            if key in self._cached:
+                continue
+            if block.key is not None:
+                # Unreachable while the cache is consistent (a keyed block of ours would have been
+                # found above); a stale key is dropped rather than left to corrupt the cache.
+                self._drop_key(block.key)
+            block.key = key
+            self._cached[key] = block.block_id
