@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh), then runs the C++ unit tests (ctest) and the Python tests (pytest).
+# Sets up (scripts/setup.sh), checks style and structure (scripts/lint.sh), then runs the C++ unit
+# tests (ctest) and the Python tests (pytest).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 bash scripts/setup.sh
+
+echo "== lint"
+bash scripts/lint.sh
 
 echo "== building the C++ unit tests"
 start=$(date +%s)
