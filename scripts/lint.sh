@@ -8,13 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The pinned binary from the clang-format wheel (not whatever clang-format is first on PATH).
+CLANG_FORMAT=$("$PY" -c "import clang_format, os; print(os.path.join(os.path.dirname(clang_format.__file__), 'data', 'bin', 'clang-format'))")
 
 cxx_files() { git ls-files -- 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cpp/*.h' 'tests/cpp/*.cpp'; }
 
 if [ "${1:-}" = "--fix" ]; then
   "$PY" -m ruff check --fix .
   "$PY" -m ruff format .
-  cxx_files | xargs clang-format -i
+  cxx_files | xargs "$CLANG_FORMAT" -i
   exit 0
 fi
 
@@ -23,7 +25,7 @@ echo "== ruff check"
 echo "== ruff format --check"
 "$PY" -m ruff format --check .
 echo "== clang-format --dry-run -Werror"
-cxx_files | xargs clang-format --dry-run -Werror
+cxx_files | xargs "$CLANG_FORMAT" --dry-run -Werror
 echo "== import layers"
 "$PY" scripts/check_imports.py
 echo "== file sizes"
