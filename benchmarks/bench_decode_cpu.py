@@ -443,7 +443,7 @@ def profile_inflight(ids: list[int], steps: int, max_kv_tokens: int,
                      unprofiled_step_ms: float | None) -> dict:
     runner = InflightRunner(max_kv_tokens)
     llm = runner.llm
-    if not llm.disable_overlap_scheduler:
+    if llm.executor.overlap:
         raise RuntimeError("--profile needs the non-overlapped executor (the CPU default): with overlap the "
                            "forward runs on another thread, which the profiler would not see")
     runner.single(ids, 8)  # warm-up

@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, *, what: str) -> int:
     # bool is an Integral, but `max_tokens=True` is a bug in the caller, not the number 1.
-    # ValueError, not TypeError: the API promises ValueError for every bad argument (api.md).
+    # ValueError, not TypeError: the API promises ValueError for every bad argument (docs/api.md).
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int {what}, got {value!r}")  # noqa: TRY004
     value = int(value)
