@@ -8,7 +8,7 @@ The seam for other weight formats (W4A16): a model builds every projection throu
 :data:`LinearFactory` — ``factory(in_features, output_sizes, bias=..., dtype=..., device=...)`` — and
 uses only three members of the result: ``forward(x)``, ``checkpoint_tensor_names()`` (the tensor
 suffixes one shard expects from a checkpoint, e.g. ``("weight", "bias")`` or ``("qweight", "scales",
-"zeros")``) and ``load_shard(shard, name, tensor)``. A quantised layer implements those three.
+"offsets")``) and ``load_shard(shard, name, tensor)``. A quantised layer implements those three.
 """
 
 from __future__ import annotations
