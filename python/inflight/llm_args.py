@@ -98,7 +98,11 @@ class Float(Rule):
         if ok:
             value = float(value)
             # NaN fails every comparison, so it would slip through a plain range check.
-            ok = math.isfinite(value) and (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi
+            ok = (
+                math.isfinite(value)
+                and (value > self.lo if self.lo_open else value >= self.lo)
+                and value <= self.hi
+            )
         if not ok:
             raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
         return value
@@ -180,7 +184,9 @@ class Device(Rule):
         try:
             return str(torch.device(value))
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"{name} must be None or a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+            raise ValueError(
+                f"{name} must be None or a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -207,15 +213,28 @@ class Scheduler(Rule):
         raise ValueError(f"{name} must be a RequestScheduler or a factory of one, got {type(value).__name__}")
 
 
-def arg(default: Any, help: str, rule: Rule | None = None, *, flag: str | None = None, negate: bool = False,
-        cli: bool = True) -> Any:
+def arg(
+    default: Any,
+    help: str,
+    rule: Rule | None = None,
+    *,
+    flag: str | None = None,
+    negate: bool = False,
+    cli: bool = True,
+) -> Any:
     """One argument: a dataclass field carrying its help, its rule and its command-line form.
 
     ``flag``: the option name when it is not ``--field-name`` (with a nested config's prefix);
     ``negate``: a bool whose default is True offered as a ``--disable-...``-style flag that sets it
     False; ``cli=False``: not on the command line (e.g. Python objects).
     """
-    meta = {"help": help, "rule": rule if rule is not None else Rule(), "flag": flag, "negate": negate, "cli": cli}
+    meta = {
+        "help": help,
+        "rule": rule if rule is not None else Rule(),
+        "flag": flag,
+        "negate": negate,
+        "cli": cli,
+    }
     if isinstance(default, (dict, list, set)):
         raise TypeError("arg defaults must be immutable")
     return dataclasses.field(default=default, metadata=meta)
@@ -263,17 +282,31 @@ class KvCacheConfig(_Args):
 
     max_tokens: int | None = arg(None, "cap the KV pool at this many tokens", Int(1, optional=True))
     free_memory_fraction: float = arg(
-        0.9, "fraction of the memory free after the weights given to the KV cache (TensorRT-LLM's meaning)",
-        Float(0.0, 1.0, lo_open=True))
-    tokens_per_block: int = arg(32, "KV cache block size in tokens (a power of two)", Int(1),
-                                flag="--tokens-per-block")
-    enable_block_reuse: bool = arg(True, "prefix caching (reuse of KV blocks across requests)", Bool(),
-                                   flag="--disable-block-reuse", negate=True)
-    dtype: str | torch.dtype = arg("auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType())
+        0.9,
+        "fraction of the memory free after the weights given to the KV cache (TensorRT-LLM's meaning)",
+        Float(0.0, 1.0, lo_open=True),
+    )
+    tokens_per_block: int = arg(
+        32, "KV cache block size in tokens (a power of two)", Int(1), flag="--tokens-per-block"
+    )
+    enable_block_reuse: bool = arg(
+        True,
+        "prefix caching (reuse of KV blocks across requests)",
+        Bool(),
+        flag="--disable-block-reuse",
+        negate=True,
+    )
+    dtype: str | torch.dtype = arg(
+        "auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType()
+    )
 
     @classmethod
     def _qualified(cls, name: str) -> str:
-        return name if name in ("max_tokens", "free_memory_fraction", "tokens_per_block") else f"KvCacheConfig.{name}"
+        return (
+            name
+            if name in ("max_tokens", "free_memory_fraction", "tokens_per_block")
+            else f"KvCacheConfig.{name}"
+        )
 
     def _validate(self) -> None:
         tpb = self.tokens_per_block
@@ -286,13 +319,18 @@ class SchedulerConfig(_Args):
     """Scheduling policies (enums of :mod:`inflight.batch_manager` or their names)."""
 
     capacity_scheduler_policy: CapacitySchedulerPolicy | str = arg(
-        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "who may hold KV memory: GUARANTEED_NO_EVICT (default), "
-        "MAX_UTILIZATION (may pause requests), STATIC_BATCH", EnumRule(CapacitySchedulerPolicy),
-        flag="--capacity-scheduler-policy")
+        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
+        "who may hold KV memory: GUARANTEED_NO_EVICT (default), "
+        "MAX_UTILIZATION (may pause requests), STATIC_BATCH",
+        EnumRule(CapacitySchedulerPolicy),
+        flag="--capacity-scheduler-policy",
+    )
     context_chunking_policy: ContextChunkingPolicy | str = arg(
-        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, "how chunked prefill splits the token budget: "
-        "FIRST_COME_FIRST_SERVED (default), EQUAL_PROGRESS", EnumRule(ContextChunkingPolicy),
-        flag="--context-chunking-policy")
+        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
+        "how chunked prefill splits the token budget: FIRST_COME_FIRST_SERVED (default), EQUAL_PROGRESS",
+        EnumRule(ContextChunkingPolicy),
+        flag="--context-chunking-policy",
+    )
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
@@ -309,30 +347,49 @@ class LlmArgs(_Args):
 
     model: str = arg("smollm2", "a Hugging Face model directory, a .gguf file, or a known name", cli=False)
     dtype: str | torch.dtype = arg(
-        "auto", "auto (the checkpoint's; float16 becomes bfloat16 on a CPU), float32, bfloat16, float16; for "
-        "natively quantised weights, the activation dtype", DType())
+        "auto",
+        "auto (the checkpoint's; float16 becomes bfloat16 on a CPU), float32, bfloat16, float16; for "
+        "natively quantised weights, the activation dtype",
+        DType(),
+    )
     quantization: str | None = arg(
-        None, "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
+        None,
+        "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
         "native; dtype is the activation dtype, as vLLM runs GGUF files), none (always dequantised)",
-        Choice(QUANTIZATION_MODES, optional=True))
+        Choice(QUANTIZATION_MODES, optional=True),
+    )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
     scheduler_config: SchedulerConfig = arg(None, "the scheduling policies", Config(SchedulerConfig))
     max_batch_size: int = arg(256, "most requests in one forward", Int(1))
     max_num_tokens: int = arg(8192, "most tokens in one forward", Int(1))
     max_seq_len: int | None = arg(
-        None, "prompt + output limit (default: the model's max_position_embeddings, reduced to what the KV "
-        "pool holds)", Int(2, optional=True))
+        None,
+        "prompt + output limit (default: the model's max_position_embeddings, reduced to what the KV "
+        "pool holds)",
+        Int(2, optional=True),
+    )
     enable_chunked_prefill: bool = arg(False, "split long prompts over several steps", Bool())
     disable_overlap_scheduler: bool | None = arg(
-        None, "run each step's host work after its forward instead of beside the next one (default: on a CPU)",
-        Bool(optional=True))
-    scheduler: Any = arg(None, "a RequestScheduler, or a factory f(kv_cache_manager=, max_batch_size=, "
-                         "max_num_tokens=) returning one", Scheduler(), cli=False)
+        None,
+        "run each step's host work after its forward instead of beside the next one (default: on a CPU)",
+        Bool(optional=True),
+    )
+    scheduler: Any = arg(
+        None,
+        "a RequestScheduler, or a factory f(kv_cache_manager=, max_batch_size=, "
+        "max_num_tokens=) returning one",
+        Scheduler(),
+        cli=False,
+    )
     seed: int = arg(0, "seed of the requests without a seed of their own", Int(0, 2**63 - 1))
     attention_backend: str | None = arg(
-        None, "native (C++ / CUDA kernels over the paged cache; the default) or torch (the plain-torch "
-        "reference)", Choice(ATTENTION_BACKENDS, optional=True))
-    device: str | torch.device | None = arg(None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device())
+        None,
+        "native (C++ / CUDA kernels over the paged cache; the default) or torch (the plain-torch reference)",
+        Choice(ATTENTION_BACKENDS, optional=True),
+    )
+    device: str | torch.device | None = arg(
+        None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device()
+    )
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
 
     def _validate(self) -> None:
@@ -356,8 +413,11 @@ class LlmArgs(_Args):
         for f in dataclasses.fields(cls):
             rule = f.metadata.get("rule")
             if isinstance(rule, Config):
-                nested = {g.name: values[dest] for g, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix)
-                          if dest in values}
+                nested = {
+                    g.name: values[dest]
+                    for g, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix)
+                    if dest in values
+                }
                 kwargs[f.name] = rule.config_cls(**nested)
             elif f.metadata.get("cli") and f.name in values:
                 kwargs[f.name] = values[f.name]
@@ -388,7 +448,9 @@ def _add_field(group, f: dataclasses.Field, dest: str, prefix: str) -> None:
     if isinstance(rule, Bool):
         # store_const so that an absent flag keeps the field's own default (None means "decide").
         const = not meta["negate"]
-        group.add_argument(flag, dest=dest, action="store_const", const=const, default=f.default, help=meta["help"])
+        group.add_argument(
+            flag, dest=dest, action="store_const", const=const, default=f.default, help=meta["help"]
+        )
         return
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": meta["help"]}
     if rule.cli_type is not None:
