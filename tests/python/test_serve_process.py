@@ -127,12 +127,12 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
 def test_cli_parsers():
     import argparse
 
-    from inflight.serve.cli import add_bench_parser, add_serve_parser
+    from inflight.serve import bench, server
 
     parser = argparse.ArgumentParser(prog="inflight")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    add_bench_parser(sub)
+    server.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(["serve", "some/model", "--port", "9000", "--max-batch-size", "8",
                               "--enable-chunked-prefill", "--capacity-scheduler-policy", "MAX_UTILIZATION",
                               "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16",
