@@ -148,6 +148,28 @@ def test_cli_parsers():
         parser.parse_args(["bench", "serve", "--request-rate", "2", "--request-rates", "4"])
 
 
+
+def test_serve_engine_options_are_llm_args():
+    """Every engine option of `inflight serve` is an LlmArgs field, read back by LlmArgs.from_cli."""
+    import argparse
+
+    from inflight.batch_manager import CapacitySchedulerPolicy
+    from inflight.llm_args import LlmArgs
+    from inflight.serve import server
+
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m")
+    args = parser.parse_args(["m", "--disable-block-reuse", "--tokens-per-block", "16", "--kv-cache-max-tokens",
+                              "512", "--capacity-scheduler-policy", "max_utilization", "--max-num-tokens", "64",
+                              "--disable-overlap-scheduler", "--seed", "7", "--device", "cpu"])
+    la = LlmArgs.from_cli(args, model=args.model)
+    kv = la.kv_cache_config
+    assert (kv.enable_block_reuse, kv.tokens_per_block, kv.max_tokens) == (False, 16, 512)
+    assert la.scheduler_config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert (la.max_num_tokens, la.disable_overlap_scheduler, la.seed, la.device) == (64, True, 7, "cpu")
+    assert la.to_kwargs()["kv_cache_config"] is kv and la.to_kwargs()["model"] == "m"
+
 def test_serve_refuses_bad_arguments(tiny_model_dir):
     cmd = [sys.executable, "-m", "inflight.serve.server", str(tiny_model_dir("llama")),
            "--capacity-scheduler-policy", "NOPE"]
