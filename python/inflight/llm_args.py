@@ -1,3 +1,4 @@
+# ruff: noqa: RUF009  (arg() returns a dataclasses.field, as field() would: not a shared default)
 """The engine's arguments: :class:`LlmArgs` and its nested :class:`KvCacheConfig` / :class:`SchedulerConfig`.
 
 Every argument is one field declared with :func:`arg`: its default, its help text and its rule
@@ -9,7 +10,10 @@ Every argument is one field declared with :func:`arg`: its default, its help tex
 - the command-line option of ``inflight generate`` / ``inflight serve`` (:func:`add_cli_arguments`,
   :meth:`LlmArgs.from_cli`): ``--max-batch-size`` for ``max_batch_size``, ``--kv-cache-max-tokens``
   for ``kv_cache_config.max_tokens`` (a nested config's fields carry its prefix unless they name a
-  flag of their own).
+  flag of their own). The parsed value's name is the flag's (``--tokens-per-block`` gives
+  ``namespace.tokens_per_block``; a negated flag such as ``--disable-block-reuse`` gives
+  ``namespace.disable_block_reuse``, True when given), and ``from_cli`` maps it back to the field;
+- ``LLM(**args.to_kwargs())``, the engine an :class:`LlmArgs` describes.
 
 Adding an engine argument is therefore one line here; the executor factory reads it from the
 :class:`LlmArgs` it is given.
@@ -47,6 +51,7 @@ class Rule:
 
     cli_type: Callable[[str], Any] | None = None  # argparse type; None: a flag without a value
     choices: tuple[Any, ...] | None = None
+    metavar: str | None = None  # the value's placeholder in --help (None: argparse's own)
 
     def check(self, name: str, value: Any) -> Any:
         """The normalised value, or ValueError naming ``name``."""
@@ -62,6 +67,7 @@ class Int(Rule):
     hi: int | None = None
     optional: bool = False
     cli_type: ClassVar = int
+    metavar: ClassVar = "N"
 
     def describe(self) -> str:
         if self.hi is not None:
@@ -89,6 +95,7 @@ class Float(Rule):
     hi: float
     lo_open: bool = False
     cli_type: ClassVar = float
+    metavar: ClassVar = "X"
 
     def describe(self) -> str:
         return f"a number in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
@@ -98,7 +105,11 @@ class Float(Rule):
         if ok:
             value = float(value)
             # NaN fails every comparison, so it would slip through a plain range check.
-            ok = math.isfinite(value) and (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi
+            ok = (
+                math.isfinite(value)
+                and (value > self.lo if self.lo_open else value >= self.lo)
+                and value <= self.hi
+            )
         if not ok:
             raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
         return value
@@ -149,6 +160,10 @@ class EnumRule(Rule):
     def choices(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(self.enum_cls.__members__)
 
+    @property
+    def metavar(self) -> str:  # type: ignore[override]
+        return "{" + ",".join(self.choices) + "}"
+
     def check(self, name: str, value: Any) -> Any:
         if isinstance(value, self.enum_cls):
             return value
@@ -162,6 +177,7 @@ class DType(Rule):
     """Stored as its canonical name ("auto", "float32", "bfloat16", "float16")."""
 
     cli_type: ClassVar = str
+    metavar: ClassVar = "DTYPE"
 
     def check(self, name: str, value: Any) -> Any:
         dtype = parse_dtype(value, name)
@@ -180,7 +196,9 @@ class Device(Rule):
         try:
             return str(torch.device(value))
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"{name} must be None or a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+            raise ValueError(
+                f"{name} must be None or a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -207,15 +225,31 @@ class Scheduler(Rule):
         raise ValueError(f"{name} must be a RequestScheduler or a factory of one, got {type(value).__name__}")
 
 
-def arg(default: Any, help: str, rule: Rule | None = None, *, flag: str | None = None, negate: bool = False,
-        cli: bool = True) -> Any:
+def arg(
+    default: Any,
+    help: str,
+    rule: Rule | None = None,
+    *,
+    flag: str | None = None,
+    negate: bool = False,
+    cli: bool = True,
+) -> Any:
     """One argument: a dataclass field carrying its help, its rule and its command-line form.
 
     ``flag``: the option name when it is not ``--field-name`` (with a nested config's prefix);
     ``negate``: a bool whose default is True offered as a ``--disable-...``-style flag that sets it
-    False; ``cli=False``: not on the command line (e.g. Python objects).
+    False (``help`` says what the field is on; the flag's help reads "turn off <help>");
+    ``cli=False``: not on the command line (e.g. Python objects).
     """
-    meta = {"help": help, "rule": rule if rule is not None else Rule(), "flag": flag, "negate": negate, "cli": cli}
+    if negate and default is not True:
+        raise TypeError("negate is for bools whose default is True")
+    meta = {
+        "help": help,
+        "rule": rule if rule is not None else Rule(),
+        "flag": flag,
+        "negate": negate,
+        "cli": cli,
+    }
     if isinstance(default, (dict, list, set)):
         raise TypeError("arg defaults must be immutable")
     return dataclasses.field(default=default, metadata=meta)
@@ -263,17 +297,31 @@ class KvCacheConfig(_Args):
 
     max_tokens: int | None = arg(None, "cap the KV pool at this many tokens", Int(1, optional=True))
     free_memory_fraction: float = arg(
-        0.9, "fraction of the memory free after the weights given to the KV cache (TensorRT-LLM's meaning)",
-        Float(0.0, 1.0, lo_open=True))
-    tokens_per_block: int = arg(32, "KV cache block size in tokens (a power of two)", Int(1),
-                                flag="--tokens-per-block")
-    enable_block_reuse: bool = arg(True, "prefix caching (reuse of KV blocks across requests)", Bool(),
-                                   flag="--disable-block-reuse", negate=True)
-    dtype: str | torch.dtype = arg("auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType())
+        0.9,
+        "fraction of the memory free after the weights given to the KV cache (TensorRT-LLM's meaning)",
+        Float(0.0, 1.0, lo_open=True),
+    )
+    tokens_per_block: int = arg(
+        32, "KV cache block size in tokens (a power of two)", Int(1), flag="--tokens-per-block"
+    )
+    enable_block_reuse: bool = arg(
+        True,
+        "prefix caching (reuse of KV blocks across requests)",
+        Bool(),
+        flag="--disable-block-reuse",
+        negate=True,
+    )
+    dtype: str | torch.dtype = arg(
+        "auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType()
+    )
 
     @classmethod
     def _qualified(cls, name: str) -> str:
-        return name if name in ("max_tokens", "free_memory_fraction", "tokens_per_block") else f"KvCacheConfig.{name}"
+        return (
+            name
+            if name in ("max_tokens", "free_memory_fraction", "tokens_per_block")
+            else f"KvCacheConfig.{name}"
+        )
 
     def _validate(self) -> None:
         tpb = self.tokens_per_block
@@ -286,13 +334,17 @@ class SchedulerConfig(_Args):
     """Scheduling policies (enums of :mod:`inflight.batch_manager` or their names)."""
 
     capacity_scheduler_policy: CapacitySchedulerPolicy | str = arg(
-        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "who may hold KV memory: GUARANTEED_NO_EVICT (default), "
-        "MAX_UTILIZATION (may pause requests), STATIC_BATCH", EnumRule(CapacitySchedulerPolicy),
-        flag="--capacity-scheduler-policy")
+        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
+        "who may hold KV memory: GUARANTEED_NO_EVICT, MAX_UTILIZATION (may pause requests), STATIC_BATCH",
+        EnumRule(CapacitySchedulerPolicy),
+        flag="--capacity-scheduler-policy",
+    )
     context_chunking_policy: ContextChunkingPolicy | str = arg(
-        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, "how chunked prefill splits the token budget: "
-        "FIRST_COME_FIRST_SERVED (default), EQUAL_PROGRESS", EnumRule(ContextChunkingPolicy),
-        flag="--context-chunking-policy")
+        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
+        "how chunked prefill splits the token budget: FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS",
+        EnumRule(ContextChunkingPolicy),
+        flag="--context-chunking-policy",
+    )
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
@@ -309,30 +361,49 @@ class LlmArgs(_Args):
 
     model: str = arg("smollm2", "a Hugging Face model directory, a .gguf file, or a known name", cli=False)
     dtype: str | torch.dtype = arg(
-        "auto", "auto (the checkpoint's; float16 becomes bfloat16 on a CPU), float32, bfloat16, float16; for "
-        "natively quantised weights, the activation dtype", DType())
+        "auto",
+        "auto (the checkpoint's; float16 becomes bfloat16 on a CPU), float32, bfloat16, float16; for "
+        "natively quantised weights, the activation dtype",
+        DType(),
+    )
     quantization: str | None = arg(
-        None, "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
+        None,
+        "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
         "native; dtype is the activation dtype, as vLLM runs GGUF files), none (always dequantised)",
-        Choice(QUANTIZATION_MODES, optional=True))
+        Choice(QUANTIZATION_MODES, optional=True),
+    )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
     scheduler_config: SchedulerConfig = arg(None, "the scheduling policies", Config(SchedulerConfig))
     max_batch_size: int = arg(256, "most requests in one forward", Int(1))
     max_num_tokens: int = arg(8192, "most tokens in one forward", Int(1))
     max_seq_len: int | None = arg(
-        None, "prompt + output limit (default: the model's max_position_embeddings, reduced to what the KV "
-        "pool holds)", Int(2, optional=True))
+        None,
+        "prompt + output limit (default: the model's max_position_embeddings, reduced to what the KV "
+        "pool holds)",
+        Int(2, optional=True),
+    )
     enable_chunked_prefill: bool = arg(False, "split long prompts over several steps", Bool())
     disable_overlap_scheduler: bool | None = arg(
-        None, "run each step's host work after its forward instead of beside the next one (default: on a CPU)",
-        Bool(optional=True))
-    scheduler: Any = arg(None, "a RequestScheduler, or a factory f(kv_cache_manager=, max_batch_size=, "
-                         "max_num_tokens=) returning one", Scheduler(), cli=False)
+        None,
+        "run each step's host work after its forward instead of beside the next one (default: on a CPU)",
+        Bool(optional=True),
+    )
+    scheduler: Any = arg(
+        None,
+        "a RequestScheduler, or a factory f(kv_cache_manager=, max_batch_size=, "
+        "max_num_tokens=) returning one",
+        Scheduler(),
+        cli=False,
+    )
     seed: int = arg(0, "seed of the requests without a seed of their own", Int(0, 2**63 - 1))
     attention_backend: str | None = arg(
-        None, "native (C++ / CUDA kernels over the paged cache; the default) or torch (the plain-torch "
-        "reference)", Choice(ATTENTION_BACKENDS, optional=True))
-    device: str | torch.device | None = arg(None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device())
+        None,
+        "native (C++ / CUDA kernels over the paged cache; the default) or torch (the plain-torch reference)",
+        Choice(ATTENTION_BACKENDS, optional=True),
+    )
+    device: str | torch.device | None = arg(
+        None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device()
+    )
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
 
     def _validate(self) -> None:
@@ -356,13 +427,21 @@ class LlmArgs(_Args):
         for f in dataclasses.fields(cls):
             rule = f.metadata.get("rule")
             if isinstance(rule, Config):
-                nested = {g.name: values[dest] for g, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix)
-                          if dest in values}
+                nested = {
+                    g.name: _parsed(g, values[dest])
+                    for g, _, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix)
+                    if dest in values
+                }
                 kwargs[f.name] = rule.config_cls(**nested)
-            elif f.metadata.get("cli") and f.name in values:
-                kwargs[f.name] = values[f.name]
+        for f, _, dest in _cli_fields(cls, ""):
+            if dest in values:
+                kwargs[f.name] = _parsed(f, values[dest])
         kwargs.update(overrides)
         return cls(**kwargs)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Every field as a keyword (``model`` included): ``LLM(**args.to_kwargs())``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -373,42 +452,59 @@ class LlmArgs(_Args):
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _cli_fields(cls: type, prefix: str) -> Iterator[tuple[dataclasses.Field, str]]:
-    """(field, argparse dest) of every command-line field of ``cls``."""
+def _cli_option(f: dataclasses.Field, prefix: str) -> tuple[str, str]:
+    """The field's flag and argparse dest; the dest is the flag's name, so that the namespace reads
+    like the command line."""
+    flag = f.metadata["flag"] or "--" + (prefix + f.name).replace("_", "-")
+    return flag, flag.removeprefix("--").replace("-", "_")
+
+
+def _cli_fields(cls: type, prefix: str) -> Iterator[tuple[dataclasses.Field, str, str]]:
+    """(field, flag, argparse dest) of every command-line field of ``cls`` (not the nested configs)."""
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") and not isinstance(f.metadata.get("rule"), Config):
-            yield f, (prefix + f.name).replace("-", "_")
+            yield (f, *_cli_option(f, prefix))
 
 
-def _add_field(group, f: dataclasses.Field, dest: str, prefix: str) -> None:
+def _parsed(f: dataclasses.Field, value: Any) -> Any:
+    """The field's value from its parsed option (a negated flag's True is the field's False)."""
+    return not value if f.metadata["negate"] else value
+
+
+def _add_field(group, f: dataclasses.Field, flag: str, dest: str) -> None:
     meta = f.metadata
     rule: Rule = meta["rule"]
-    flag = meta["flag"] or "--" + (prefix + f.name).replace("_", "-")
-    default = f.default.name if isinstance(rule, EnumRule) else f.default
     if isinstance(rule, Bool):
-        # store_const so that an absent flag keeps the field's own default (None means "decide").
-        const = not meta["negate"]
-        group.add_argument(flag, dest=dest, action="store_const", const=const, default=f.default, help=meta["help"])
+        if meta["negate"]:
+            group.add_argument(flag, dest=dest, action="store_true", help="turn off " + meta["help"])
+        else:
+            # store_const so that an absent flag keeps the field's own default (None means "decide").
+            group.add_argument(
+                flag, dest=dest, action="store_const", const=True, default=f.default, help=meta["help"]
+            )
         return
+    default = f.default.name if isinstance(rule, EnumRule) else f.default
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": meta["help"]}
     if rule.cli_type is not None:
         kwargs["type"] = rule.cli_type
     if rule.choices is not None and not isinstance(rule, EnumRule):
         kwargs["choices"] = rule.choices
+    elif rule.metavar is not None:
+        kwargs["metavar"] = rule.metavar
     if default is not None:
         kwargs["help"] += f" (default: {default})"
     group.add_argument(flag, **kwargs)
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser, title: str = "engine") -> None:
-    """Adds one option per :class:`LlmArgs` field (nested configs flattened); read back with
-    :meth:`LlmArgs.from_cli`. The model itself is the command's own argument."""
+    """Adds one option per :class:`LlmArgs` field (nested configs flattened) to a group named
+    ``title``; read back with :meth:`LlmArgs.from_cli`. The model itself is the command's own
+    argument (``inflight serve MODEL``, ``inflight generate --model``)."""
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(LlmArgs):
         rule = f.metadata.get("rule")
         if isinstance(rule, Config):
-            prefix = rule.config_cls._cli_prefix
-            for g, dest in _cli_fields(rule.config_cls, prefix):
-                _add_field(group, g, dest, prefix)
+            for g, flag, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix):
+                _add_field(group, g, flag, dest)
         elif f.metadata.get("cli"):
-            _add_field(group, f, f.name, "")
+            _add_field(group, f, *_cli_option(f, ""))

@@ -575,9 +575,7 @@ def test_metrics_parse_and_count_requests(server):
 
 def test_bench_serve(server, tmp_path):
     pytest.importorskip("matplotlib")
-    from inflight.serve.cli import _load_serving_benchmark
-
-    bench = _load_serving_benchmark()
+    from inflight.serve import bench
     out, png = tmp_path / "results.json", tmp_path / "latency.png"
     args = bench.build_parser().parse_args(
         ["--url", server.url, "--request-rates", "50", "200", "--num-prompts", "6", "--input-len", "8",

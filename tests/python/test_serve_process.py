@@ -127,12 +127,12 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
 def test_cli_parsers():
     import argparse
 
-    from inflight.serve.cli import add_bench_parser, add_serve_parser
+    from inflight.serve import bench, server
 
     parser = argparse.ArgumentParser(prog="inflight")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    add_bench_parser(sub)
+    server.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(["serve", "some/model", "--port", "9000", "--max-batch-size", "8",
                               "--enable-chunked-prefill", "--capacity-scheduler-policy", "MAX_UTILIZATION",
                               "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16",
@@ -147,6 +147,28 @@ def test_cli_parsers():
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--request-rate", "2", "--request-rates", "4"])
 
+
+
+def test_serve_engine_options_are_llm_args():
+    """Every engine option of `inflight serve` is an LlmArgs field, read back by LlmArgs.from_cli."""
+    import argparse
+
+    from inflight.batch_manager import CapacitySchedulerPolicy
+    from inflight.llm_args import LlmArgs
+    from inflight.serve import server
+
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m")
+    args = parser.parse_args(["m", "--disable-block-reuse", "--tokens-per-block", "16", "--kv-cache-max-tokens",
+                              "512", "--capacity-scheduler-policy", "max_utilization", "--max-num-tokens", "64",
+                              "--disable-overlap-scheduler", "--seed", "7", "--device", "cpu"])
+    la = LlmArgs.from_cli(args, model=args.model)
+    kv = la.kv_cache_config
+    assert (kv.enable_block_reuse, kv.tokens_per_block, kv.max_tokens) == (False, 16, 512)
+    assert la.scheduler_config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert (la.max_num_tokens, la.disable_overlap_scheduler, la.seed, la.device) == (64, True, 7, "cpu")
+    assert la.to_kwargs()["kv_cache_config"] is kv and la.to_kwargs()["model"] == "m"
 
 def test_serve_refuses_bad_arguments(tiny_model_dir):
     cmd = [sys.executable, "-m", "inflight.serve.server", str(tiny_model_dir("llama")),

@@ -11,6 +11,10 @@ plus request and token throughput. Several rates (``--request-rates 2 4 8``) giv
     inflight bench serve --url http://127.0.0.1:8000 --request-rates 2 4 8 --num-prompts 200 \\
         --input-len 128 --output-len 64 --out results.json --plot latency.png
     python benchmarks/serving.py --url ... (same arguments)
+
+This module owns the command: :func:`add_parser` mounts ``bench serve`` on ``inflight``'s
+subcommands, :func:`add_arguments` gives its options and :func:`run` runs it. httpx (the ``bench``
+extra) and matplotlib (``--plot``) are imported only when a run needs them.
 """
 
 from __future__ import annotations
@@ -22,29 +26,22 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-_WORD_TEXT = ("the of and to in is was for on are with as at be by this had not but from or have an they which one you "
-              "were all we her she there been if more when will would who so no time out up about into than them can "
-              "only other new some could these two may first then do any like my now over such our man me even most "
-              "made after also did many before must through back years where much your way well down should because "
-              "each just those people how too little state good very make world still own see men work long get here "
-              "between both life being under never day same another know while last might us great old year off come "
-              "since against go came right used take three")
+from inflight.serve.bench_report import RequestResult, plot, print_summary, summarize
+from inflight.serve.extras import BENCH_MODULES, require_extra
+
+_WORD_TEXT = (
+    "the of and to in is was for on are with as at be by this had not but from or have an they which one you "
+    "were all we her she there been if more when will would who so no time out up about into than them can "
+    "only other new some could these two may first then do any like my now over such our man me even most "
+    "made after also did many before must through back years where much your way well down should because "
+    "each just those people how too little state good very make world still own see men work long get here "
+    "between both life being under never day same another know while last might us great old year off come "
+    "since against go came right used take three"
+)
 _WORDS = _WORD_TEXT.split()
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    start: float = 0.0
-    itl: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -71,12 +68,18 @@ def make_requests(args, model: str, vocab_size: int) -> list[BenchRequest]:
     low = min(10, vocab_size - 1)
     reqs = []
     for n_in, n_out in zip(ins, outs):
-        payload: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                                   "temperature": 0.0}
+        payload: dict[str, Any] = {
+            "model": model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
         if not args.no_ignore_eos:
             payload["ignore_eos"] = True
         if args.endpoint.endswith("/chat/completions"):
-            payload["messages"] = [{"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}]
+            payload["messages"] = [
+                {"role": "user", "content": " ".join(rng.choice(_WORDS) for _ in range(n_in))}
+            ]
             payload["max_completion_tokens"] = n_out
         else:
             payload["prompt"] = [rng.randrange(low, vocab_size) for _ in range(n_in)]
@@ -137,8 +140,15 @@ async def send_one(client, url: str, req: BenchRequest) -> RequestResult:
     return res
 
 
-async def run_rate(client, url: str, reqs: list[BenchRequest], rate: float, arrival: str,
-                   max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+async def run_rate(
+    client,
+    url: str,
+    reqs: list[BenchRequest],
+    rate: float,
+    arrival: str,
+    max_concurrency: int | None,
+    seed: int,
+) -> tuple[list[RequestResult], float]:
     """All requests at ``rate`` requests/s; returns the results and the wall time."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -157,90 +167,6 @@ async def run_rate(client, url: str, reqs: list[BenchRequest], rate: float, arri
             await asyncio.sleep(rng.expovariate(rate) if arrival == "poisson" else 1.0 / rate)
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------------- stats
-
-
-def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    xs = sorted(values)
-
-    def pct(p: float) -> float:  # linear interpolation (numpy's default)
-        k = (len(xs) - 1) * p / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {"mean": sum(xs) / len(xs) * scale, "p50": pct(50) * scale, "p90": pct(90) * scale,
-            "p99": pct(99) * scale}
-
-
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
-    ok = [r for r in results if r.ok]
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    in_tok = sum(r.prompt_len for r in ok)
-    out_tok = sum(r.output_tokens for r in ok)
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
-    return {
-        "request_rate": rate if math.isfinite(rate) else "inf",
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "duration_s": duration,
-        "total_input_tokens": in_tok,
-        "total_output_tokens": out_tok,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "input_token_throughput": in_tok / duration if duration > 0 else 0.0,
-        "output_token_throughput": out_tok / duration if duration > 0 else 0.0,
-        "total_token_throughput": (in_tok + out_tok) / duration if duration > 0 else 0.0,
-        "ttft_ms": _percentiles([r.ttft for r in ok]),
-        "tpot_ms": _percentiles(tpots),
-        "itl_ms": _percentiles([x for r in ok for x in r.itl]),
-        "e2e_ms": _percentiles([r.e2e for r in ok]),
-    }
-
-
-def print_summary(s: dict) -> None:
-    print(f"\n==== request rate {s['request_rate']} req/s ====")
-    print(f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s")
-    for err, n in s["errors"].items():
-        print(f"  error x{n}: {err}")
-    print(f"  request throughput  {s['request_throughput']:.2f} req/s")
-    print(f"  output tokens/s     {s['output_token_throughput']:.1f}   (total tokens/s "
-          f"{s['total_token_throughput']:.1f})")
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
-        v = s[key]
-        print(f"  {name:<5} ms  mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p90 {v['p90']:9.2f}  p99 {v['p99']:9.2f}")
-
-
-def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [r["request_rate"] if r["request_rate"] != "inf" else r["request_throughput"] for r in runs]
-    order = sorted(range(len(runs)), key=lambda i: xs[i])
-    xs = [xs[i] for i in order]
-    runs = [runs[i] for i in order]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, keys in ((axes[0], ("ttft_ms", "e2e_ms")), (axes[1], ("tpot_ms", "itl_ms"))):
-        for key in keys:
-            for p, style in (("p50", "-o"), ("p99", "--s")):
-                ax.plot(xs, [r[key][p] for r in runs], style, label=f"{key[:-3].upper()} {p}")
-        ax.set_xlabel("request rate (req/s; 'inf' runs at their achieved rate)")
-        ax.set_ylabel("latency (ms)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    axes[0].set_title("time to first token / end to end")
-    axes[1].set_title("time per output token / inter-token latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -264,8 +190,9 @@ async def _main(args) -> dict:
         rates = args.request_rates or [args.request_rate if args.request_rate is not None else float("inf")]
         runs = []
         for rate in rates:
-            results, duration = await run_rate(client, base + args.endpoint, reqs, rate, args.arrival,
-                                               args.max_concurrency, args.seed)
+            results, duration = await run_rate(
+                client, base + args.endpoint, reqs, rate, args.arrival, args.max_concurrency, args.seed
+            )
             summary = summarize(results, duration, rate)
             print_summary(summary)
             runs.append(summary)
@@ -276,6 +203,7 @@ async def _main(args) -> dict:
 
 def run(args) -> int:
     """``inflight bench serve``: runs every rate, prints, writes --out and --plot; 1 if nothing completed."""
+    require_extra(BENCH_MODULES, "bench")
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -297,12 +225,78 @@ def run(args) -> int:
     return 0 if any(r["completed"] for r in report["runs"]) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from inflight.serve.cli import add_bench_serve_arguments
+# ---------------------------------------------------------------------------------------------- arguments
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_serve_arguments(parser)
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``inflight bench serve`` (also of ``python -m inflight.serve.bench``)."""
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument(
+        "--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions")
+    )
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--request-rate", type=float, default=None, help="requests per second (inf: all at once; default inf)"
+    )
+    rate.add_argument(
+        "--request-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="several rates, one run each (the plot shows latency against rate)",
+    )
+    p.add_argument(
+        "--arrival",
+        choices=("poisson", "fixed"),
+        default="poisson",
+        help="inter-arrival times: exponential (poisson) or constant (fixed)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean when --range-ratio > 0)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (mean when --range-ratio > 0)")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="sample lengths uniformly in [len*(1-r), len*(1+r)] (default 0: fixed lengths)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids of the random prompts are drawn below this (default: the server's vocab_size "
+        "from /v1/models, else 1000)",
+    )
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG plot of latency against request rate here")
+    p.set_defaults(func=run)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Mounts ``bench`` (with its one benchmark, ``serve``) on a command's subparsers."""
+    p = subparsers.add_parser("bench", help="benchmarks (bench serve: load-test a running server)")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
+        description="Streams requests to a running server at a given rate and reports latencies.",
+    )
+    add_arguments(s)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
     return parser
 
 

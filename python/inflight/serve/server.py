@@ -1,6 +1,10 @@
 """``inflight serve``: the OpenAI-compatible server (uvicorn, in this process) over one LLM.
 
-The engine runs in this process on its worker thread; uvicorn's event loop runs the HTTP side.
+This module owns the command: :func:`add_parser` mounts it on ``inflight``'s subcommands,
+:func:`add_arguments` gives its options (the model, the server's own options, and every engine
+option of :class:`~inflight.llm_args.LlmArgs` through :func:`~inflight.llm_args.add_cli_arguments`)
+and :func:`run` runs it. The engine runs in this process on its worker thread; uvicorn's event loop
+runs the HTTP side (the app: :mod:`inflight.serve.app`).
 
 SIGTERM (or Ctrl-C) drains: the server keeps listening but answers 503 to new requests (and to
 ``/health``, so a load balancer takes it out), lets the requests in flight finish for up to
@@ -8,44 +12,100 @@ SIGTERM (or Ctrl-C) drains: the server keeps listening but answers 503 to new re
 connections, shuts the engine down and exits 0. A second signal stops at once.
 
     python -m inflight.serve.server MODEL [--host 127.0.0.1 --port 8000 ...]   # = inflight serve MODEL
+
+Nothing here imports FastAPI or uvicorn at module level (they are the optional ``serve`` extra), so
+that ``inflight --help`` works without them.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import sys
 import threading
 
+from inflight.llm import LLM
+from inflight.llm_args import LlmArgs, add_cli_arguments
+from inflight.serve.extras import SERVE_MODULES, require_extra
+
 logger = logging.getLogger("inflight.serve")
 
-
-def build_llm(args):
-    """The LLM of ``inflight serve``'s arguments."""
-    from inflight import LLM, KvCacheConfig, SchedulerConfig
-
-    kv = KvCacheConfig(max_tokens=args.kv_cache_max_tokens, free_memory_fraction=args.kv_cache_free_memory_fraction,
-                       tokens_per_block=args.tokens_per_block, enable_block_reuse=not args.disable_block_reuse)
-    sched = SchedulerConfig(capacity_scheduler_policy=args.capacity_scheduler_policy,
-                            context_chunking_policy=args.context_chunking_policy)
-    kwargs = {}
-    if args.disable_overlap_scheduler:
-        kwargs["disable_overlap_scheduler"] = True
-    if args.device is not None:
-        kwargs["device"] = args.device
-    return LLM(args.model, dtype=args.dtype, kv_cache_config=kv, scheduler_config=sched,
-               max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
-               enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed,
-               log_iteration_stats=args.log_iteration_stats, quantization=args.quantization, **kwargs)
+_DEFAULT_MODEL = "smollm2"
 
 
-def _served_names(args) -> tuple[str, tuple[str, ...]]:
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``inflight serve`` (also of ``python -m inflight.serve.server``)."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help=f"a Hugging Face model directory, a .gguf file, or a known name (default: {_DEFAULT_MODEL})",
+    )
+    parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients use (default: the model argument as given; a directory's base "
+        "name is accepted too)",
+    )
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="most requests in flight (running or waiting); more get 503 at once (default 1024)",
+    )
+    net.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, seconds to let requests in flight finish before cancelling them (default 30)",
+    )
+    net.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    net.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
+    add_cli_arguments(parser, "engine")
+    parser.set_defaults(func=run)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Mounts ``serve`` on a command's subparsers (``inflight serve``)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    add_arguments(p)
+    return p
+
+
+def _model(args) -> str:
+    """The model of the positional argument or the hidden ``--model`` alias (not both, unless equal)."""
+    if args.model is None:
+        return args.model_flag or _DEFAULT_MODEL
+    if args.model_flag is not None and args.model_flag != args.model:
+        raise ValueError(f"the model is given twice: {args.model!r} and --model {args.model_flag!r}")
+    return args.model
+
+
+def _served_names(model: str, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
     """The served model name (``--served-model-name``, else the model argument as given, like vLLM),
     plus the directory's base name as an alias when the model is a path."""
-    name = args.served_model_name or str(args.model)
+    name = served_model_name or model
     aliases = []
-    base = os.path.basename(os.path.normpath(str(args.model)))
+    base = os.path.basename(os.path.normpath(model))
     if base and base != name:
         aliases.append(base)
     return name, tuple(aliases)
@@ -85,8 +145,12 @@ def _make_server_class():
 
         async def _drain(self, sig) -> None:
             loop = asyncio.get_running_loop()
-            logger.info("signal %s: draining %d request(s) in flight (up to %.0f s); new requests get 503",
-                        sig, self.state.in_flight, self.drain_timeout)
+            logger.info(
+                "signal %s: draining %d request(s) in flight (up to %.0f s); new requests get 503",
+                sig,
+                self.state.in_flight,
+                self.drain_timeout,
+            )
             deadline = loop.time() + self.drain_timeout
             while self.state.in_flight > 0 and loop.time() < deadline and not self.force_exit:
                 await asyncio.sleep(0.05)
@@ -101,14 +165,29 @@ def _make_server_class():
     return DrainingServer
 
 
-def make_server(app, host: str, port: int, *, drain_timeout: float = 30.0, log_level: str = "info",
-                access_log: bool = True):
+def make_server(
+    app,
+    host: str,
+    port: int,
+    *,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = True,
+):
     """A uvicorn server for an app of :func:`~inflight.serve.app.build_app`, with the drain behaviour.
     ``server.run()`` blocks (signals are handled only in the main thread)."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            lifespan="off", timeout_graceful_shutdown=10, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=5,
+    )
     return _make_server_class()(config, app.state.server, drain_timeout)
 
 
@@ -120,22 +199,37 @@ def _shutdown_llm(llm, timeout: float = 60.0) -> None:
         logger.error("the engine did not shut down within %.0f s", timeout)
 
 
-def run_server(args) -> int:
+def run(args) -> int:
     """``inflight serve``: builds the LLM, serves it until SIGTERM/SIGINT, drains, exits 0."""
+    require_extra(SERVE_MODULES, "serve")
+    # The app imports FastAPI (the optional `serve` extra), hence this import here, not at the top.
     from inflight.serve.app import build_app
 
+    model = _model(args)
     if args.max_queue_size < 1:
         raise ValueError(f"--max-queue-size must be >= 1, got {args.max_queue_size}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    llm = build_llm(args)
+    llm = LLM(**LlmArgs.from_cli(args, model=model).to_kwargs())
     try:
-        name, aliases = _served_names(args)
+        name, aliases = _served_names(model, args.served_model_name)
         app = build_app(llm, name, args.max_queue_size, aliases=aliases)
-        server = make_server(app, args.host, args.port, drain_timeout=args.drain_timeout,
-                             log_level=args.uvicorn_log_level, access_log=not args.disable_access_log)
-        logger.info("serving %s as %r on http://%s:%d (max_seq_len %d)", args.model, name, args.host, args.port,
-                    llm.max_seq_len)
+        server = make_server(
+            app,
+            args.host,
+            args.port,
+            drain_timeout=args.drain_timeout,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_access_log,
+        )
+        logger.info(
+            "serving %s as %r on http://%s:%d (max_seq_len %d)",
+            model,
+            name,
+            args.host,
+            args.port,
+            llm.max_seq_len,
+        )
         server.run()
         if not server.started:
             return 1
@@ -146,13 +240,11 @@ def run_server(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from inflight.serve.cli import add_serve_arguments
-
-    parser = argparse.ArgumentParser(prog="python -m inflight.serve.server",
-                                     description="OpenAI-compatible server (same as `inflight serve`)")
-    add_serve_arguments(parser)
+    parser = argparse.ArgumentParser(
+        prog="python -m inflight.serve.server",
+        description="OpenAI-compatible server (same as `inflight serve`)",
+    )
+    add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

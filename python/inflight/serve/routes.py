@@ -1,0 +1,257 @@
+"""The endpoints, as plain functions of the server state and the request: ``GET /health``,
+``/version``, ``/v1/models``, ``/metrics`` (Prometheus text), ``POST /v1/completions`` and
+``/v1/chat/completions`` (both streaming with SSE, :mod:`inflight.serve.streaming`).
+
+Each takes the :class:`~inflight.serve.state.ServerState` as ``state`` (FastAPI passes
+``app.state.server`` through the :data:`State` dependency) and raises
+:class:`~inflight.serve.protocol.APIError` for a request it refuses; :data:`ROUTES` lists them for
+:func:`~inflight.serve.app.build_app`.
+
+A client that goes away cancels its request (``handle.abort()``): a stream through the generator's
+cancellation, a plain request through a task that waits for the ASGI ``http.disconnect`` message
+while the result is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from inflight.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    build_sampling_params,
+    check_extra_fields,
+    error_body,
+    parse_messages,
+    parse_prompt,
+)
+from inflight.serve.protocol import chat_logprobs as requested_top_logprobs
+from inflight.serve.responses import chat_logprobs, completion_logprobs, failure, header, usage
+from inflight.serve.state import ServerState
+from inflight.serve.streaming import SSEResponse, chat_stream, completion_stream
+
+
+async def server_state(request: Request) -> ServerState:
+    # async: FastAPI would run a plain function on a worker thread.
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]
+
+
+# ---------------------------------------------------------------------------------------------- plain endpoints
+
+
+async def health(state: State):
+    if state.draining:
+        body = error_body("the server is shutting down", "service_unavailable", code="server_draining")
+        return JSONResponse(body, status_code=503)
+    if not state.engine_alive():
+        body = error_body("the inference engine is not running", "service_unavailable", code="engine_dead")
+        return JSONResponse(body, status_code=503)
+    return {"status": "ok"}
+
+
+async def get_version(state: State):
+    return {"version": state.version}
+
+
+async def models(state: State):
+    llm = state.llm
+    vocab_size = llm.model_config.vocab_size
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "inflight",
+            "root": state.model_name,
+            "parent": None,
+            "max_model_len": llm.max_seq_len,
+            "vocab_size": vocab_size,
+        }
+        for name in state.model_names
+    ]
+    return {"object": "list", "data": data}
+
+
+async def metrics(state: State):
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+# ---------------------------------------------------------------------------------------------- disconnects
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _gather_unless_disconnected(request: Request, handles: list) -> list | None:
+    """The handles' final outputs, or None when the client disconnected first."""
+    results = asyncio.ensure_future(asyncio.gather(*handles))
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({results, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not results.done():
+            results.cancel()
+    if results.done() and not results.cancelled():
+        return results.result()
+    return None
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------------------------------------- /v1/completions
+
+
+async def completions(state: State, body: CompletionRequest, request: Request):
+    state.check_model(body.model)
+    state.check_serving()
+    check_extra_fields(body)
+    items = parse_prompt(body.prompt)
+    base = build_sampling_params(body, body.max_tokens, body.logprobs)
+    if state.tokenizer is None:
+        if any(isinstance(p, str) for p in items):
+            raise bad_request(
+                "prompt: this model has no tokenizer files, so prompts must be lists of token ids",
+                param="prompt",
+            )
+        if base.stop:
+            raise bad_request("stop: this model has no tokenizer files; use stop_token_ids", param="stop")
+    prompts = [await state.tokenize(p) if isinstance(p, str) else p for p in items]
+    explicit = "max_tokens" in body.model_fields_set
+    params = [state.check_fit(ids, base, explicit, "prompt", "max_tokens") for ids in prompts]
+    job = state.submit(prompts, params, body.stream, "prompt")
+    head = header(state, "text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+    n = base.n
+    if body.stream:
+        return SSEResponse(completion_stream(state, job, head, n, _include_usage(body)), job)
+    try:
+        outs = await _gather_unless_disconnected(request, job.handles)
+        if outs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        for i, out in enumerate(outs):
+            job.observe(i, out)
+    finally:
+        job.close()
+    choices = []
+    for i, out in enumerate(outs):
+        for comp in out.outputs:
+            if (err := failure(comp)) is not None:
+                raise err
+            choice = {
+                "index": i * n + comp.index,
+                "text": comp.text,
+                "logprobs": None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+                "token_ids": comp.token_ids,
+                "prompt_token_ids": out.prompt_token_ids,
+            }
+            if comp.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(state, comp.token_ids, comp.logprobs, 0)
+            choices.append(choice)
+    total = usage(sum(job.prompt_lens), sum(len(c.token_ids) for o in outs for c in o.outputs))
+    return JSONResponse({**head, "choices": choices, "usage": total})
+
+
+# ---------------------------------------------------------------------------------------------- /v1/chat/completions
+
+
+async def _chat_prompt(
+    state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
+    if state.tokenizer is None:
+        raise bad_request(
+            "messages: this model has no tokenizer files, so it has no chat template; use "
+            "/v1/completions with token-id prompts",
+            param="messages",
+        )
+    try:
+        return await state.apply_chat_template(messages, add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    except Exception as exc:  # noqa: BLE001  (a template that fails on these messages: jinja errors)
+        raise bad_request(
+            f"messages: the chat template failed: {type(exc).__name__}: {exc}", param="messages"
+        ) from None
+
+
+async def chat_completions(state: State, body: ChatCompletionRequest, request: Request):
+    state.check_model(body.model)
+    state.check_serving()
+    check_extra_fields(body)
+    messages = parse_messages(body.messages)
+    if body.max_completion_tokens is not None:
+        max_tokens, max_field = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_field = body.max_tokens, "max_tokens"
+    top_n = requested_top_logprobs(body)
+    params = build_sampling_params(
+        body, max_tokens, top_n, rename={"max_tokens": max_field, "logprobs": "top_logprobs"}
+    )
+    ids = await _chat_prompt(state, messages, body.add_generation_prompt)
+    params = state.check_fit(ids, params, True, "messages", max_field)
+    job = state.submit([ids], [params], body.stream, "messages")
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        head = header(state, "chat.completion.chunk", rid, created)
+        return SSEResponse(chat_stream(state, job, head, params.n, _include_usage(body), top_n), job)
+    try:
+        outs = await _gather_unless_disconnected(request, job.handles)
+        if outs is None:
+            return Response(status_code=499)
+        job.observe(0, outs[0])
+    finally:
+        job.close()
+    out = outs[0]
+    choices = []
+    for comp in out.outputs:
+        if (err := failure(comp)) is not None:
+            raise err
+        choice = {
+            "index": comp.index,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": None,
+            "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason,
+            "token_ids": comp.token_ids,
+        }
+        if top_n is not None:
+            choice["logprobs"] = chat_logprobs(state, comp.token_ids, comp.logprobs or [], top_n)
+        choices.append(choice)
+    total = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    return JSONResponse(
+        {
+            **header(state, "chat.completion", rid, created),
+            "choices": choices,
+            "usage": total,
+            "prompt_token_ids": ids,
+        }
+    )
+
+
+# (method, path, endpoint) of every route, for build_app.
+ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/version", get_version),
+    ("GET", "/v1/models", models),
+    ("GET", "/metrics", metrics),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+)
