@@ -496,12 +496,15 @@ def _add_field(group, f: dataclasses.Field, flag: str, dest: str) -> None:
     group.add_argument(flag, **kwargs)
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+def add_cli_arguments(
+    parser: argparse.ArgumentParser, title: str = "engine", args_cls: type[LlmArgs] = LlmArgs
+) -> None:
     """Adds one option per :class:`LlmArgs` field (nested configs flattened) to a group named
     ``title``; read back with :meth:`LlmArgs.from_cli`. The model itself is the command's own
-    argument (``inflight serve MODEL``, ``inflight generate --model``)."""
+    argument (``inflight serve MODEL``, ``inflight generate --model``). ``args_cls``: a subclass with
+    more fields (their options come with them)."""
     group = parser.add_argument_group(title)
-    for f in dataclasses.fields(LlmArgs):
+    for f in dataclasses.fields(args_cls):
         rule = f.metadata.get("rule")
         if isinstance(rule, Config):
             for g, flag, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix):
