@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from inflight import _C
 from inflight.ops import attention as native
 from inflight.ops.reference import attention as reference

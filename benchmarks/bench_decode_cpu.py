@@ -57,9 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import make_cases, run_transformers
 
 # 61 tokens once chat-templated (the template adds a system turn), like the earlier baselines.
-CHAT = [{"role": "user",
-         "content": "Write a short story about a lighthouse keeper who finds a message in a bottle. "
-                    "Describe the storm, the bottle and what the keeper decides to do next."}]
+CHAT = [
+    {
+        "role": "user",
+        "content": "Write a short story about a lighthouse keeper who finds a message in a bottle. "
+        "Describe the storm, the bottle and what the keeper decides to do next.",
+    }
+]
 BATCHED_CASE = "a"
 
 
@@ -79,15 +83,29 @@ def _single_row(system: str, runs: list[tuple[float, float, float]], n: int, tok
     prefill = _median([r[0] for r in runs])
     decode = _median([r[1] for r in runs])
     total = _median([r[2] for r in runs])
-    return {"case": "single", "system": system, "new_tokens": n, "prefill_ms": prefill * 1e3,
-            "decode_tok_s": (n - 1) / decode, "e2e_tok_s": n / total, "runs": runs, "tokens": tokens}
+    return {
+        "case": "single",
+        "system": system,
+        "new_tokens": n,
+        "prefill_ms": prefill * 1e3,
+        "decode_tok_s": (n - 1) / decode,
+        "e2e_tok_s": n / total,
+        "runs": runs,
+        "tokens": tokens,
+    }
 
 
 def _batched_row(system: str, runs: list[tuple[float, int]]) -> dict:
     t = _median([r[0] for r in runs])
     n = runs[0][1]
-    return {"case": "batched", "system": system, "new_tokens": n, "total_s": t, "total_tok_s": n / t,
-            "runs": runs}
+    return {
+        "case": "batched",
+        "system": system,
+        "new_tokens": n,
+        "total_s": t,
+        "total_tok_s": n / t,
+        "runs": runs,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- inflight
@@ -141,14 +159,18 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int, max_len: int, flash_attn: str = "off",
-                 max_batch: int = 2048):
+    def __init__(
+        self, path: Path, threads: int, max_len: int, flash_attn: str = "off", max_batch: int = 2048
+    ):
         import llama_cpp as lc
 
         self.lc = lc
         self.threads = threads
-        self.flash_attn = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
+        self.flash_attn = {
+            "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
         self.max_len, self.max_batch = max_len, max_batch
         # Keep a reference: ctypes frees the trampoline when the Python callable is collected.
         self._log_cb = lc.llama_log_callback(lambda level, text, user: None)
@@ -205,8 +227,9 @@ class LlamaCppRunner:
     def _prefill(self, prompts: list[list[int]]) -> list[int]:
         """Every prompt, packed into as few llama_decode calls as the logical batch allows; returns
         the first generated token of each."""
-        entries = [(tok, pos, seq, pos == len(p) - 1)
-                   for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        entries = [
+            (tok, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, tok in enumerate(p)
+        ]
         first: list[int] = []
         for i in range(0, len(entries), self.max_batch):
             chunk = entries[i : i + self.max_batch]
@@ -267,15 +290,22 @@ class TransformersRunner:
     def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         self.model.generation_config.eos_token_id = None  # never stop early
 
     def _generate(self, ids: list[int], n: int) -> torch.Tensor:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            return self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+            return self.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     def single(self, ids: list[int], n: int) -> tuple[tuple[float, float, float], list[int]]:
         t0 = time.perf_counter()
@@ -284,7 +314,7 @@ class TransformersRunner:
         out = self._generate(ids, n)
         t2 = time.perf_counter()
         prefill, total = t1 - t0, t2 - t1
-        return (prefill, total - prefill, total), out[0, len(ids):].tolist()
+        return (prefill, total - prefill, total), out[0, len(ids) :].tolist()
 
     def batched(self, reqs: list[tuple[list[int], int]]) -> tuple[float, int]:
         return run_transformers(self.model, reqs)
@@ -303,12 +333,16 @@ def measure(runner, ids: list[int], n: int, reqs, repeats: int, log: Callable[[s
         timing, tokens = runner.single(ids, n)
         single_runs.append(timing)
     row = _single_row(runner.name, single_runs, n, tokens)
-    log(f"  {runner.name:<12} single : prefill {row['prefill_ms']:7.1f} ms, "
-        f"decode {row['decode_tok_s']:6.1f} tok/s, end-to-end {row['e2e_tok_s']:6.1f} tok/s")
+    log(
+        f"  {runner.name:<12} single : prefill {row['prefill_ms']:7.1f} ms, "
+        f"decode {row['decode_tok_s']:6.1f} tok/s, end-to-end {row['e2e_tok_s']:6.1f} tok/s"
+    )
     batched_runs = [runner.batched(reqs) for _ in range(repeats)]
     brow = _batched_row(runner.name, batched_runs)
-    log(f"  {runner.name:<12} batched: {brow['total_tok_s']:7.1f} tok/s ({brow['new_tokens']} tokens in "
-        f"{brow['total_s']:.2f} s)")
+    log(
+        f"  {runner.name:<12} batched: {brow['total_tok_s']:7.1f} tok/s ({brow['new_tokens']} tokens in "
+        f"{brow['total_s']:.2f} s)"
+    )
     return [row, brow]
 
 
@@ -335,8 +369,11 @@ def print_table(rows: list[dict], ids_len: int, reqs) -> dict:
     first = by[("single", variants[0])]
     print()
     print(f"single: one {ids_len}-token chat prompt, {first['new_tokens']} new tokens (greedy, EOS ignored)")
-    print(f"{'system':<14} {'prefill ms':>10} {'decode tok/s':>13} {'e2e tok/s':>10} "
-          + " ".join(f"{v + '/x decode':>20}" for v in variants) + f" {'same tokens':>12}")
+    print(
+        f"{'system':<14} {'prefill ms':>10} {'decode tok/s':>13} {'e2e tok/s':>10} "
+        + " ".join(f"{v + '/x decode':>20}" for v in variants)
+        + f" {'same tokens':>12}"
+    )
     for system in systems:
         r = by.get(("single", system))
         if r is None:
@@ -351,12 +388,19 @@ def print_table(rows: list[dict], ids_len: int, reqs) -> dict:
             cells.append(f"{rd:>19.2f}x")
         agree = _leading_agreement(first["tokens"], r["tokens"])
         r["leading_tokens_equal_to_inflight"] = agree
-        print(f"{system:<14} {r['prefill_ms']:>10.1f} {r['decode_tok_s']:>13.1f} {r['e2e_tok_s']:>10.1f} "
-              + " ".join(cells) + f" {agree:>5}/{len(r['tokens'])}")
+        print(
+            f"{system:<14} {r['prefill_ms']:>10.1f} {r['decode_tok_s']:>13.1f} {r['e2e_tok_s']:>10.1f} "
+            + " ".join(cells)
+            + f" {agree:>5}/{len(r['tokens'])}"
+        )
     lens = [len(p) for p, _ in reqs]
-    print(f"\nbatched: case ({BATCHED_CASE}), {len(reqs)} prompts of {min(lens)}-{max(lens)} tokens x "
-          f"{reqs[0][1]} new tokens (EOS ignored)")
-    print(f"{'system':<14} {'total tok/s':>11} {'seconds':>8} " + " ".join(f"{v + '/x':>15}" for v in variants))
+    print(
+        f"\nbatched: case ({BATCHED_CASE}), {len(reqs)} prompts of {min(lens)}-{max(lens)} tokens x "
+        f"{reqs[0][1]} new tokens (EOS ignored)"
+    )
+    print(
+        f"{'system':<14} {'total tok/s':>11} {'seconds':>8} " + " ".join(f"{v + '/x':>15}" for v in variants)
+    )
     for system in systems:
         r = by.get(("batched", system))
         if r is None:
@@ -371,10 +415,16 @@ def print_table(rows: list[dict], ids_len: int, reqs) -> dict:
     for v in variants:
         k = key(v)
         if f"single_decode_{k}_over_llama.cpp" in ratios:
-            single, batched = ratios[f"single_decode_{k}_over_llama.cpp"], ratios[f"batched_{k}_over_llama.cpp"]
-            print(f"\ngoals vs llama.cpp ({v}): single-stream decode {single:.2f}x (goal >= 1.0x: "
-                  f"{'met' if single >= 1.0 else 'not met'}), batched {batched:.2f}x (goal >= 3.0x: "
-                  f"{'met' if batched >= 3.0 else 'not met'})", end="")
+            single, batched = (
+                ratios[f"single_decode_{k}_over_llama.cpp"],
+                ratios[f"batched_{k}_over_llama.cpp"],
+            )
+            print(
+                f"\ngoals vs llama.cpp ({v}): single-stream decode {single:.2f}x (goal >= 1.0x: "
+                f"{'met' if single >= 1.0 else 'not met'}), batched {batched:.2f}x (goal >= 3.0x: "
+                f"{'met' if batched >= 3.0 else 'not met'})",
+                end="",
+            )
     print()
     return ratios
 
@@ -393,6 +443,7 @@ def _native_calls_as_ranges() -> Iterator[None]:
         def ranged(*args, **kwargs):
             with fast(label) if fast is not None else torch.profiler.record_function(label):
                 return fn(*args, **kwargs)
+
         return ranged
 
     undo: list[tuple[object, str, object]] = []
@@ -439,13 +490,16 @@ class _StepWindow:
                 self.prof.__exit__(None, None, None)
 
 
-def profile_inflight(ids: list[int], steps: int, max_kv_tokens: int,
-                     unprofiled_step_ms: float | None) -> dict:
+def profile_inflight(
+    ids: list[int], steps: int, max_kv_tokens: int, unprofiled_step_ms: float | None
+) -> dict:
     runner = InflightRunner(max_kv_tokens)
     llm = runner.llm
     if llm.executor.overlap:
-        raise RuntimeError("--profile needs the non-overlapped executor (the CPU default): with overlap the "
-                           "forward runs on another thread, which the profiler would not see")
+        raise RuntimeError(
+            "--profile needs the non-overlapped executor (the CPU default): with overlap the "
+            "forward runs on another thread, which the profiler would not see"
+        )
     runner.single(ids, 8)  # warm-up
     # Kineto registers itself on the first profiler start; done from the executor thread, it logs a
     # spurious error unless this thread started one first.
@@ -474,53 +528,90 @@ def profile_inflight(ids: list[int], steps: int, max_kv_tokens: int,
     n_aten = sum(1 for e in events if e.name.startswith("aten::"))
     n_native = sum(1 for e in events if e.name.startswith("inflight::"))
     step_ms = window_us / steps / 1e3
-    print(f"\nprofile: inflight single-stream decode, {steps} steps under torch.profiler (CPU, "
-          f"{torch.get_num_threads()} threads)")
+    print(
+        f"\nprofile: inflight single-stream decode, {steps} steps under torch.profiler (CPU, "
+        f"{torch.get_num_threads()} threads)"
+    )
     unprof = f" (without the profiler: {unprofiled_step_ms:.2f} ms)" if unprofiled_step_ms else ""
-    print(f"  step time {step_ms:.2f} ms{unprof}; per step: {len(events) / steps:.0f} profiled calls "
-          f"({n_aten / steps:.0f} torch aten ops, {n_native / steps:.0f} inflight C++ calls), "
-          f"{len(top_level) / steps:.0f} at top level")
+    print(
+        f"  step time {step_ms:.2f} ms{unprof}; per step: {len(events) / steps:.0f} profiled calls "
+        f"({n_aten / steps:.0f} torch aten ops, {n_native / steps:.0f} inflight C++ calls), "
+        f"{len(top_level) / steps:.0f} at top level"
+    )
     torch_share, native_share = (in_ops_us - native_us) / window_us, native_us / window_us
     outside_share = 1 - in_ops_us / window_us
-    print(f"  share of step time: inside top-level torch ops {100 * torch_share:.0f}%, inside inflight C++ "
-          f"calls {100 * native_share:.0f}%,\n  outside any op (Python, binding glue, profiler overhead) "
-          f"{100 * outside_share:.0f}%")
+    print(
+        f"  share of step time: inside top-level torch ops {100 * torch_share:.0f}%, inside inflight C++ "
+        f"calls {100 * native_share:.0f}%,\n  outside any op (Python, binding glue, profiler overhead) "
+        f"{100 * outside_share:.0f}%"
+    )
     print(f"  {'op (by self time)':<44} {'calls/step':>10} {'self us/step':>12} {'% of step':>9}")
     for name, (calls, self_us) in top:
-        print(f"  {name[:44]:<44} {calls / steps:>10.1f} {self_us / steps:>12.1f} "
-              f"{100 * self_us / window_us:>8.1f}%")
-    print("  (the profiler adds a few microseconds per recorded call, so the 'outside' share is an upper "
-          "bound)")
-    return {"steps": steps, "step_ms": step_ms, "unprofiled_step_ms": unprofiled_step_ms,
-            "calls_per_step": len(events) / steps, "aten_ops_per_step": n_aten / steps,
-            "native_calls_per_step": n_native / steps, "top_level_calls_per_step": len(top_level) / steps,
-            "frac_torch_ops": torch_share, "frac_native": native_share, "frac_outside_ops": outside_share,
-            "top_ops": [{"name": name, "calls_per_step": calls / steps, "self_us_per_step": self_us / steps}
-                        for name, (calls, self_us) in top]}
+        print(
+            f"  {name[:44]:<44} {calls / steps:>10.1f} {self_us / steps:>12.1f} "
+            f"{100 * self_us / window_us:>8.1f}%"
+        )
+    print(
+        "  (the profiler adds a few microseconds per recorded call, so the 'outside' share is an upper bound)"
+    )
+    return {
+        "steps": steps,
+        "step_ms": step_ms,
+        "unprofiled_step_ms": unprofiled_step_ms,
+        "calls_per_step": len(events) / steps,
+        "aten_ops_per_step": n_aten / steps,
+        "native_calls_per_step": n_native / steps,
+        "top_level_calls_per_step": len(top_level) / steps,
+        "frac_torch_ops": torch_share,
+        "frac_native": native_share,
+        "frac_outside_ops": outside_share,
+        "top_ops": [
+            {"name": name, "calls_per_step": calls / steps, "self_us_per_step": self_us / steps}
+            for name, (calls, self_us) in top
+        ],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per case, after a warm-up (median)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="threads for every system (default: torch.get_num_threads())")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per case, after a warm-up (median)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="threads for every system (default: torch.get_num_threads())",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llamacpp", action="store_true")
     # llama.cpp's default ("auto") turns its CPU flash attention on, which made the 16-sequence decode step
     # ~8x slower on this model (0.76 s vs 0.10 s, llama-cpp-python 0.3.36) and did not change the
     # single-stream speed: "off" is its faster setting, so it is the default here.
-    parser.add_argument("--llamacpp-flash-attn", choices=("off", "on", "auto"), default="off",
-                        help="llama.cpp's flash_attn_type (default: off, its faster setting here)")
+    parser.add_argument(
+        "--llamacpp-flash-attn",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="llama.cpp's flash_attn_type (default: off, its faster setting here)",
+    )
     parser.add_argument("--skip-inflight", action="store_true", help="only the baselines (no ratios)")
-    parser.add_argument("--inflight-activations", nargs="+", choices=sorted(INFLIGHT_VARIANTS), default=["fp32", "bf16"],
-                        help="inflight variants: fp32 (the default LLM(\"smollm2\"): 4-bit weights, fp32 activations) "
-                             "and/or bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf')")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile inflight's single-stream decode step")
+    parser.add_argument(
+        "--inflight-activations",
+        nargs="+",
+        choices=sorted(INFLIGHT_VARIANTS),
+        default=["fp32", "bf16"],
+        help='inflight variants: fp32 (the default LLM("smollm2"): 4-bit weights, fp32 activations) '
+        "and/or bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf')",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile inflight's single-stream decode step"
+    )
     parser.add_argument("--profile-steps", type=int, default=32)
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
@@ -528,8 +619,9 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_tokens < 2:
-        parser.error(f"--max-tokens must be >= 2 (decode speed needs tokens after the first), "
-                     f"got {args.max_tokens}")
+        parser.error(
+            f"--max-tokens must be >= 2 (decode speed needs tokens after the first), got {args.max_tokens}"
+        )
 
     torch.set_num_threads(args.threads)
     from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
@@ -556,11 +648,15 @@ def main() -> None:
             args.skip_llamacpp = True
 
     load_start = os.getloadavg()
-    log(f"model {path.name}; threads {args.threads}; {args.repeats} repeats (medians) after a warm-up; "
-        f"load average {load_start[0]:.1f}")
+    log(
+        f"model {path.name}; threads {args.threads}; {args.repeats} repeats (medians) after a warm-up; "
+        f"load average {load_start[0]:.1f}"
+    )
     if load_start[0] > args.threads + 0.5:
-        log("warning: the machine is busy (load average above the thread count): absolute numbers will be "
-            "low and noisy; ratios from one run are still like for like")
+        log(
+            "warning: the machine is busy (load average above the thread count): absolute numbers will be "
+            "low and noisy; ratios from one run are still like for like"
+        )
 
     rows: list[dict] = []
     factories: list[tuple[str, Callable[[], object]]] = []
@@ -573,8 +669,9 @@ def main() -> None:
     # ops after it ran measured ~3x slower (transformers single stream 4.9 vs 17.5 tok/s).
     if not args.skip_llamacpp:
         max_len = max(len(ids), *(len(p) for p, _ in reqs)) + n
-        factories.append(("llama.cpp",
-                          lambda: LlamaCppRunner(path, args.threads, max_len, args.llamacpp_flash_attn)))
+        factories.append(
+            ("llama.cpp", lambda: LlamaCppRunner(path, args.threads, max_len, args.llamacpp_flash_attn))
+        )
     # One system at a time: an idle engine's thread pool must not compete with the measured one.
     for name, make in factories:
         log(f"{name}: loading")
@@ -594,16 +691,29 @@ def main() -> None:
         profile = profile_inflight(ids, args.profile_steps, max_kv_tokens, 1e3 / single["decode_tok_s"])
 
     load_end = os.getloadavg()
-    print(f"\nload average: {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
-          f"({os.cpu_count()} CPUs)")
+    print(
+        f"\nload average: {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+        f"({os.cpu_count()} CPUs)"
+    )
     if args.out:
         result = {
-            "model": str(path), "prompt_tokens": len(ids), "new_tokens": n, "threads": args.threads,
-            "repeats": args.repeats, "llamacpp_flash_attn": args.llamacpp_flash_attn,
-            "versions": {"inflight": _version("inflight-llm"), "torch": torch.__version__,
-                         "transformers": _version("transformers"), "llama_cpp_python": llama_version},
+            "model": str(path),
+            "prompt_tokens": len(ids),
+            "new_tokens": n,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "llamacpp_flash_attn": args.llamacpp_flash_attn,
+            "versions": {
+                "inflight": _version("inflight-llm"),
+                "torch": torch.__version__,
+                "transformers": _version("transformers"),
+                "llama_cpp_python": llama_version,
+            },
             "load_average": {"start": load_start, "end": load_end, "cpus": os.cpu_count()},
-            "results": rows, "ratios": ratios, "profile": profile}
+            "results": rows,
+            "ratios": ratios,
+            "profile": profile,
+        }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.out}")

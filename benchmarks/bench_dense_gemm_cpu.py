@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from inflight import _C
 from inflight.ops.gemm import dense_gemm
 
@@ -75,8 +76,16 @@ def _cycle(items):
     return itertools.cycle(items).__next__
 
 
-def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[int], cache: str,
-          calls: int, percentile: float) -> list[dict]:
+def bench(
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    batches: list[int],
+    threads: list[int],
+    cache: str,
+    calls: int,
+    percentile: float,
+) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     nbytes = w.numel() * w.element_size()
@@ -90,11 +99,25 @@ def bench(k: int, n: int, dtype: torch.dtype, batches: list[int], threads: list[
         for t in threads:
             torch.set_num_threads(t)
             ours, theirs = _cycle(ours_w), _cycle(theirs_w)
-            us_ours, us_torch = _time_pair(lambda x=x, w=ours: dense_gemm(x, w()),
-                                           lambda x=x, w=theirs: F.linear(x, w()), calls, percentile)
-            rows.append({"k": k, "n": n, "m": m, "dtype": str(dtype).removeprefix("torch."), "threads": t,
-                         "cache": cache, "dense_gemm_us": us_ours, "f_linear_us": us_torch,
-                         "weight_gb_s": nbytes / us_ours / 1e3})
+            us_ours, us_torch = _time_pair(
+                lambda x=x, w=ours: dense_gemm(x, w()),
+                lambda x=x, w=theirs: F.linear(x, w()),
+                calls,
+                percentile,
+            )
+            rows.append(
+                {
+                    "k": k,
+                    "n": n,
+                    "m": m,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "threads": t,
+                    "cache": cache,
+                    "dense_gemm_us": us_ours,
+                    "f_linear_us": us_torch,
+                    "weight_gb_s": nbytes / us_ours / 1e3,
+                }
+            )
     return rows
 
 
@@ -105,17 +128,23 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--cache", choices=["cold", "hot", "both"], default="cold")
     ap.add_argument("--calls", type=int, default=0, help="timed calls per cell (default: by size, 20..400)")
-    ap.add_argument("--percentile", type=float, default=50.0,
-                    help="statistic of the timed calls (default 50: the median; on a busy machine a low one, "
-                         "e.g. 10, shows the time of calls no other process interrupted)")
+    ap.add_argument(
+        "--percentile",
+        type=float,
+        default=50.0,
+        help="statistic of the timed calls (default 50: the median; on a busy machine a low one, "
+        "e.g. 10, shows the time of calls no other process interrupted)",
+    )
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
 
     before = torch.get_num_threads()
     print(f"torch {torch.__version__}, cpu isa: {_C.cpu_isa()}, threads: {args.threads}, cache: {args.cache}")
-    print(f"{'shape':<26}{'dtype':>6}{'cache':>6}{'thr':>4}{'M':>4}{'dense_gemm':>12}{'F.linear':>10}"
-          f"{'ratio':>8}{'GB/s':>7}   (us, percentile {args.percentile:g} of single calls; ratio = F.linear / "
-          "dense_gemm)")
+    print(
+        f"{'shape':<26}{'dtype':>6}{'cache':>6}{'thr':>4}{'M':>4}{'dense_gemm':>12}{'F.linear':>10}"
+        f"{'ratio':>8}{'GB/s':>7}   (us, percentile {args.percentile:g} of single calls; ratio = F.linear / "
+        "dense_gemm)"
+    )
     rows = []
     caches = ["cold", "hot"] if args.cache == "both" else [args.cache]
     try:
@@ -123,11 +152,16 @@ def main() -> None:
             for name, k, n in SHAPES:
                 for dname in args.dtypes:
                     calls = args.calls or max(20, min(400, int(4e8 / (n * k))))
-                    for r in bench(k, n, DTYPES[dname], args.batches, args.threads, cache, calls, args.percentile):
+                    for r in bench(
+                        k, n, DTYPES[dname], args.batches, args.threads, cache, calls, args.percentile
+                    ):
                         rows.append({"shape": name, **r})
-                        print(f"{name:<26}{dname:>6}{cache:>6}{r['threads']:>4}{r['m']:>4}"
-                              f"{r['dense_gemm_us']:>12.1f}{r['f_linear_us']:>10.1f}"
-                              f"{r['f_linear_us'] / r['dense_gemm_us']:>7.2f}x{r['weight_gb_s']:>7.1f}", flush=True)
+                        print(
+                            f"{name:<26}{dname:>6}{cache:>6}{r['threads']:>4}{r['m']:>4}"
+                            f"{r['dense_gemm_us']:>12.1f}{r['f_linear_us']:>10.1f}"
+                            f"{r['f_linear_us'] / r['dense_gemm_us']:>7.2f}x{r['weight_gb_s']:>7.1f}",
+                            flush=True,
+                        )
     finally:
         torch.set_num_threads(before)
     if args.json:

@@ -93,7 +93,7 @@ def _make_handle(tok, prompt_ids):
             request_id = 0
 
         class _Llm:
-            class executor:  # noqa: N801
+            class executor:
                 @staticmethod
                 def cancel_request(rid):
                     pass
@@ -121,11 +121,19 @@ def bench_handle(tok, ids: list[int]) -> dict:
     q = len(ids) // 4
 
     def summary(times):
-        return {"total_ms": sum(times) * 1e3, "first_quarter_us_per_token": statistics.mean(times[:q]) * 1e6,
-                "last_quarter_us_per_token": statistics.mean(times[-q:]) * 1e6}
+        return {
+            "total_ms": sum(times) * 1e3,
+            "first_quarter_us_per_token": statistics.mean(times[:q]) * 1e6,
+            "last_quarter_us_per_token": statistics.mean(times[-q:]) * 1e6,
+        }
 
-    return {"tokens": len(ids), "package_handle": how, "installed": summary(new), "full_redecode": summary(old),
-            "speedup_total": sum(old) / sum(new)}
+    return {
+        "tokens": len(ids),
+        "package_handle": how,
+        "installed": summary(new),
+        "full_redecode": summary(old),
+        "speedup_total": sum(old) / sum(new),
+    }
 
 
 async def _stream(llm, prompt, n: int) -> list[float]:
@@ -148,8 +156,12 @@ def bench_e2e(n: int) -> dict:
         stamps = asyncio.run(_stream(llm, prompt, n))
     q = n // 4
     quarters = [q / (stamps[(i + 1) * q - 1] - stamps[i * q]) for i in range(4)]
-    return {"inflight": getattr(inflight, "__file__", "?"), "tokens": len(stamps),
-            "tok_per_s_by_quarter": quarters, "total_s": stamps[-1] - stamps[0]}
+    return {
+        "inflight": getattr(inflight, "__file__", "?"),
+        "tokens": len(stamps),
+        "tok_per_s_by_quarter": quarters,
+        "total_s": stamps[-1] - stamps[0],
+    }
 
 
 def main() -> int:
@@ -164,8 +176,11 @@ def main() -> int:
     if args.e2e_only:
         print(json.dumps(bench_e2e(args.tokens)))
         return 0
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    with open("/proc/cpuinfo") as f:
+        cpu = next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+            platform.processor(),
+        )
     tok = _tokenizer()
     report = {"cpu": cpu, "handle": bench_handle(tok, _token_stream(tok, args.tokens))}
     h = report["handle"]
@@ -173,15 +188,21 @@ def main() -> int:
     print(f"  {'':<28} {'total ms':>10} {'us/token, 1st quarter':>22} {'us/token, last quarter':>23}")
     for name in ("installed", "full_redecode"):
         s = h[name]
-        print(f"  {name:<28} {s['total_ms']:>10.1f} {s['first_quarter_us_per_token']:>22.1f} "
-              f"{s['last_quarter_us_per_token']:>23.1f}")
+        print(
+            f"  {name:<28} {s['total_ms']:>10.1f} {s['first_quarter_us_per_token']:>22.1f} "
+            f"{s['last_quarter_us_per_token']:>23.1f}"
+        )
     print(f"  full re-decode / installed: {h['speedup_total']:.1f}x")
     if args.e2e:
         runs = []
         for _ in range(args.repeats):
             for py in [sys.executable, *args.python]:
-                out = subprocess.run([py, __file__, "--e2e-only", "--tokens", str(args.tokens)], check=True,
-                                     capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    [py, __file__, "--e2e-only", "--tokens", str(args.tokens)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 run = json.loads(out.strip().splitlines()[-1])
                 run["python"] = py
                 runs.append(run)

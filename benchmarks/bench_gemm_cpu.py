@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from inflight.ops.gemm import W4A16Weight, W8A16Weight
 from inflight.quantization import quantize_w4, quantize_w8
 
@@ -70,11 +71,15 @@ def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repea
     if kind == "w4":
         qweight, scales, offsets = quantize_w4(w, GROUP, symmetric=False)
         qbytes = qweight.numel() + 2 * scales.numel() * 2
-        make_q = lambda: W4A16Weight(qweight.clone(), scales.clone(), offsets.clone(), GROUP)
+
+        def make_q():
+            return W4A16Weight(qweight.clone(), scales.clone(), offsets.clone(), GROUP)
     else:
         qweight, scales = quantize_w8(w, GROUP)
         qbytes = qweight.numel() + scales.numel() * 2
-        make_q = lambda: W8A16Weight(qweight.clone(), scales.clone(), GROUP)
+
+        def make_q():
+            return W8A16Weight(qweight.clone(), scales.clone(), GROUP)
 
     def copies(nbytes: int) -> int:
         return 1 if cache == "hot" else max(1, -(-COLD_BYTES // nbytes))
@@ -99,20 +104,28 @@ def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repea
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':<24}{'cache':>6}{'M':>4}{'torch fp32':>12}{'torch bf16':>12}{'q fp32x':>10}{'q bf16x':>10}"
-          f"{'fp32/q':>9}{'bf16/q':>9}   (us; q = w4, or w8 for the head)")
+    print(
+        f"{'shape':<24}{'cache':>6}{'M':>4}{'torch fp32':>12}{'torch bf16':>12}{'q fp32x':>10}{'q bf16x':>10}"
+        f"{'fp32/q':>9}{'bf16/q':>9}   (us; q = w4, or w8 for the head)"
+    )
     names = {(s[1], s[2]): s[0] for s in SHAPES}
     for r in rows:
         t = r["us"]
         q32, q16 = t[f"{r['kind']} fp32x"], t[f"{r['kind']} bf16x"]
         best_q = min(q32, q16)
-        print(f"{names[(r['k'], r['n'])]:<24}{r['cache']:>6}{r['m']:>4}{t['torch fp32']:>12.1f}{t['torch bf16']:>12.1f}"
-              f"{q32:>10.1f}{q16:>10.1f}{t['torch fp32'] / best_q:>8.2f}x{t['torch bf16'] / best_q:>8.2f}x")
+        print(
+            f"{names[(r['k'], r['n'])]:<24}{r['cache']:>6}{r['m']:>4}{t['torch fp32']:>12.1f}{t['torch bf16']:>12.1f}"
+            f"{q32:>10.1f}{q16:>10.1f}{t['torch fp32'] / best_q:>8.2f}x{t['torch bf16'] / best_q:>8.2f}x"
+        )
 
 
 # (label, dtype, quantization): "gguf" keeps the file's 4-bit weights, dtype being the activation dtype.
-_MODEL_VARIANTS = [("q4 native, bf16 act", torch.bfloat16, "gguf"), ("q4 native, fp32 act", torch.float32, "gguf"),
-                   ("dequantised bf16", torch.bfloat16, None), ("dequantised fp32", torch.float32, None)]
+_MODEL_VARIANTS = [
+    ("q4 native, bf16 act", torch.bfloat16, "gguf"),
+    ("q4 native, fp32 act", torch.float32, "gguf"),
+    ("dequantised bf16", torch.bfloat16, None),
+    ("dequantised fp32", torch.float32, None),
+]
 
 
 def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, float]]:
@@ -122,8 +135,14 @@ def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, fl
 
     results: dict[str, dict[int, float]] = {}
     for label, dtype, quantization in _MODEL_VARIANTS:
-        net = load_model("smollm2", dtype=dtype, device=torch.device("cpu"), attention_backend="torch",
-                         max_seq_len=256, quantization=quantization).model
+        net = load_model(
+            "smollm2",
+            dtype=dtype,
+            device=torch.device("cpu"),
+            attention_backend="torch",
+            max_seq_len=256,
+            quantization=quantization,
+        ).model
         c = net.config
         head = net.embedding if net.embedding is not None else (lambda h: F.linear(h, net.lm_head))
         results[label] = {}
@@ -141,8 +160,10 @@ def bench_model_gemms(batches: list[int], passes: int) -> dict[str, dict[int, fl
 
             with torch.no_grad():
                 results[label][m] = _time(step, passes, 1) / 1e3
-        print(f"  {label:<22} " + "  ".join(f"M={m}: {results[label][m]:6.2f} ms" for m in batches), flush=True)
-        del net
+        print(
+            f"  {label:<22} " + "  ".join(f"M={m}: {results[label][m]:6.2f} ms" for m in batches), flush=True
+        )
+        net = head = None  # free this variant before loading the next
     return results
 
 
@@ -152,15 +173,24 @@ def bench_e2e(new_tokens: int, repeats: int) -> dict[str, float]:
 
     results = {}
     for label, dtype, quantization in _MODEL_VARIANTS:
-        with LLM("smollm2", dtype=dtype, quantization=quantization,
-                 kv_cache_config=KvCacheConfig(max_tokens=2048)) as llm:
-            prompt = llm.apply_chat_template([{"role": "user", "content": "Write a short story about a robot "
-                                               "who learns to paint, with a beginning, a middle and an end."}])
+        with LLM(
+            "smollm2", dtype=dtype, quantization=quantization, kv_cache_config=KvCacheConfig(max_tokens=2048)
+        ) as llm:
+            prompt = llm.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": "Write a short story about a robot "
+                        "who learns to paint, with a beginning, a middle and an end.",
+                    }
+                ]
+            )
 
             def run(n: int) -> float:
                 t0 = time.perf_counter()
-                llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                             use_tqdm=False)
+                llm.generate(
+                    [prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False
+                )
                 return time.perf_counter() - t0
 
             run(4)
@@ -177,15 +207,22 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--cache", choices=["cold", "hot", "both"], default="cold")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--model-gemms", action="store_true",
-                    help="also all projections of one SmolLM2 decode step, per model variant (loads it 4 times)")
-    ap.add_argument("--e2e", action="store_true", help="also SmolLM2 end-to-end decode tok/s (loads it 4 times)")
+    ap.add_argument(
+        "--model-gemms",
+        action="store_true",
+        help="also all projections of one SmolLM2 decode step, per model variant (loads it 4 times)",
+    )
+    ap.add_argument(
+        "--e2e", action="store_true", help="also SmolLM2 end-to-end decode tok/s (loads it 4 times)"
+    )
     ap.add_argument("--e2e-tokens", type=int, default=128)
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
 
-    print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}, cpu isa: "
-          f"{__import__('inflight')._C.cpu_isa()}")
+    print(
+        f"threads: {torch.get_num_threads()}, torch {torch.__version__}, cpu isa: "
+        f"{__import__('inflight')._C.cpu_isa()}"
+    )
     rows = []
     caches = ["cold", "hot"] if args.cache == "both" else [args.cache]
     for cache in caches:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
 from inflight import _C
 from inflight.ops.reference.sampling import apply_temperature_top_k_top_p_min_p
 from inflight.ops.sampling import sample

@@ -20,16 +20,17 @@ import time
 import numpy as np
 
 from inflight.batch_manager import (
+    CapacityScheduler,
     CapacitySchedulerPolicy,
     ContextChunkingConfig,
     ContextChunkingPolicy,
     KVCacheManager,
     LlmRequest,
     LlmRequestState,
+    MicroBatchScheduler,
     RequestList,
 )
 from inflight.batch_manager import reference as ref
-from inflight.batch_manager import CapacityScheduler, MicroBatchScheduler
 
 TOKENS_PER_BLOCK = 32
 MAX_SEQ_LEN = 4096
@@ -101,15 +102,21 @@ def time_step(step, min_time: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="C++ vs Python-twin scheduling step")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--policy", default="GUARANTEED_NO_EVICT", choices=list(CapacitySchedulerPolicy.__members__))
+    parser.add_argument(
+        "--policy", default="GUARANTEED_NO_EVICT", choices=list(CapacitySchedulerPolicy.__members__)
+    )
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per case")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     policy = CapacitySchedulerPolicy[args.policy]
 
     rows = []
-    print(f"policy {args.policy}, max_num_tokens {MAX_NUM_TOKENS}, FCFS chunking (unit 64), tpb {TOKENS_PER_BLOCK}")
-    print(f"{'requests':>8} {'scheduled (ctx+gen)':>20} {'C++ us':>9} {'C++ list us':>12} {'twin us':>10} {'twin/C++':>9}")
+    print(
+        f"policy {args.policy}, max_num_tokens {MAX_NUM_TOKENS}, FCFS chunking (unit 64), tpb {TOKENS_PER_BLOCK}"
+    )
+    print(
+        f"{'requests':>8} {'scheduled (ctx+gen)':>20} {'C++ us':>9} {'C++ list us':>12} {'twin us':>10} {'twin/C++':>9}"
+    )
     for n in args.sizes:
         cpp = build(n, policy, "cpp", seed=n)
         cpp_list = build(n, policy, "cpp_list", seed=n)
@@ -120,10 +127,21 @@ def main() -> None:
         t_cpp = time_step(cpp, args.min_time)
         t_list = time_step(cpp_list, args.min_time)
         t_twin = time_step(twin, max(args.min_time, 0.5))
-        rows.append(dict(num_requests=n, num_context=scheduled[0], num_generation=scheduled[1], cpp_us=t_cpp,
-                         cpp_list_us=t_list, twin_us=t_twin, ratio=t_twin / t_cpp))
-        print(f"{n:>8} {f'{scheduled[0]}+{scheduled[1]}':>20} {t_cpp:>9.1f} {t_list:>12.1f} {t_twin:>10.0f} "
-              f"{t_twin / t_cpp:>8.0f}x")
+        rows.append(
+            dict(
+                num_requests=n,
+                num_context=scheduled[0],
+                num_generation=scheduled[1],
+                cpp_us=t_cpp,
+                cpp_list_us=t_list,
+                twin_us=t_twin,
+                ratio=t_twin / t_cpp,
+            )
+        )
+        print(
+            f"{n:>8} {f'{scheduled[0]}+{scheduled[1]}':>20} {t_cpp:>9.1f} {t_list:>12.1f} {t_twin:>10.0f} "
+            f"{t_twin / t_cpp:>8.0f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(policy=args.policy, rows=rows), f, indent=2)

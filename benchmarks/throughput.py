@@ -55,12 +55,18 @@ def run_transformers(model, reqs, batch_size: int = 16) -> tuple[float, int]:
         ids = torch.full((len(batch), width), 0, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (p, _) in enumerate(batch):  # left padding
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         longest = max(n for _, n in batch)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] - width == longest
         counted += sum(n for _, n in batch)  # only the requested tokens count
     return time.perf_counter() - t0, counted
@@ -68,11 +74,15 @@ def run_transformers(model, reqs, batch_size: int = 16) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "auto", "q4-bfloat16"],
-                        choices=["float32", "bfloat16", "auto", "q4-bfloat16"],
-                        help="float32 / bfloat16: dequantised weights on both sides; auto: inflight's native "
-                             "4-bit path (fp32 activations) vs transformers fp32; q4-bfloat16: inflight's 4-bit "
-                             "weights with bf16 activations (quantization='gguf') vs transformers bf16")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16", "auto", "q4-bfloat16"],
+        choices=["float32", "bfloat16", "auto", "q4-bfloat16"],
+        help="float32 / bfloat16: dequantised weights on both sides; auto: inflight's native "
+        "4-bit path (fp32 activations) vs transformers fp32; q4-bfloat16: inflight's 4-bit "
+        "weights with bf16 activations (quantization='gguf') vs transformers bf16",
+    )
     parser.add_argument("--cases", nargs="+", default=["a", "b", "c"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", help="write the results here")
@@ -95,8 +105,12 @@ def main() -> None:
         # with two pools libgomp stops spinning between parallel regions, which slowed transformers'
         # generate ~1.5x in the same process. Each engine runs all cases, then is released.
         if dtype == "q4-bfloat16":
-            llm = LLM("smollm2", dtype="bfloat16", quantization="gguf",
-                      kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
+            llm = LLM(
+                "smollm2",
+                dtype="bfloat16",
+                quantization="gguf",
+                kv_cache_config=KvCacheConfig(max_tokens=64 * 1024),
+            )
         else:
             llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
         run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
@@ -106,10 +120,16 @@ def main() -> None:
         gc.collect()
         hf_results = {}
         if not args.skip_transformers:
-            hf_dtype = {"auto": torch.float32, "q4-bfloat16": torch.bfloat16}.get(dtype) or getattr(torch, dtype)
+            hf_dtype = {"auto": torch.float32, "q4-bfloat16": torch.bfloat16}.get(dtype) or getattr(
+                torch, dtype
+            )
             # Dense weights in hf_dtype (transformers may otherwise keep GGUF blocks packed).
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype,
-                                                      quantization_config=GgufConfig(dequantize=True)).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent),
+                gguf_file=path.name,
+                dtype=hf_dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            ).eval()
             hf.generation_config.eos_token_id = None
             hf_results = {case: run_transformers(hf, cases[case]) for case in args.cases}
             del hf
@@ -120,7 +140,9 @@ def main() -> None:
             hf_s = ""
             if case in hf_results:
                 t_hf, n_hf = hf_results[case]
-                row.update(transformers_tok_s=n_hf / t_hf, transformers_s=t_hf, ratio=(n_if / t_if) / (n_hf / t_hf))
+                row.update(
+                    transformers_tok_s=n_hf / t_hf, transformers_s=t_hf, ratio=(n_if / t_if) / (n_hf / t_hf)
+                )
                 hf_s = f"{row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x"
             rows.append(row)
             print(f"{case:>4} {dtype:>11} {row['inflight_tok_s']:>15.1f} {hf_s}", flush=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 from inflight.batch_manager import KVCacheManager, LlmRequest
-from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import BindMicroBatchScheduler, CapacityScheduler, SimpleScheduler
+from inflight.executor.simulator import SchedulingSimulator
 
 
 class ShortestPromptFirst(CapacityScheduler):
@@ -28,7 +28,9 @@ class ShortestPromptFirst(CapacityScheduler):
         started = [r for r in active_requests if self.kv.has_sequence(r.request_id)]
         waiting = [r for r in active_requests if not self.kv.has_sequence(r.request_id)]
         fitting = started[: self.max_num_requests]
-        available = self.kv.num_free_blocks - sum(self.kv.get_remaining_blocks_to_completion(r) for r in fitting)
+        available = self.kv.num_free_blocks - sum(
+            self.kv.get_remaining_blocks_to_completion(r) for r in fitting
+        )
         for req in sorted(waiting, key=lambda r: r.prompt_len):
             if len(fitting) >= self.max_num_requests:
                 break
@@ -42,7 +44,9 @@ class ShortestPromptFirst(CapacityScheduler):
 def main() -> None:
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks=40, tokens_per_block=16, max_seq_len=1024)
-    scheduler = SimpleScheduler(ShortestPromptFirst(4, kv), BindMicroBatchScheduler(max_batch_size=4, max_num_tokens=512))
+    scheduler = SimpleScheduler(
+        ShortestPromptFirst(4, kv), BindMicroBatchScheduler(max_batch_size=4, max_num_tokens=512)
+    )
     sim = SchedulingSimulator(scheduler, kv)
     for i in range(12):
         sim.add_request(LlmRequest(i, 8, [rng.randrange(1000) for _ in range(rng.randint(4, 300))]))
@@ -50,8 +54,10 @@ def main() -> None:
     while not sim.idle:
         rec = sim.step()
         started_order += rec.context_ids
-        print(f"step {rec.step:>3}: context {rec.context_ids} generation {rec.generation_ids} "
-              f"free blocks {rec.num_free_blocks}")
+        print(
+            f"step {rec.step:>3}: context {rec.context_ids} generation {rec.generation_ids} "
+            f"free blocks {rec.num_free_blocks}"
+        )
     lengths = {r.request_id: r.orig_prompt_len for r in sim.finished}
     print("admission order (id:prompt_len):", " ".join(f"{i}:{lengths[i]}" for i in started_order))
 

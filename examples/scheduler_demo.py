@@ -17,8 +17,8 @@ from inflight.batch_manager import (
     KVCacheManager,
     LlmRequest,
 )
-from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import BindCapacityScheduler, BindMicroBatchScheduler, SimpleScheduler
+from inflight.executor.simulator import SchedulingSimulator
 
 
 def main() -> None:
@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--num-blocks", type=int, default=48)
     parser.add_argument("--tokens-per-block", type=int, default=16)
-    parser.add_argument("--policy", default="MAX_UTILIZATION", choices=list(CapacitySchedulerPolicy.__members__))
+    parser.add_argument(
+        "--policy", default="MAX_UTILIZATION", choices=list(CapacitySchedulerPolicy.__members__)
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -45,7 +47,12 @@ def main() -> None:
     pending = []
     for i in range(args.num_requests):
         prompt = rng.choice(system_prompts) + [rng.randrange(32000) for _ in range(rng.randint(1, 120))]
-        pending.append((rng.randint(0, 60), LlmRequest(i, rng.randint(4, 64), prompt, priority=rng.choice([0.5, 0.5, 0.9]))))
+        pending.append(
+            (
+                rng.randint(0, 60),
+                LlmRequest(i, rng.randint(4, 64), prompt, priority=rng.choice([0.5, 0.5, 0.9])),
+            )
+        )
     pending.sort(key=lambda p: p[0])
 
     print(f"KV pool: {args.num_blocks} blocks x {args.tokens_per_block} tokens; policy {args.policy}")
@@ -59,13 +66,17 @@ def main() -> None:
         total_paused += len(rec.paused_ids)
         if rec.context_ids or rec.paused_ids or step % 10 == 0:
             ctx = " ".join(f"{i}:{c}" for i, c in zip(rec.context_ids, rec.context_chunk_sizes))
-            print(f"{step:>4} {ctx[:34]:<34} {len(rec.generation_ids):>4} {str(rec.paused_ids)[:12]:<12} "
-                  f"{rec.num_tokens:>6} {rec.num_free_blocks:>5}")
+            print(
+                f"{step:>4} {ctx[:34]:<34} {len(rec.generation_ids):>4} {str(rec.paused_ids)[:12]:<12} "
+                f"{rec.num_tokens:>6} {rec.num_free_blocks:>5}"
+            )
         step += 1
     stats = kv.get_kv_cache_stats()
     print(f"\n{len(sim.finished)} requests finished in {step} steps; {total_paused} preemptions")
-    print(f"prefix reuse: {stats.reused_blocks} blocks reused, {stats.missed_blocks} missed, "
-          f"hit rate {stats.cache_hit_rate:.1%}; all blocks free at the end: {stats.used_num_blocks == 0}")
+    print(
+        f"prefix reuse: {stats.reused_blocks} blocks reused, {stats.missed_blocks} missed, "
+        f"hit rate {stats.cache_hit_rate:.1%}; all blocks free at the end: {stats.used_num_blocks == 0}"
+    )
     kv.check_integrity()
 
 

@@ -31,9 +31,13 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("native modules", ("inflight._C", "inflight._C_cuda"), True),
 ]
 
-__doc__ += "\n".join(
-    f"  {i}. {name}: {', '.join(prefixes)}{' (peers)' if peers else ''}" for i, (name, prefixes, peers) in enumerate(LAYERS)
-) + "\n"
+__doc__ += (
+    "\n".join(
+        f"  {i}. {name}: {', '.join(prefixes)}{' (peers)' if peers else ''}"
+        for i, (name, prefixes, peers) in enumerate(LAYERS)
+    )
+    + "\n"
+)
 
 
 def module_names(root: Path) -> dict[str, Path | None]:
@@ -151,7 +155,9 @@ def main(root: Path) -> int:
         for dst in sorted(edges[src]):
             ld = layer_of(dst)
             if not allowed(ls, ld):
-                problems.append(f"{src} ({LAYERS[ls[0]][0]}) imports {dst} ({LAYERS[ld[0]][0]}): against the layers")
+                problems.append(
+                    f"{src} ({LAYERS[ls[0]][0]}) imports {dst} ({LAYERS[ld[0]][0]}): against the layers"
+                )
     for p in problems:
         print(p)
     n_edges = sum(len(v) for v in edges.values())

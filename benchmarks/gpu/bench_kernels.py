@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from inflight.cuda import require_cuda_module
 
 _FLUSH: torch.Tensor | None = None

@@ -88,7 +88,9 @@ class LLM:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             return None, list(prompt)
         raise ValueError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
 
@@ -105,17 +107,27 @@ class LLM:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got {bad_stop!r}")
         n = len(ids)
         if n >= self.max_seq_len:
-            raise ValueError(f"prompt length {n} must be < max_seq_len={self.max_seq_len} (room for one output token)")
+            raise ValueError(
+                f"prompt length {n} must be < max_seq_len={self.max_seq_len} (room for one output token)"
+            )
         if params.max_tokens is not None and n + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt length {n} + max_tokens {params.max_tokens} exceeds max_seq_len="
-                             f"{self.max_seq_len}")
+            raise ValueError(
+                f"prompt length {n} + max_tokens {params.max_tokens} exceeds max_seq_len={self.max_seq_len}"
+            )
         if not self.args.enable_chunked_prefill and n > self.args.max_num_tokens:
-            raise ValueError(f"prompt length {n} exceeds max_num_tokens={self.args.max_num_tokens}; raise it or "
-                             "set enable_chunked_prefill=True")
+            raise ValueError(
+                f"prompt length {n} exceeds max_num_tokens={self.args.max_num_tokens}; raise it or "
+                "set enable_chunked_prefill=True"
+            )
         return params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
 
-    def generate_async(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False, priority: float = 0.5) -> RequestHandle:
+    def generate_async(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        streaming: bool = False,
+        priority: float = 0.5,
+    ) -> RequestHandle:
         """Submits one prompt; returns a :class:`RequestHandle` (future, awaitable, async-iterable)."""
         return self._submit(prompt, sampling_params, streaming, priority)
 
@@ -130,14 +142,25 @@ class LLM:
         cfg = self.model_config
         children = []
         for i in range(params.n):
-            child_params = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)
-            state = SamplingState.create(child_params, cfg.vocab_size, ids, cfg.eos_token_ids, device=self.device)
+            child_params = (
+                params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)
+            )
+            state = SamplingState.create(
+                child_params, cfg.vocab_size, ids, cfg.eos_token_ids, device=self.device
+            )
             rid = next(self._ids)
             # Stop strings are matched on text here, so their requests report every token.
             report_each_token = streaming or bool(params.stop)
             children.append(ExecutorRequest(rid, ids, max_new, state, report_each_token, priority))
-        handle = RequestHandle([c.request_id for c in children], text, ids, params, streaming, self.tokenizer,
-                               self.executor.cancel_request)
+        handle = RequestHandle(
+            [c.request_id for c in children],
+            text,
+            ids,
+            params,
+            streaming,
+            self.tokenizer,
+            self.executor.cancel_request,
+        )
         with self._lock:
             for c in children:
                 self._handles[c.request_id] = handle
@@ -160,16 +183,23 @@ class LLM:
         if handle is not None:
             handle.on_response(resp)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> RequestOutput | list[RequestOutput]:
         """One prompt (a str or a list of token ids) in -> one RequestOutput; a list in -> a list."""
         if not isinstance(prompts, (str, list, tuple)):
-            raise ValueError("prompts must be a str, a list of token ids, or a list of those, got "  # noqa: TRY004
-                             f"{type(prompts).__name__}")
+            raise ValueError(
+                "prompts must be a str, a list of token ids, or a list of those, got "
+                f"{type(prompts).__name__}"
+            )
         single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and len(prompts) > 0
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))
+            isinstance(prompts, (list, tuple))
+            and len(prompts) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        )
         plist = [prompts] if single else list(prompts)
         if not single and isinstance(prompts, (list, tuple)) and len(prompts) == 0:
             return []
@@ -180,12 +210,15 @@ class LLM:
             if len(params) != len(plist):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(plist)} prompts")
         else:
-            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}")
+            raise ValueError(
+                "sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+            )
         for sp in params:
             if sp is not None and not isinstance(sp, SamplingParams):
                 raise ValueError(
-                    f"sampling_params must be SamplingParams, got an item of type {type(sp).__name__}")
+                    f"sampling_params must be SamplingParams, got an item of type {type(sp).__name__}"
+                )
         # Validate everything before submitting anything: a bad prompt fails the call, not half of it.
         prepared = [self._tokenize(p) for p in plist]
         for (_, ids), sp in zip(prepared, params):
@@ -194,9 +227,13 @@ class LLM:
         outputs = self._wait_all(handles, use_tqdm)
         return outputs[0] if single else outputs
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> RequestOutput | list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> RequestOutput | list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a list
         of conversations, through the model's chat template."""
         single = len(messages) > 0 and isinstance(messages[0], dict)
@@ -205,18 +242,26 @@ class LLM:
         outs = self.generate(prompts, sampling_params, use_tqdm)
         return outs[0] if single else outs
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The token ids of a conversation rendered by the model's chat template."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so it has no chat template")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template")
-        if not isinstance(messages, list) or not messages or not all(
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                for m in messages
+            )
+        ):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         # The template already holds the special tokens; do not add a BOS on top.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -237,7 +282,9 @@ class LLM:
                     n_out += sum(len(c.token_ids) for c in out.outputs)
                 if finished_now:
                     dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"input {n_in / dt:.1f} tok/s, output {n_out / dt:.1f} tok/s", refresh=False)
+                    bar.set_postfix_str(
+                        f"input {n_in / dt:.1f} tok/s, output {n_out / dt:.1f} tok/s", refresh=False
+                    )
                     bar.update(len(finished_now))
         return [h.result() for h in handles]
 

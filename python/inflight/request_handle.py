@@ -86,7 +86,9 @@ class RequestHandle:
 
     def _snapshot(self, finished: bool, diff: bool) -> RequestOutput:
         outs = [s.output(diff) for s in self._seqs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, finished, dict(self._metrics))
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outs, finished, dict(self._metrics)
+        )
 
     # -- synchronous use
     @property
@@ -206,7 +208,11 @@ class _Sequence:
             self.finish_reason, self.stop_reason = "stop", stop_str
             return not resp.finished
         if resp.finished:
-            self.finish_reason, self.stop_reason, self.error = resp.finish_reason, resp.stop_reason, resp.error
+            self.finish_reason, self.stop_reason, self.error = (
+                resp.finish_reason,
+                resp.stop_reason,
+                resp.error,
+            )
         return False
 
     def _detokenize(self, resp: Response) -> str | None:

@@ -26,7 +26,7 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
     # bool is an Integral, but `max_tokens=True` is a bug in the caller, not the number 1.
     # ValueError, not TypeError: the API promises ValueError for every bad argument (docs/api.md).
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int {what}, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"{name} must be an int {what}, got {value!r}")
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be {what}, got {value!r}")
@@ -35,7 +35,7 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
 
 def _check_float(name: str, value: Any, ok: Any, *, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number {what}, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"{name} must be a number {what}, got {value!r}")
     as_float = float(value)
     # NaN fails every comparison, so it would slip through a plain range check.
     if not math.isfinite(as_float) or not ok(as_float):
@@ -45,7 +45,7 @@ def _check_float(name: str, value: Any, ok: Any, *, what: str) -> float:
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
 
 

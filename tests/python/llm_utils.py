@@ -53,10 +53,12 @@ def hf_generate(hf, prompt: list[int], **kwargs) -> list[int]:
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kwargs)
+            gen = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **kwargs
+            )
     finally:
         torch.set_num_threads(threads)
-    return gen[0, len(prompt):].tolist()
+    return gen[0, len(prompt) :].tolist()
 
 
 def greedy(max_tokens: int = LLM_MAX_NEW, **kw):

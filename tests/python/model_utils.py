@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from inflight.layers.attention import AttentionMetadata
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -224,7 +225,7 @@ def make_attention_metadata(
     kv_lens = [cached + new for _, cached, new in seqs]
     positions: list[int] = []
     slots: list[int] = []
-    for (blocks, cached, new), kv_len in zip(seqs, kv_lens):
+    for (blocks, cached, _new), kv_len in zip(seqs, kv_lens):
         if len(blocks) * tokens_per_block < kv_len:
             raise ValueError(f"{len(blocks)} blocks cannot hold {kv_len} tokens")
         for p in range(cached, kv_len):

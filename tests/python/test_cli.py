@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from model_utils import make_tiny_model
 
 
@@ -16,12 +15,25 @@ def tiny_dir(tmp_path_factory):
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "inflight", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "inflight", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_streams_text_and_prints_a_summary(tiny_dir):
-    proc = _run("generate", "--model", str(tiny_dir), "--prompt", "hello world", "--max-tokens", "12",
-                "--dtype", "float32", "--kv-cache-max-tokens", "1024")
+    proc = _run(
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--prompt",
+        "hello world",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        "--kv-cache-max-tokens",
+        "1024",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = [line for line in proc.stderr.splitlines() if "tok/s" in line]
     assert summary, proc.stderr
@@ -34,12 +46,26 @@ def test_generate_streams_text_and_prints_a_summary(tiny_dir):
 def test_generate_greedy_matches_the_python_api(tiny_dir):
     from inflight import LLM, KvCacheConfig, SamplingParams
 
-    args = ["generate", "--model", str(tiny_dir), "--prompt", "abc", "--max-tokens", "8", "--dtype", "float32",
-            "--kv-cache-max-tokens", "1024", "--no-chat"]
+    args = [
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "--kv-cache-max-tokens",
+        "1024",
+        "--no-chat",
+    ]
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr
     with LLM(str(tiny_dir), dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
-        expected = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False).outputs[0].text
+        expected = (
+            llm.generate("abc", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False).outputs[0].text
+        )
     assert proc.stdout.rstrip("\n") == expected
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from model_utils import make_tiny_tokenizer
 
 from inflight.detokenizer import IncrementalDetokenizer
-from model_utils import make_tiny_tokenizer
 
 TEXTS = [
     "The capital of France is Paris. Héllo wörld — naïve café; 東京 🙂 ok!",

@@ -8,10 +8,11 @@ import threading
 import time
 
 import pytest
+from llm_utils import LLM_PROMPTS, LLM_TPB, TIMEOUT, assert_kv_idle, greedy, wait_idle, wait_until
+
 from inflight.llm import LLM
 from inflight.llm_args import KvCacheConfig
 from inflight.sampling_params import SamplingParams
-from llm_utils import LLM_PROMPTS, LLM_TPB, TIMEOUT, assert_kv_idle, greedy, wait_idle, wait_until
 
 VOCAB = 384
 
@@ -53,8 +54,11 @@ BAD_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,pattern", BAD_SAMPLING, ids=[next(iter(k)) + "=" + repr(v)[:12] for k, v in
-                                                              ((k, k[next(iter(k))]) for k, _ in BAD_SAMPLING)])
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    BAD_SAMPLING,
+    ids=[next(iter(k)) + "=" + repr(v)[:12] for k, v in ((k, k[next(iter(k))]) for k, _ in BAD_SAMPLING)],
+)
 def test_invalid_sampling_params(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         SamplingParams(**kwargs)
@@ -104,8 +108,10 @@ def test_bad_requests_leave_others_unaffected(make_llm, hf_greedy_refs, tiny_mod
         (lambda: llm.generate([3] * 100, greedy(40), use_tqdm=False), r"max_tokens 40.*max_seq_len=128"),
         (lambda: llm.generate_async([3] * 128, SamplingParams()), r"max_seq_len=128"),
         (lambda: llm.generate([3] * 65, greedy(4), use_tqdm=False), r"65.*max_num_tokens=64"),
-        (lambda: llm.generate(ok, SamplingParams(stop_token_ids=[VOCAB + 5]), use_tqdm=False),
-         rf"stop_token_ids.*{VOCAB + 5}"),
+        (
+            lambda: llm.generate(ok, SamplingParams(stop_token_ids=[VOCAB + 5]), use_tqdm=False),
+            rf"stop_token_ids.*{VOCAB + 5}",
+        ),
         (lambda: llm.generate([ok, ok], [greedy()], use_tqdm=False), r"sampling_params.*1.*2"),
         (lambda: llm.generate(ok, {"temperature": 0}, use_tqdm=False), r"sampling_params"),
         (lambda: llm.generate_async(3.5, greedy()), r"prompt"),
@@ -233,9 +239,11 @@ def test_loop_death_wakes_every_waiter(make_llm, monkeypatch, overlap, exc_type)
         assert "scheduler exploded" in c.error
     wait_until(lambda: not llm.executor.is_alive, what="the loop to be reported dead")
     # New calls fail at once, naming the cause.
-    for call in (lambda: llm.generate(LLM_PROMPTS[1], greedy(), use_tqdm=False),
-                 lambda: llm.generate_async(LLM_PROMPTS[1], greedy()),
-                 lambda: llm.generate_async(LLM_PROMPTS[1], greedy(), streaming=True)):
+    for call in (
+        lambda: llm.generate(LLM_PROMPTS[1], greedy(), use_tqdm=False),
+        lambda: llm.generate_async(LLM_PROMPTS[1], greedy()),
+        lambda: llm.generate_async(LLM_PROMPTS[1], greedy(), streaming=True),
+    ):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="scheduler exploded"):
             call()
@@ -252,9 +260,11 @@ def test_abort_half_of_100_concurrent(make_llm, monkeypatch, overlap):
     """100 requests at once (more than run at a time: some wait in the queue), every other one
     aborted mid-flight: the others produce exactly the tokens of an unaborted run, the aborted ones
     end "cancelled", and every block comes back."""
-    llm = make_llm(disable_overlap_scheduler=not overlap, max_batch_size=32,
-                   kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=LLM_TPB,
-                                                 enable_block_reuse=False))
+    llm = make_llm(
+        disable_overlap_scheduler=not overlap,
+        max_batch_size=32,
+        kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=LLM_TPB, enable_block_reuse=False),
+    )
     prompts = [LLM_PROMPTS[i % 10][: 4 + i % 13] + [3 + i] for i in range(100)]
     params = greedy(20)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -279,6 +289,10 @@ def test_abort_half_of_100_concurrent(make_llm, monkeypatch, overlap):
     # Aborting finished requests changes nothing.
     for h in handles:
         h.abort()
-    assert [h.result(timeout=TIMEOUT).outputs[0].finish_reason for h in handles[:4]] == \
-        ["cancelled", "length", "cancelled", "length"]
+    assert [h.result(timeout=TIMEOUT).outputs[0].finish_reason for h in handles[:4]] == [
+        "cancelled",
+        "length",
+        "cancelled",
+        "length",
+    ]
     assert_kv_idle(llm)

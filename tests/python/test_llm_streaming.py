@@ -9,9 +9,10 @@ import threading
 import time
 
 import pytest
+from llm_utils import LLM_PROMPTS, TIMEOUT, assert_kv_idle, greedy
+
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
-from llm_utils import LLM_PROMPTS, TIMEOUT, assert_kv_idle, greedy
 
 
 def _run(coro):
@@ -35,7 +36,7 @@ def _check_stream(items: list[RequestOutput], n: int = 1) -> None:
         assert [t for s in seqs for t in s.token_ids_diff] == final.token_ids
         assert "".join(s.text_diff for s in seqs) == final.text
         for s in seqs:
-            assert s.token_ids[len(s.token_ids) - len(s.token_ids_diff):] == s.token_ids_diff
+            assert s.token_ids[len(s.token_ids) - len(s.token_ids_diff) :] == s.token_ids_diff
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -58,12 +59,15 @@ def test_streaming_matches_offline(make_llm, hf_greedy_refs, overlap):
 
 def test_streaming_with_preemption(make_llm, hf_greedy_refs):
     """Paused and recomputed requests stream each token once, in order."""
-    from inflight.llm_args import KvCacheConfig, SchedulerConfig
     from llm_utils import LLM_TPB
 
+    from inflight.llm_args import KvCacheConfig, SchedulerConfig
+
     want = hf_greedy_refs("llama")
-    llm = make_llm(kv_cache_config=KvCacheConfig(max_tokens=20 * LLM_TPB, tokens_per_block=LLM_TPB),
-                   scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"))
+    llm = make_llm(
+        kv_cache_config=KvCacheConfig(max_tokens=20 * LLM_TPB, tokens_per_block=LLM_TPB),
+        scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION"),
+    )
 
     async def main():
         handles = [llm.generate_async(p, greedy(), streaming=True) for p in LLM_PROMPTS]
@@ -111,7 +115,9 @@ def test_await_handle(make_llm, hf_greedy_refs):
 
     async def main():
         plain = await llm.generate_async(LLM_PROMPTS[0], greedy())
-        streamed = await llm.generate_async(LLM_PROMPTS[1], greedy(), streaming=True)  # awaiting: the final one
+        streamed = await llm.generate_async(
+            LLM_PROMPTS[1], greedy(), streaming=True
+        )  # awaiting: the final one
         return plain, streamed
 
     plain, streamed = _run(main())
@@ -197,7 +203,10 @@ def test_abort_mid_stream(make_llm, overlap):
     assert 3 <= n < 200 and final.outputs[0].token_ids == offline[:n]
     res = h.result(timeout=TIMEOUT)
     assert res.finished and res.outputs[0].finish_reason == "cancelled"
-    assert res.outputs[0].token_ids == final.outputs[0].token_ids and res.outputs[0].text == final.outputs[0].text
+    assert (
+        res.outputs[0].token_ids == final.outputs[0].token_ids
+        and res.outputs[0].text == final.outputs[0].text
+    )
     for o in others:
         assert o.result(timeout=TIMEOUT).outputs[0].finish_reason == "length"
     assert_kv_idle(llm)  # every block of the aborted request came back

@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
+from model_utils import ARCHS, PagedKV, load_hf_reference, make_tiny_model
+
 from inflight.models import LlamaForCausalLM, ModelConfig, load_model
 from inflight.utils.checkpoint_files import iter_safetensors
-from model_utils import ARCHS, PagedKV, load_hf_reference, make_tiny_model
 
 ATOL = 1e-4
 

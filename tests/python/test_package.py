@@ -34,8 +34,13 @@ def test_type_stubs_are_shipped():
     stub = files / "_C.pyi"
     assert stub.is_file()
     text = stub.read_text()
-    for name in ("class LlmRequest", "class KVCacheManager", "class CapacityScheduler", "class RequestList",
-                 "def copy_block_tables"):
+    for name in (
+        "class LlmRequest",
+        "class KVCacheManager",
+        "class CapacityScheduler",
+        "class RequestList",
+        "def copy_block_tables",
+    ):
         assert name in text
     if cuda_compiled():
         assert (files / "_C_cuda.pyi").is_file()

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from inflight.layers.linear import Linear
 from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding, W8A16Linear
 from inflight.quantization import (
@@ -156,12 +157,21 @@ def test_smollm2_native_tensors_equal_the_dequantised_loader():
     plain = layer0(gguf_loader.iter_gguf_tensors(reader, config, torch.float32))
     emb = dequantize_w8(native["model.embed_tokens.qweight"], native["model.embed_tokens.scales"], 32)
     assert torch.equal(emb, plain["model.embed_tokens.weight"])
-    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+    for proj in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ):
         p = f"model.layers.0.{proj}."
         deq = dequantize_w4(native[p + "qweight"], native[p + "scales"], native[p + "offsets"], 32)
         assert torch.equal(deq, plain[p + "weight"]), proj
-    assert torch.equal(native["model.layers.0.input_layernorm.weight"], plain["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(
+        native["model.layers.0.input_layernorm.weight"], plain["model.layers.0.input_layernorm.weight"]
+    )
 
 
 # ---- layers -----------------------------------------------------------------------------------------
@@ -262,16 +272,21 @@ def _write_dequantized_copy(src, dst, group_size):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantize_cli_checkpoint_loads_and_generates(tmp_path, arch):
+    from model_utils import make_tiny_model
+
     from inflight import LLM, SamplingParams
     from inflight.cli import main
     from inflight.models.config import ModelConfig
-    from model_utils import make_tiny_model
 
     src = make_tiny_model(tmp_path, arch, hidden_size=128, intermediate_size=256)
     out = tmp_path / "q"
     assert main(["quantize", "--model", str(src), "--out", str(out), "--group-size", "64"]) == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "inflight_w4a16", "group_size": 64, "symmetric": False}
+    assert cfg["quantization_config"] == {
+        "quant_method": "inflight_w4a16",
+        "group_size": 64,
+        "symmetric": False,
+    }
     assert (out / "tokenizer.json").is_file()
     assert ModelConfig.from_hf_dir(out).quantization["group_size"] == 64
 
@@ -289,8 +304,9 @@ def test_quantize_cli_checkpoint_loads_and_generates(tmp_path, arch):
 
 
 def test_quantize_checkpoint_refuses_bad_input(tmp_path):
-    from inflight.quantization import quantize_checkpoint
     from model_utils import make_tiny_model
+
+    from inflight.quantization import quantize_checkpoint
 
     src = make_tiny_model(tmp_path, "llama", with_tokenizer=False)  # hidden 64
     with pytest.raises(ValueError, match="not a multiple of group_size"):
@@ -303,13 +319,17 @@ def test_quantize_checkpoint_refuses_bad_input(tmp_path):
 
 
 def test_config_accepts_only_inflight_w4a16():
-    from inflight.models.config import ModelConfig
     from model_utils import make_tiny_config
+
+    from inflight.models.config import ModelConfig
 
     d = make_tiny_config("llama").to_dict()
     d["quantization_config"] = {"quant_method": "inflight_w4a16", "group_size": 32, "symmetric": True}
-    assert ModelConfig.from_dict(d).quantization == {"quant_method": "inflight_w4a16", "group_size": 32,
-                                                      "symmetric": True}
+    assert ModelConfig.from_dict(d).quantization == {
+        "quant_method": "inflight_w4a16",
+        "group_size": 32,
+        "symmetric": True,
+    }
     d["quantization_config"] = {"quant_method": "inflight_w4a16", "group_size": 48}
     with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
         ModelConfig.from_dict(d)
@@ -326,52 +346,75 @@ SMOL_TOKENS = 12
 
 @needs_smollm2
 def test_smollm2_w4a16_fp32_greedy_equals_transformers(monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from inflight import LLM, KvCacheConfig, SamplingParams
     from inflight.models import loader
     from inflight.models.gguf_loader import resolve_known_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_known_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     prompts = [tok.encode(p) for p in SMOL_PROMPTS]
     want = []
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids])
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=SMOL_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=tok.eos_token_id)
-            want.append(gen[0, len(ids):].tolist())
+            gen = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=SMOL_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+            )
+            want.append(gen[0, len(ids) :].tolist())
     del hf
     monkeypatch.setattr(loader, "QUANTIZED_CPU_DTYPE", torch.float32)  # native weights, fp32 activations
     with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
         assert llm.dtype == torch.float32
-        outs = llm.generate(prompts, SamplingParams(max_tokens=SMOL_TOKENS, temperature=0, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=SMOL_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+        )
     got = [o.outputs[0].token_ids for o in outs]
     assert got == want
 
 
 @needs_smollm2
-@pytest.mark.parametrize("dtype,quantization,act", [
-    ("auto", None, torch.float32),            # the default: native 4-bit, fp32 activations
-    ("bfloat16", "gguf", torch.bfloat16),     # native 4-bit with bf16 activations, as vLLM runs GGUF files
-    ("float32", "gguf", torch.float32),
-])
+@pytest.mark.parametrize(
+    "dtype,quantization,act",
+    [
+        ("auto", None, torch.float32),  # the default: native 4-bit, fp32 activations
+        ("bfloat16", "gguf", torch.bfloat16),  # native 4-bit with bf16 activations, as vLLM runs GGUF files
+        ("float32", "gguf", torch.float32),
+    ],
+)
 def test_smollm2_native_q4_answers_paris(dtype, quantization, act):
     from inflight import LLM, KvCacheConfig, SamplingParams
     from inflight.models.loader import load_model
 
-    loaded = load_model("smollm2", dtype=None if dtype == "auto" else act, device=torch.device("cpu"),
-                        attention_backend="torch", max_seq_len=256, quantization=quantization)
+    loaded = load_model(
+        "smollm2",
+        dtype=None if dtype == "auto" else act,
+        device=torch.device("cpu"),
+        attention_backend="torch",
+        max_seq_len=256,
+        quantization=quantization,
+    )
     assert isinstance(loaded.model.layers[0].qkv_proj, W4A16Linear)
     assert isinstance(loaded.model.embedding, W8A16Embedding)
     assert loaded.dtype == act
     del loaded
-    with LLM("smollm2", dtype=dtype, quantization=quantization, kv_cache_config=KvCacheConfig(max_tokens=1024)) as llm:
+    with LLM(
+        "smollm2", dtype=dtype, quantization=quantization, kv_cache_config=KvCacheConfig(max_tokens=1024)
+    ) as llm:
         assert llm.dtype == act
-        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(max_tokens=24, temperature=0))
+        out = llm.chat(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            SamplingParams(max_tokens=24, temperature=0),
+        )
     assert "Paris" in out.outputs[0].text
 
 
@@ -382,13 +425,21 @@ def test_quantization_option_dequantises_or_refuses():
 
     # "none": dequantised even with dtype="auto" (bf16 on a CPU); an explicit dtype without "gguf" too.
     for dtype, quantization, want in ((None, "none", torch.bfloat16), (torch.float32, None, torch.float32)):
-        loaded = load_model("smollm2", dtype=dtype, device=torch.device("cpu"), attention_backend="torch",
-                            max_seq_len=64, quantization=quantization)
+        loaded = load_model(
+            "smollm2",
+            dtype=dtype,
+            device=torch.device("cpu"),
+            attention_backend="torch",
+            max_seq_len=64,
+            quantization=quantization,
+        )
         assert loaded.dtype == want
         assert not isinstance(loaded.model.layers[0].qkv_proj, W4A16Linear)
         assert loaded.model.embedding is None
         del loaded
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \['auto', 'gguf', 'none'\], got 'awq'"):
+    with pytest.raises(
+        ValueError, match=r"quantization must be None or one of \['auto', 'gguf', 'none'\], got 'awq'"
+    ):
         LLM("smollm2", quantization="awq")
 
 
@@ -396,5 +447,11 @@ def test_quantization_gguf_needs_a_gguf_file(tmp_path):
     from inflight.models.loader import load_model
 
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf file"):
-        load_model(tmp_path, dtype=None, device=torch.device("cpu"), attention_backend="torch", max_seq_len=64,
-                   quantization="gguf")
+        load_model(
+            tmp_path,
+            dtype=None,
+            device=torch.device("cpu"),
+            attention_backend="torch",
+            max_seq_len=64,
+            quantization="gguf",
+        )

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from inflight.executor.sampler import Sampler, SamplerOutput, SamplingState
 from inflight.sampling_params import SamplingParams
 

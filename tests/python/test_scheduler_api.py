@@ -15,7 +15,6 @@ from inflight.batch_manager import (
     KVCacheManager,
     LlmRequest,
 )
-from inflight.executor.simulator import SchedulingSimulator
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
     BindMicroBatchScheduler,
@@ -25,14 +24,17 @@ from inflight.executor.scheduler import (
     ScheduledRequests,
     SimpleScheduler,
 )
+from inflight.executor.simulator import SchedulingSimulator
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def _requests(n, seed, max_len=120):
     rng = random.Random(seed)
-    return [LlmRequest(i, rng.randint(1, 12), [rng.randrange(50) for _ in range(rng.randint(1, max_len))])
-            for i in range(n)]
+    return [
+        LlmRequest(i, rng.randint(1, 12), [rng.randrange(50) for _ in range(rng.randint(1, max_len))])
+        for i in range(n)
+    ]
 
 
 def _run(scheduler_factory, reqs, num_blocks=64, tpb=8):
@@ -56,15 +58,20 @@ def test_cpp_and_twin_halves_mix_in_simple_scheduler(policy):
 
     results = []
     for cap_ref, mb_ref in [(False, False), (True, False), (False, True), (True, True)]:
-        records, sim = _run(lambda kv: make(kv, cap_ref, mb_ref), _requests(30, seed=1))
-        results.append([(r.context_ids, r.context_chunk_sizes, r.generation_ids, r.paused_ids) for r in records])
+        records, sim = _run(lambda kv, c=cap_ref, m=mb_ref: make(kv, c, m), _requests(30, seed=1))
+        results.append(
+            [(r.context_ids, r.context_chunk_sizes, r.generation_ids, r.paused_ids) for r in records]
+        )
         assert {r.request_id: r.get_tokens() for r in sim.finished}  # every request finished
     assert all(r == results[0] for r in results[1:])
 
 
 def test_policy_names_as_strings_and_bad_names():
     kv = KVCacheManager(8, 4, 64)
-    assert BindCapacityScheduler(2, kv, policy="max_utilization").impl.policy == CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert (
+        BindCapacityScheduler(2, kv, policy="max_utilization").impl.policy
+        == CapacitySchedulerPolicy.MAX_UTILIZATION
+    )
     with pytest.raises(ValueError, match="capacity_scheduler_policy.*'FASTEST'"):
         BindCapacityScheduler(2, kv, policy="FASTEST")
     with pytest.raises(ValueError, match="max_batch_size.*0"):
@@ -83,8 +90,11 @@ def test_user_written_capacity_scheduler_example():
     spec.loader.exec_module(mod)
     reqs = _requests(16, seed=3, max_len=200)
     records, sim = _run(
-        lambda kv: SimpleScheduler(mod.ShortestPromptFirst(3, kv), BindMicroBatchScheduler(3, 1024)), reqs,
-        num_blocks=80, tpb=8)
+        lambda kv: SimpleScheduler(mod.ShortestPromptFirst(3, kv), BindMicroBatchScheduler(3, 1024)),
+        reqs,
+        num_blocks=80,
+        tpb=8,
+    )
     started = [i for rec in records for i in rec.context_ids]
     lengths = {r.request_id: r.prompt_len for r in reqs}
     assert len(started) == 16 and not any(rec.paused_ids for rec in records)
@@ -104,7 +114,9 @@ def test_a_whole_request_scheduler_can_be_user_written():
         def schedule_request(self, active_requests, inflight_request_ids):
             out = self.inner.schedule_request(active_requests, inflight_request_ids)
             if out.generation_requests:
-                return ScheduledRequests([], out.generation_requests, out.paused_requests, out.num_fitting_requests)
+                return ScheduledRequests(
+                    [], out.generation_requests, out.paused_requests, out.num_fitting_requests
+                )
             return out
 
     records, sim = _run(GenerationFirst, _requests(20, seed=5))
@@ -124,7 +136,9 @@ def test_micro_batch_interface_user_written():
                 return [], [r]
             return [], []
 
-    records, sim = _run(lambda kv: SimpleScheduler(BindCapacityScheduler(4, kv), OneAtATime()), _requests(5, seed=7))
+    records, sim = _run(
+        lambda kv: SimpleScheduler(BindCapacityScheduler(4, kv), OneAtATime()), _requests(5, seed=7)
+    )
     assert all(len(rec.context_ids) + len(rec.generation_ids) == 1 for rec in records)
     assert len(sim.finished) == 5
 

@@ -20,8 +20,8 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from llm_utils import assert_kv_idle, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from llm_utils import assert_kv_idle, wait_until  # noqa: E402  (after the importorskips)
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 TIMEOUT = 60
 MODEL = "tiny"
@@ -84,8 +84,11 @@ class LiveServer:
 def llm(tiny_model_dir):
     from inflight import LLM, KvCacheConfig
 
-    engine = LLM(tiny_model_dir("llama"), dtype="float32",
-                 kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=8))
+    engine = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=8),
+    )
     yield engine
     engine.shutdown()
 
@@ -119,7 +122,7 @@ def sse_events(lines) -> list:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -139,7 +142,13 @@ def test_health_version_models(server):
 
 def test_completions_stream_equals_non_stream(server):
     client = server.client()
-    kw = {"model": MODEL, "prompt": "Hello world! How are you", "max_tokens": 12, "temperature": 0.9, "seed": 7}
+    kw = {
+        "model": MODEL,
+        "prompt": "Hello world! How are you",
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "seed": 7,
+    }
     full = client.completions.create(**kw)
     choice = full.choices[0]
     assert choice.finish_reason in ("stop", "length")
@@ -152,15 +161,19 @@ def test_completions_stream_equals_non_stream(server):
     ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
     assert text == choice.text
     assert ids == choice.token_ids
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [choice.finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
     assert sum(1 for c in chunks if c.choices) > 1, "not streamed token by token"
 
 
 def test_chat_stream_equals_non_stream(server):
     client = server.client()
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital?"},
+    ]
     kw = {"model": MODEL, "messages": messages, "max_completion_tokens": 10, "temperature": 0.8, "seed": 11}
     full = client.chat.completions.create(**kw)
     choice = full.choices[0]
@@ -173,12 +186,21 @@ def test_chat_stream_equals_non_stream(server):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [choice.finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason
+    ]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     # content as a list of text parts is the same conversation
-    parts = [{**m, "content": [{"type": "text", "text": m["content"][:4]}, {"type": "text", "text": m["content"][4:]}]}
-             for m in messages]
+    parts = [
+        {
+            **m,
+            "content": [
+                {"type": "text", "text": m["content"][:4]},
+                {"type": "text", "text": m["content"][4:]},
+            ],
+        }
+        for m in messages
+    ]
     same = client.chat.completions.create(**{**kw, "messages": parts})
     assert same.prompt_token_ids == expect_ids and same.choices[0].message.content == choice.message.content
     # without include_usage no usage chunk
@@ -193,8 +215,9 @@ def test_greedy_matches_the_llm_api(server):
     llm = server.llm
     ids = [5, 17, 99, 200, 3, 42]
     want = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    out = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True})
+    out = server.client().completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].token_ids == want.outputs[0].token_ids
     assert out.choices[0].text == want.outputs[0].text
     assert out.choices[0].prompt_token_ids == ids
@@ -202,19 +225,35 @@ def test_greedy_matches_the_llm_api(server):
 
 def test_prompt_lists_and_n(server):
     client = server.client()
-    batch = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    batch = client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert [c.prompt_token_ids for c in batch.choices] == [[5, 6, 7], [8, 9]]
     assert batch.usage.prompt_tokens == 5 and batch.usage.completion_tokens == 6
 
-    texts = client.completions.create(model=MODEL, prompt=["Hello", "The capital"], n=2, max_tokens=4, seed=3,
-                                      extra_body={"ignore_eos": True})
+    texts = client.completions.create(
+        model=MODEL,
+        prompt=["Hello", "The capital"],
+        n=2,
+        max_tokens=4,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in texts.choices) == [0, 1, 2, 3]
     assert texts.usage.completion_tokens == 16
     # the same request streamed gives the same choices
-    chunks = list(client.completions.create(model=MODEL, prompt=["Hello", "The capital"], n=2, max_tokens=4, seed=3,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["Hello", "The capital"],
+            n=2,
+            max_tokens=4,
+            seed=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed: dict[int, list[int]] = {}
     for c in chunks:
         for ch in c.choices:
@@ -224,37 +263,75 @@ def test_prompt_lists_and_n(server):
 
 def test_stop_logprobs_and_vllm_fields(server):
     client = server.client()
-    base = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
     if len(text) >= 4:  # a stop string taken from the greedy output cuts it there
         stop = text[2:4]
-        cut = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12, temperature=0, stop=[stop],
-                                        extra_body={"ignore_eos": True})
+        cut = client.completions.create(
+            model=MODEL,
+            prompt="Hello world",
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            extra_body={"ignore_eos": True},
+        )
         assert cut.choices[0].text == text[: text.find(stop)]
         assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
 
-    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, logprobs=3, seed=1,
-                                    extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
-                                                "min_tokens": 2, "ignore_eos": True},
-                                    presence_penalty=0.5, frequency_penalty=0.5)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7],
+        max_tokens=5,
+        logprobs=3,
+        seed=1,
+        extra_body={
+            "top_k": 50,
+            "min_p": 0.01,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "ignore_eos": True,
+        },
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(x <= 0 for x in lp.token_logprobs)
     assert all(1 <= len(t) <= 4 for t in lp.top_logprobs)
 
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=2, seed=2, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4
     for item in content:
         assert len(item.top_logprobs) == 2
-        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.logprob - 1e-6 or \
-            item.logprob >= item.top_logprobs[1].logprob
-    greedy = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0].token_ids
-    stop_ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0,
-                                         extra_body={"stop_token_ids": [greedy[1]], "ignore_eos": True})
+        assert (
+            item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.logprob - 1e-6
+            or item.logprob >= item.top_logprobs[1].logprob
+        )
+    greedy = (
+        client.completions.create(
+            model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .token_ids
+    )
+    stop_ids = client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [greedy[1]], "ignore_eos": True},
+    )
     choice = stop_ids.choices[0]
     assert choice.finish_reason == "stop" and choice.stop_reason == greedy[1]
     assert choice.token_ids == greedy[: greedy.index(greedy[1]) + 1]
@@ -286,8 +363,14 @@ INVALID = [
     ("logit_bias", _C, {**_P, "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
     ("unknown-field", _C, {**_P, "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
     ("prompt-too-long", _C, {**_P, "prompt": LONG}, 400, "prompt", "maximum context length"),
-    ("prompt+max_tokens-too-long", _C, {**_P, "prompt": [5] * 500, "max_tokens": 100}, 400, "max_tokens",
-     "maximum context length"),
+    (
+        "prompt+max_tokens-too-long",
+        _C,
+        {**_P, "prompt": [5] * 500, "max_tokens": 100},
+        400,
+        "max_tokens",
+        "maximum context length",
+    ),
     ("malformed-json", _C, b'{"model": "tiny", "prompt": ', 400, None, "malformed JSON"),
     ("body-not-object", _C, b"[1, 2, 3]", 400, None, "JSON object"),
     ("prompt-missing", _C, {"model": MODEL}, 400, "prompt", "prompt is required"),
@@ -298,25 +381,75 @@ INVALID = [
     ("presence_penalty", _C, {**_P, "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     ("seed-negative", _C, {**_P, "seed": -1}, 400, "seed", "seed"),
     ("min_tokens>max_tokens", _C, {**_P, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", "min_tokens"),
-    ("stream_options-without-stream", _C, {**_P, "stream_options": {"include_usage": True}}, 400,
-     "stream_options", "stream"),
-    ("stream_options-bad-type", _C, {**_P, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
-     "stream_options.include_usage", "boolean"),
+    (
+        "stream_options-without-stream",
+        _C,
+        {**_P, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "stream",
+    ),
+    (
+        "stream_options-bad-type",
+        _C,
+        {**_P, "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+        "boolean",
+    ),
     ("unknown-model", _C, {**_P, "model": "gpt-17"}, 404, "model", "gpt-17"),
     ("chat-messages-empty", _CHAT, {**_M, "messages": []}, 400, "messages", "messages"),
     ("chat-messages-missing", _CHAT, {"model": MODEL}, 400, "messages", "messages is required"),
-    ("chat-content-int", _CHAT, {**_M, "messages": [{"role": "user", "content": 5}]}, 400, "messages", "content"),
-    ("chat-tools", _CHAT, {**_M, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
-    ("chat-response_format", _CHAT, {**_M, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "response_format"),
+    (
+        "chat-content-int",
+        _CHAT,
+        {**_M, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages",
+        "content",
+    ),
+    (
+        "chat-tools",
+        _CHAT,
+        {**_M, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+        "tools",
+    ),
+    (
+        "chat-response_format",
+        _CHAT,
+        {**_M, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "response_format",
+    ),
     ("chat-top_logprobs-without-logprobs", _CHAT, {**_M, "top_logprobs": 3}, 400, "top_logprobs", "logprobs"),
-    ("chat-top_logprobs-too-large", _CHAT, {**_M, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
-     "[0, 20]"),
+    (
+        "chat-top_logprobs-too-large",
+        _CHAT,
+        {**_M, "logprobs": True, "top_logprobs": 30},
+        400,
+        "top_logprobs",
+        "[0, 20]",
+    ),
     ("chat-logprobs-int", _CHAT, {**_M, "logprobs": 2}, 400, "logprobs", "boolean"),
-    ("chat-max_completion_tokens-zero", _CHAT, {**_M, "max_completion_tokens": 0}, 400, "max_completion_tokens",
-     "max_completion_tokens"),
-    ("chat-too-long", _CHAT, {**_M, "messages": [{"role": "user", "content": LONG}]}, 400, "messages",
-     "maximum context length"),
+    (
+        "chat-max_completion_tokens-zero",
+        _CHAT,
+        {**_M, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "max_completion_tokens",
+    ),
+    (
+        "chat-too-long",
+        _CHAT,
+        {**_M, "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+        "maximum context length",
+    ),
     ("chat-unknown-model", _CHAT, {**_M, "model": "nope"}, 404, "model", "nope"),
 ]
 
@@ -360,23 +493,40 @@ def test_unknown_route_and_method(server):
 def test_no_tokenizer_serves_token_ids_only(tiny_model_dir):
     from inflight import LLM, KvCacheConfig
 
-    llm = LLM(tiny_model_dir("llama", with_tokenizer=False), dtype="float32",
-              kv_cache_config=KvCacheConfig(max_tokens=1024, tokens_per_block=8))
+    llm = LLM(
+        tiny_model_dir("llama", with_tokenizer=False),
+        dtype="float32",
+        kv_cache_config=KvCacheConfig(max_tokens=1024, tokens_per_block=8),
+    )
     srv = LiveServer(llm)
     try:
-        resp = srv.http.post(_C, json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
-                                       "ignore_eos": True})
+        resp = srv.http.post(
+            _C,
+            json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        )
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]
         assert choice["text"] == "" and len(choice["token_ids"]) == 4
         assert choice["prompt_token_ids"] == [5, 6, 7]
-        events = sse_events(srv.http.post(_C, json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4,
-                                                    "temperature": 0, "ignore_eos": True,
-                                                    "stream": True}).iter_lines())
+        events = sse_events(
+            srv.http.post(
+                _C,
+                json={
+                    "model": MODEL,
+                    "prompt": [5, 6, 7],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ).iter_lines()
+        )
         assert events[-1] == "[DONE]"
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
-        for body, param in (({"model": MODEL, "prompt": "hello"}, "prompt"),
-                            ({"model": MODEL, "prompt": [5, 6], "stop": ["x"]}, "stop")):
+        for body, param in (
+            ({"model": MODEL, "prompt": "hello"}, "prompt"),
+            ({"model": MODEL, "prompt": [5, 6], "stop": ["x"]}, "stop"),
+        ):
             resp = srv.http.post(_C, json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
         resp = srv.http.post(_CHAT, json=_M)
@@ -395,9 +545,16 @@ def test_200_concurrent_streams(server):
     before = server.metrics()
 
     async def one(client: httpx.AsyncClient, i: int):
-        body = {"model": MODEL, "prompt": [5 + i % 50, 6, 7, 8 + i % 7], "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0.7, "seed": i, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "prompt": [5 + i % 50, 6, 7, 8 + i % 7],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "seed": i,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             assert resp.status_code == 200, await resp.aread()
             lines = [line async for line in resp.aiter_lines()]
@@ -415,14 +572,22 @@ def test_200_concurrent_streams(server):
         assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
         ids = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
         assert len(ids) == max_tokens
-        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["length"]
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == [
+            "length"
+        ]
     server.wait_idle()
     after = server.metrics()
     assert after["inflight:kv_cache_used_blocks"] == 0
     assert after["inflight:num_requests_in_flight"] == 0
-    assert after["inflight:request_success_total{finished_reason=length}"] - \
-        before.get("inflight:request_success_total{finished_reason=length}", 0) == n_req
-    assert after["inflight:generation_tokens_total"] - before["inflight:generation_tokens_total"] == n_req * max_tokens
+    assert (
+        after["inflight:request_success_total{finished_reason=length}"]
+        - before.get("inflight:request_success_total{finished_reason=length}", 0)
+        == n_req
+    )
+    assert (
+        after["inflight:generation_tokens_total"] - before["inflight:generation_tokens_total"]
+        == n_req * max_tokens
+    )
 
 
 # ---------------------------------------------------------------------------------------------- cancellation
@@ -480,8 +645,11 @@ def test_engine_failure_is_500_and_an_error_chunk(server, monkeypatch):
     assert err["type"] == "server_error" and "injected forward failure" in err["message"]
 
     failures["left"] = 1
-    events = sse_events(server.http.post(_C, json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4,
-                                                   "stream": True}).iter_lines())
+    events = sse_events(
+        server.http.post(
+            _C, json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True}
+        ).iter_lines()
+    )
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and "injected forward failure" in events[-2]["error"]["message"]
 
@@ -541,12 +709,29 @@ def test_metrics_parse_and_count_requests(server):
     client = server.client()
     usages = []
     for i in range(3):
-        usages.append(client.completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=3 + i,
-                                                extra_body={"ignore_eos": True}).usage)
-    usages.append(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=5, extra_body={"ignore_eos": True}).usage)
-    stream = list(client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        usages.append(
+            client.completions.create(
+                model=MODEL, prompt=f"Hello {i}", max_tokens=3 + i, extra_body={"ignore_eos": True}
+            ).usage
+        )
+    usages.append(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
+        ).usage
+    )
+    stream = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=[5, 6],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     usages.append(stream[-1].usage)
     server.wait_idle()
     after = server.metrics()
@@ -558,12 +743,22 @@ def test_metrics_parse_and_count_requests(server):
     assert delta("inflight:request_success_total{finished_reason=length}") == 5
     assert delta("inflight:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("inflight:generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "time_per_output_token_seconds"):
+    for hist in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert delta(f"inflight:{hist}_count") == 5, hist
         assert after[f"inflight:{hist}_sum"] >= before.get(f"inflight:{hist}_sum", 0.0)
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
-                  "kv_cache_used_blocks", "kv_cache_free_blocks"):
+    for gauge in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_hit_rate",
+        "kv_cache_used_blocks",
+        "kv_cache_free_blocks",
+    ):
         assert f"inflight:{gauge}" in after
     assert after["inflight:kv_cache_usage_perc"] == 0.0
     assert after["inflight:kv_cache_total_blocks"] == 1024
@@ -576,11 +771,31 @@ def test_metrics_parse_and_count_requests(server):
 def test_bench_serve(server, tmp_path):
     pytest.importorskip("matplotlib")
     from inflight.serve import bench
+
     out, png = tmp_path / "results.json", tmp_path / "latency.png"
     args = bench.build_parser().parse_args(
-        ["--url", server.url, "--request-rates", "50", "200", "--num-prompts", "6", "--input-len", "8",
-         "--output-len", "4", "--range-ratio", "0.5", "--max-concurrency", "4", "--out", str(out),
-         "--plot", str(png)])
+        [
+            "--url",
+            server.url,
+            "--request-rates",
+            "50",
+            "200",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--range-ratio",
+            "0.5",
+            "--max-concurrency",
+            "4",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     with contextlib.redirect_stdout(None):
         assert bench.run(args) == 0
     report = json.loads(out.read_text())
@@ -591,8 +806,19 @@ def test_bench_serve(server, tmp_path):
         assert run["request_throughput"] > 0 and run["output_token_throughput"] > 0
     assert png.stat().st_size > 1000
     chat_args = bench.build_parser().parse_args(
-        ["--url", server.url, "--endpoint", "/v1/chat/completions", "--num-prompts", "3", "--input-len", "5",
-         "--output-len", "3"])
+        [
+            "--url",
+            server.url,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "5",
+            "--output-len",
+            "3",
+        ]
+    )
     with contextlib.redirect_stdout(None):
         assert bench.run(chat_args) == 0
     server.wait_idle()

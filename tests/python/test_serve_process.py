@@ -59,9 +59,25 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", _SLOW_MAIN, str(tiny_model_dir("llama")), "--port", str(port), "--dtype",
-           "float32", "--kv-cache-max-tokens", "2048", "--tokens-per-block", "8", "--served-model-name", "tiny",
-           "--drain-timeout", "60", "--disable-access-log"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _SLOW_MAIN,
+        str(tiny_model_dir("llama")),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-max-tokens",
+        "2048",
+        "--tokens-per-block",
+        "8",
+        "--served-model-name",
+        "tiny",
+        "--drain-timeout",
+        "60",
+        "--disable-access-log",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -70,8 +86,14 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
         result: dict = {}
 
         def stream():
-            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": "tiny",
+                "prompt": [5, 6, 7],
+                "max_tokens": 300,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             try:
                 lines = []
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as resp:
@@ -96,8 +118,9 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
         deadline = time.monotonic() + 10
         refused = None
         while time.monotonic() < deadline:
-            resp = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1},
-                              timeout=10)
+            resp = httpx.post(
+                url + "/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1}, timeout=10
+            )
             if resp.status_code == 503:
                 refused = resp
                 break
@@ -111,7 +134,7 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir, tmp_path):
         assert "error" not in result, result
         lines = result["lines"]
         assert lines[-1] == "data: [DONE]"
-        usage = json.loads(lines[-2][len("data: "):])["usage"]
+        usage = json.loads(lines[-2][len("data: ") :])["usage"]
         assert usage["completion_tokens"] == 300
         assert proc.wait(TIMEOUT) == 0, log.read_text()[-3000:]
         with pytest.raises(httpx.TransportError):
@@ -133,20 +156,57 @@ def test_cli_parsers():
     sub = parser.add_subparsers(dest="command", required=True)
     server.add_parser(sub)
     bench.add_parser(sub)
-    args = parser.parse_args(["serve", "some/model", "--port", "9000", "--max-batch-size", "8",
-                              "--enable-chunked-prefill", "--capacity-scheduler-policy", "MAX_UTILIZATION",
-                              "--kv-cache-free-memory-fraction", "0.5", "--tokens-per-block", "16",
-                              "--dtype", "bfloat16", "--quantization", "gguf"])
-    assert (args.model, args.port, args.max_batch_size, args.enable_chunked_prefill) == ("some/model", 9000, 8, True)
+    args = parser.parse_args(
+        [
+            "serve",
+            "some/model",
+            "--port",
+            "9000",
+            "--max-batch-size",
+            "8",
+            "--enable-chunked-prefill",
+            "--capacity-scheduler-policy",
+            "MAX_UTILIZATION",
+            "--kv-cache-free-memory-fraction",
+            "0.5",
+            "--tokens-per-block",
+            "16",
+            "--dtype",
+            "bfloat16",
+            "--quantization",
+            "gguf",
+        ]
+    )
+    assert (args.model, args.port, args.max_batch_size, args.enable_chunked_prefill) == (
+        "some/model",
+        9000,
+        8,
+        True,
+    )
     assert args.capacity_scheduler_policy == "MAX_UTILIZATION" and args.tokens_per_block == 16
     assert args.host == "127.0.0.1" and args.max_queue_size == 1024
     assert (args.dtype, args.quantization) == ("bfloat16", "gguf")
-    args = parser.parse_args(["bench", "serve", "--url", "http://x:1", "--request-rates", "2", "4", "8",
-                              "--max-concurrency", "4", "--num-prompts", "10", "--arrival", "fixed"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "serve",
+            "--url",
+            "http://x:1",
+            "--request-rates",
+            "2",
+            "4",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--num-prompts",
+            "10",
+            "--arrival",
+            "fixed",
+        ]
+    )
     assert args.request_rates == [2, 4, 8] and args.arrival == "fixed" and callable(args.func)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--request-rate", "2", "--request-rates", "4"])
-
 
 
 def test_serve_engine_options_are_llm_args():
@@ -160,9 +220,25 @@ def test_serve_engine_options_are_llm_args():
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
     assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m")
-    args = parser.parse_args(["m", "--disable-block-reuse", "--tokens-per-block", "16", "--kv-cache-max-tokens",
-                              "512", "--capacity-scheduler-policy", "max_utilization", "--max-num-tokens", "64",
-                              "--disable-overlap-scheduler", "--seed", "7", "--device", "cpu"])
+    args = parser.parse_args(
+        [
+            "m",
+            "--disable-block-reuse",
+            "--tokens-per-block",
+            "16",
+            "--kv-cache-max-tokens",
+            "512",
+            "--capacity-scheduler-policy",
+            "max_utilization",
+            "--max-num-tokens",
+            "64",
+            "--disable-overlap-scheduler",
+            "--seed",
+            "7",
+            "--device",
+            "cpu",
+        ]
+    )
     la = LlmArgs.from_cli(args, model=args.model)
     kv = la.kv_cache_config
     assert (kv.enable_block_reuse, kv.tokens_per_block, kv.max_tokens) == (False, 16, 512)
@@ -170,9 +246,16 @@ def test_serve_engine_options_are_llm_args():
     assert (la.max_num_tokens, la.disable_overlap_scheduler, la.seed, la.device) == (64, True, 7, "cpu")
     assert la.to_kwargs()["kv_cache_config"] is kv and la.to_kwargs()["model"] == "m"
 
+
 def test_serve_refuses_bad_arguments(tiny_model_dir):
-    cmd = [sys.executable, "-m", "inflight.serve.server", str(tiny_model_dir("llama")),
-           "--capacity-scheduler-policy", "NOPE"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "inflight.serve.server",
+        str(tiny_model_dir("llama")),
+        "--capacity-scheduler-policy",
+        "NOPE",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 2
     assert "capacity_scheduler_policy" in proc.stderr

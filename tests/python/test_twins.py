@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import inflight.batch_manager as bm
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+import inflight.batch_manager as bm
 from inflight.batch_manager import (
     CapacitySchedulerPolicy,
     ContextChunkingConfig,

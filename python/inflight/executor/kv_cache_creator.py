@@ -110,7 +110,9 @@ def gpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int, device: tor
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     usable = max(free + reserved_unused - peak_extra, 0)
     budget = int(usable * kv_config.free_memory_fraction)
-    source = f"GPU: {kv_config.free_memory_fraction:g} x {usable / 2**30:.2f} GiB free after weights and warm-up"
+    source = (
+        f"GPU: {kv_config.free_memory_fraction:g} x {usable / 2**30:.2f} GiB free after weights and warm-up"
+    )
     return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
 
 
@@ -119,7 +121,11 @@ def _budget(kv_config, tokens: int, bytes_per_token: int, max_seq_len: int, sour
         tokens = kv_config.max_tokens
         source += f", capped by max_tokens={kv_config.max_tokens}"
     tpb = kv_config.tokens_per_block
-    num_blocks = -(-tokens // tpb) if kv_config.max_tokens is not None and tokens == kv_config.max_tokens else tokens // tpb
+    num_blocks = (
+        -(-tokens // tpb)
+        if kv_config.max_tokens is not None and tokens == kv_config.max_tokens
+        else tokens // tpb
+    )
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({tokens} tokens from {source}) is smaller than one block of "

@@ -62,7 +62,7 @@ class ExecutorRequest(LlmRequest):
 
     @property
     def py_finish_reason(self) -> str | None:
-        """"stop" | "length" | "cancelled" | "timed_out" | "error", None while running."""
+        """ "stop" | "length" | "cancelled" | "timed_out" | "error", None while running."""
         if not self.is_finished:
             return None
         if self.py_error is not None:

@@ -39,8 +39,14 @@ class ModelInputs:
 class ModelEngine:
     """Builds a step's inputs and runs the model's forward; ``max_num_slots`` bounds ``seq_slot``."""
 
-    def __init__(self, model: torch.nn.Module, kv_manager: KVCacheResourceManager, device: torch.device,
-                 max_batch_size: int, max_num_slots: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_manager: KVCacheResourceManager,
+        device: torch.device,
+        max_batch_size: int,
+        max_num_slots: int,
+    ):
         self.model = model
         self.kv = kv_manager
         self.device = device
@@ -49,7 +55,9 @@ class ModelEngine:
         self._tables = np.zeros((max_batch_size, kv_manager.impl.max_blocks_per_seq), dtype=np.int32)
         self.new_tokens = torch.zeros(max_num_slots, dtype=torch.int64, device=device)
 
-    def prepare(self, batch: ScheduledRequests, pending_ids: set[int] | frozenset[int] = frozenset()) -> ModelInputs:
+    def prepare(
+        self, batch: ScheduledRequests, pending_ids: set[int] | frozenset[int] = frozenset()
+    ) -> ModelInputs:
         """``pending_ids``: requests whose newest token was sampled by the step still in flight and is
         not appended to the request yet (overlap mode): it is read from ``new_tokens``."""
         ids: list[int] = []
@@ -91,7 +99,9 @@ class ModelEngine:
         positions_t = torch.tensor(positions, dtype=torch.int64)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         seq_idx = torch.repeat_interleave(torch.arange(n), seq_lens_t)
-        slot_mapping = block_tables[seq_idx, positions_t // self.tpb].to(torch.int64) * self.tpb + positions_t % self.tpb
+        slot_mapping = (
+            block_tables[seq_idx, positions_t // self.tpb].to(torch.int64) * self.tpb + positions_t % self.tpb
+        )
         cu = torch.zeros(n + 1, dtype=torch.int32)
         torch.cumsum(seq_lens_t, 0, out=cu[1:])
         dev = self.device
@@ -121,7 +131,9 @@ class ModelEngine:
         """The logits of the sampled rows, ``[len(inputs.sampled_requests), vocab]``."""
         input_ids = inputs.input_ids
         if inputs.pending_dst is not None:
-            input_ids = input_ids.index_copy(0, inputs.pending_dst, self.new_tokens.index_select(0, inputs.pending_slots))
+            input_ids = input_ids.index_copy(
+                0, inputs.pending_dst, self.new_tokens.index_select(0, inputs.pending_slots)
+            )
         return self.model(input_ids, inputs.metadata.positions, inputs.metadata, self.kv.kv_caches)
 
     def store_new_tokens(self, inputs: ModelInputs, token_ids: torch.Tensor) -> None:

@@ -32,9 +32,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.llm_request import ExecutorRequest, Response
@@ -112,7 +109,9 @@ class PyExecutor:
         self._draining = False  # the loop saw the shutdown marker: stop once idle
         self._lock = threading.Lock()
         self._forward_pool = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inflight-forward") if self.overlap else None
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inflight-forward")
+            if self.overlap
+            else None
         )
         self._thread: threading.Thread | None = None
         if start_worker:
@@ -413,8 +412,12 @@ class PyExecutor:
             finished=req.py_done,
             finish_reason=req.py_finish_reason,
             stop_reason=req.py_stop_reason,
-            new_logprobs=req.py_logprobs[start:n] if req.py_sampling_state.params.logprobs is not None else None,
-            cumulative_logprob=req.py_cumulative_logprob if req.py_sampling_state.params.logprobs is not None else None,
+            new_logprobs=req.py_logprobs[start:n]
+            if req.py_sampling_state.params.logprobs is not None
+            else None,
+            cumulative_logprob=req.py_cumulative_logprob
+            if req.py_sampling_state.params.logprobs is not None
+            else None,
             error=req.py_error,
         )
         if req.py_done:
@@ -428,7 +431,7 @@ class PyExecutor:
         for resp in outbox:
             try:
                 self._callback(resp)
-            except Exception:  # noqa: BLE001  (one bad consumer must not stop the loop)
+            except Exception:
                 logger.exception("response callback failed for request %d", resp.request_id)
 
     def _finish(self, req: ExecutorRequest, reason: FinishReason, error: str | None = None) -> None:
@@ -471,7 +474,7 @@ class PyExecutor:
             if not req.py_done:
                 try:
                     self._finish(req, FinishReason.NOT_FINISHED, message)
-                except Exception:  # noqa: BLE001  (keep waking the others)
+                except Exception:
                     logger.exception("could not report the failure of request %d", req.request_id)
         self._flush_responses()
 
@@ -497,10 +500,17 @@ class PyExecutor:
             logger.info(
                 "iter %d: running %d (ctx %d, gen %d), waiting %d, paused %d, tokens %d, KV used %d/%d blocks, "
                 "prefix hit rate %.1f%%, %.1f ms",
-                stat["iter"], stat["num_scheduled_requests"], stat["num_context_requests"],
-                stat["num_generation_requests"], stat["num_waiting_requests"], stat["num_paused_requests"],
-                stat["num_tokens"], kv_stats.get("used_num_blocks", 0), kv_stats.get("max_num_blocks", 0),
-                100 * kv_stats.get("cache_hit_rate", 0.0), stat["iter_latency_ms"],
+                stat["iter"],
+                stat["num_scheduled_requests"],
+                stat["num_context_requests"],
+                stat["num_generation_requests"],
+                stat["num_waiting_requests"],
+                stat["num_paused_requests"],
+                stat["num_tokens"],
+                kv_stats.get("used_num_blocks", 0),
+                kv_stats.get("max_num_blocks", 0),
+                100 * kv_stats.get("cache_hit_rate", 0.0),
+                stat["iter_latency_ms"],
             )
         self._iter += 1
 

@@ -57,21 +57,41 @@ class Engine:
 
 def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], None] | None = None) -> Engine:
     """Loads ``args.model`` and starts an executor over it; responses go to ``response_callback``."""
-    device = torch.device(args.device) if args.device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    overlap = not args.disable_overlap_scheduler if args.disable_overlap_scheduler is not None else device.type != "cpu"
+    device = (
+        torch.device(args.device)
+        if args.device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    overlap = (
+        not args.disable_overlap_scheduler
+        if args.disable_overlap_scheduler is not None
+        else device.type != "cpu"
+    )
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.torch_dtype, device=device, attention_backend=args.attention_backend,
-                        max_seq_len=args.max_seq_len, quantization=args.quantization)
+    loaded = load_model(
+        args.model,
+        dtype=args.torch_dtype,
+        device=device,
+        attention_backend=args.attention_backend,
+        max_seq_len=args.max_seq_len,
+        quantization=args.quantization,
+    )
     cfg = loaded.config
     model_max = cfg.max_position_embeddings
     if args.max_seq_len is not None and args.max_seq_len > model_max:
-        raise ValueError(f"max_seq_len must be <= the model's max_position_embeddings={model_max}, "
-                         f"got {args.max_seq_len}")
+        raise ValueError(
+            f"max_seq_len must be <= the model's max_position_embeddings={model_max}, got {args.max_seq_len}"
+        )
     max_seq_len = args.max_seq_len if args.max_seq_len is not None else model_max
-    logger.info("loaded %s (%s, %s, %d layers) in %.1f s", args.model, cfg.architecture, loaded.dtype,
-                cfg.num_hidden_layers, time.perf_counter() - t0)
+    logger.info(
+        "loaded %s (%s, %s, %d layers) in %.1f s",
+        args.model,
+        cfg.architecture,
+        loaded.dtype,
+        cfg.num_hidden_layers,
+        time.perf_counter() - t0,
+    )
 
     kv_config = args.kv_cache_config
     kv_dtype = parse_dtype(kv_config.dtype, "KvCacheConfig.dtype") or loaded.dtype
@@ -82,59 +102,107 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         budget = cpu_kv_budget(kv_config, bpt, max_seq_len)
     logger.info("%s", budget.describe())
     if budget.num_tokens < max_seq_len:
-        logger.warning("max_seq_len reduced from %d to %d: the KV cache holds only %d tokens",
-                       max_seq_len, budget.num_tokens, budget.num_tokens)
+        logger.warning(
+            "max_seq_len reduced from %d to %d: the KV cache holds only %d tokens",
+            max_seq_len,
+            budget.num_tokens,
+            budget.num_tokens,
+        )
         max_seq_len = budget.num_tokens
 
     kv_manager = KVCacheResourceManager.allocate(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, budget.num_blocks,
-        kv_config.tokens_per_block, max_seq_len, kv_dtype, device, kv_config.enable_block_reuse)
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        budget.num_blocks,
+        kv_config.tokens_per_block,
+        max_seq_len,
+        kv_dtype,
+        device,
+        kv_config.enable_block_reuse,
+    )
     # Room for every active request (running or fitting) to hold a slot.
     max_num_active = args.max_batch_size * 2
-    resources = ResourceManager({"seq_slot_manager": SeqSlotManager(max_num_active),
-                                 "kv_cache_manager": kv_manager})
+    resources = ResourceManager(
+        {"seq_slot_manager": SeqSlotManager(max_num_active), "kv_cache_manager": kv_manager}
+    )
     scheduler = _make_scheduler(args, kv_manager, two_steps_lookahead=overlap)
     # Requests without a seed of their own draw from torch's default generator.
     torch.manual_seed(args.seed)
     engine = ModelEngine(loaded.model, kv_manager, device, args.max_batch_size, max_num_active)
     executor = PyExecutor(
-        engine, resources, scheduler, Sampler(cfg.vocab_size), max_seq_len=max_seq_len,
-        max_num_active_requests=max_num_active, disable_overlap_scheduler=not overlap,
-        response_callback=response_callback, log_stats_every=args.log_iteration_stats)
+        engine,
+        resources,
+        scheduler,
+        Sampler(cfg.vocab_size),
+        max_seq_len=max_seq_len,
+        max_num_active_requests=max_num_active,
+        disable_overlap_scheduler=not overlap,
+        response_callback=response_callback,
+        log_stats_every=args.log_iteration_stats,
+    )
     return Engine(executor, cfg, loaded.tokenizer, device, loaded.dtype, max_seq_len, budget)
 
 
-def _make_scheduler(args: LlmArgs, kv_manager: KVCacheResourceManager, two_steps_lookahead: bool) -> RequestScheduler:
+def _make_scheduler(
+    args: LlmArgs, kv_manager: KVCacheResourceManager, two_steps_lookahead: bool
+) -> RequestScheduler:
     scheduler = args.scheduler
     if scheduler is None:
-        chunking = (ContextChunkingConfig(args.scheduler_config.context_chunking_policy,
-                                          args.kv_cache_config.tokens_per_block)
-                    if args.enable_chunked_prefill else None)
+        chunking = (
+            ContextChunkingConfig(
+                args.scheduler_config.context_chunking_policy, args.kv_cache_config.tokens_per_block
+            )
+            if args.enable_chunked_prefill
+            else None
+        )
         return SimpleScheduler(
-            BindCapacityScheduler(args.max_batch_size, kv_manager.impl,
-                                  args.scheduler_config.capacity_scheduler_policy,
-                                  two_steps_lookahead=two_steps_lookahead),
+            BindCapacityScheduler(
+                args.max_batch_size,
+                kv_manager.impl,
+                args.scheduler_config.capacity_scheduler_policy,
+                two_steps_lookahead=two_steps_lookahead,
+            ),
             BindMicroBatchScheduler(args.max_batch_size, args.max_num_tokens, chunking),
         )
     if isinstance(scheduler, RequestScheduler):
         return scheduler
     if not callable(scheduler):
         raise ValueError(f"scheduler must be a RequestScheduler or a factory, got {type(scheduler).__name__}")
-    made = scheduler(kv_cache_manager=kv_manager.impl, max_batch_size=args.max_batch_size,
-                     max_num_tokens=args.max_num_tokens)
+    made = scheduler(
+        kv_cache_manager=kv_manager.impl,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+    )
     if not isinstance(made, RequestScheduler):
         raise ValueError(f"the scheduler factory must return a RequestScheduler, got {type(made).__name__}")
     return made
 
 
-def _gpu_budget_after_warmup(model: torch.nn.Module, cfg: ModelConfig, args: LlmArgs, bpt: int, max_seq_len: int,
-                             kv_dtype: torch.dtype, device: torch.device) -> KvBudget:
+def _gpu_budget_after_warmup(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    args: LlmArgs,
+    bpt: int,
+    max_seq_len: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> KvBudget:
     """TensorRT-LLM's two passes: a warm-up forward of ``max_num_tokens`` dummy tokens over a tiny pool
     measures the activation peak, then the pool takes a fraction of what is left."""
     warm_tokens = min(args.max_num_tokens, max_seq_len)
     tpb = args.kv_cache_config.tokens_per_block
-    tiny = KVCacheResourceManager.allocate(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                           -(-warm_tokens // tpb), tpb, warm_tokens, kv_dtype, device, False)
+    tiny = KVCacheResourceManager.allocate(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        -(-warm_tokens // tpb),
+        tpb,
+        warm_tokens,
+        kv_dtype,
+        device,
+        False,
+    )
     torch.cuda.reset_peak_memory_stats(device)
     req = LlmRequest(0, 1, [0] * warm_tokens)
     req.seq_slot = 0

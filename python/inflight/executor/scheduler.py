@@ -96,7 +96,9 @@ class RequestScheduler(abc.ABC):
     """The executor's single scheduling entry point."""
 
     @abc.abstractmethod
-    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> ScheduledRequests:
+    def schedule_request(
+        self, active_requests: RequestSeq, inflight_request_ids: set[int]
+    ) -> ScheduledRequests:
         """Returns this step's :class:`ScheduledRequests`."""
 
 
@@ -115,7 +117,9 @@ class SimpleScheduler(RequestScheduler):
         self.capacity_scheduler = capacity_scheduler
         self.micro_batch_scheduler = micro_batch_scheduler
 
-    def schedule_request(self, active_requests: RequestSeq, inflight_request_ids: set[int]) -> ScheduledRequests:
+    def schedule_request(
+        self, active_requests: RequestSeq, inflight_request_ids: set[int]
+    ) -> ScheduledRequests:
         fitting, paused = self.capacity_scheduler.schedule_request(active_requests)
         context, generation = self.micro_batch_scheduler.schedule(fitting, inflight_request_ids)
         return ScheduledRequests(context, generation, paused, len(fitting))
@@ -173,7 +177,9 @@ class BindMicroBatchScheduler(MicroBatchScheduler):
         if max_num_tokens is not None and (not isinstance(max_num_tokens, int) or max_num_tokens < 1):
             raise ValueError(f"max_num_tokens must be None or an integer >= 1, got {max_num_tokens!r}")
         cls = reference_impl.MicroBatchScheduler if reference else bm.MicroBatchScheduler
-        self.impl = cls(ctx_chunk_config, max_context_length, no_schedule_until_state, no_schedule_after_state)
+        self.impl = cls(
+            ctx_chunk_config, max_context_length, no_schedule_until_state, no_schedule_after_state
+        )
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
 

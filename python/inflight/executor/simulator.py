@@ -87,11 +87,19 @@ class _ScriptedModelEngine:
         n = len(seq_lens)
         zeros = torch.zeros(n, dtype=torch.int32)
         meta = AttentionMetadata(
-            num_contexts=len(batch.context_requests), num_tokens=sum(seq_lens), tokens_per_block=self.kv.tokens_per_block,
-            seq_lens=zeros, cu_seqlens=torch.zeros(n + 1, dtype=torch.int32), kv_lens=zeros,
-            positions=torch.tensor(positions, dtype=torch.int64), slot_mapping=torch.zeros(0, dtype=torch.int64),
-            block_tables=torch.from_numpy(self.last_block_tables), logits_indices=torch.zeros(0, dtype=torch.int64),
-            seq_lens_host=tuple(seq_lens), kv_lens_host=tuple(seq_lens))
+            num_contexts=len(batch.context_requests),
+            num_tokens=sum(seq_lens),
+            tokens_per_block=self.kv.tokens_per_block,
+            seq_lens=zeros,
+            cu_seqlens=torch.zeros(n + 1, dtype=torch.int32),
+            kv_lens=zeros,
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.zeros(0, dtype=torch.int64),
+            block_tables=torch.from_numpy(self.last_block_tables),
+            logits_indices=torch.zeros(0, dtype=torch.int64),
+            seq_lens_host=tuple(seq_lens),
+            kv_lens_host=tuple(seq_lens),
+        )
         slots = torch.tensor([r.seq_slot for r in sampled], dtype=torch.int64)
         return ModelInputs(torch.zeros(meta.num_tokens, dtype=torch.int64), meta, sampled, slots)
 
@@ -149,13 +157,23 @@ class SchedulingSimulator:
         self._engine = _ScriptedModelEngine(self._kv_resource, token_fn)
         self._scheduler = _RecordingScheduler(scheduler)
         self._responses: list[Response] = []
-        resources = ResourceManager({"seq_slot_manager": SeqSlotManager(max_num_active_requests),
-                                     "kv_cache_manager": self._kv_resource})
+        resources = ResourceManager(
+            {
+                "seq_slot_manager": SeqSlotManager(max_num_active_requests),
+                "kv_cache_manager": self._kv_resource,
+            }
+        )
         self.executor = PyExecutor(
-            self._engine, resources, self._scheduler, Sampler(VOCAB_SIZE),
+            self._engine,
+            resources,
+            self._scheduler,
+            Sampler(VOCAB_SIZE),
             max_seq_len=max_input_len if max_input_len is not None else kv_cache_manager.max_seq_len,
-            max_num_active_requests=max_num_active_requests, disable_overlap_scheduler=True,
-            response_callback=self._responses.append, start_worker=False)
+            max_num_active_requests=max_num_active_requests,
+            disable_overlap_scheduler=True,
+            response_callback=self._responses.append,
+            start_worker=False,
+        )
         self._params = SamplingParams(temperature=0.0)
         self._requests: dict[int, ExecutorRequest] = {}
         self.finished: list[ExecutorRequest] = []
@@ -166,7 +184,9 @@ class SchedulingSimulator:
         request that runs (and ends up in :attr:`finished`)."""
         ids = request.get_tokens()
         state = SamplingState.create(self._params, VOCAB_SIZE, ids)
-        req = ExecutorRequest(request.request_id, ids, request.max_new_tokens, state, priority=request.priority)
+        req = ExecutorRequest(
+            request.request_id, ids, request.max_new_tokens, state, priority=request.priority
+        )
         self._requests[req.request_id] = req
         self.executor.enqueue_request(req)
         return req

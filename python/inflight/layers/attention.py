@@ -55,7 +55,9 @@ class AttentionMetadata:
     def check(self) -> None:
         """Raises ValueError when the host lengths are inconsistent (backends call it once per step)."""
         if sum(self.seq_lens_host) != self.num_tokens:
-            raise ValueError(f"seq_lens sum to {sum(self.seq_lens_host)}, but num_tokens is {self.num_tokens}")
+            raise ValueError(
+                f"seq_lens sum to {sum(self.seq_lens_host)}, but num_tokens is {self.num_tokens}"
+            )
         for i, (s, k) in enumerate(zip(self.seq_lens_host, self.kv_lens_host)):
             if s < 1 or k < s:
                 raise ValueError(f"sequence {i}: need 1 <= seq_len <= kv_len, got seq_len={s}, kv_len={k}")

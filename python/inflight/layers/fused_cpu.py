@@ -25,12 +25,13 @@ from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
 from inflight.layers.attention import AttentionMetadata
-from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.linear import Linear
+from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
 from inflight.utils.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["FusedCpuLayers", "fused_layers_enabled"]
+
 
 def fused_layers_enabled() -> bool:
     return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
@@ -98,8 +99,14 @@ class FusedCpuLayers:
             return None
         c = model.config
         stack = _C.LlamaLayerStack(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-            float(c.rms_norm_eps), float(c.head_dim**-0.5), dtype_name(model.dtype),
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            float(c.rms_norm_eps),
+            float(c.head_dim**-0.5),
+            dtype_name(model.dtype),
         )
         for layer in model.layers:
             stack.add_layer(
@@ -110,8 +117,11 @@ class FusedCpuLayers:
                 _kernel_weight(layer.gate_up_proj),
                 _kernel_weight(layer.down_proj),
             )
-        dense = any(isinstance(getattr(layer, name), Linear) for layer in model.layers
-                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        dense = any(
+            isinstance(getattr(layer, name), Linear)
+            for layer in model.layers
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        )
         return cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
 
     def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype, num_tokens: int) -> bool:

@@ -57,7 +57,9 @@ class _FusedRows(nn.Module, abc.ABC):
         lo, hi = self._row_offsets[shard], self._row_offsets[shard + 1]
         dst = dst[lo:hi]
         if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(f"shape mismatch for {name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"
+            )
         if dst.dtype in (torch.uint8, torch.int8) and tensor.dtype != dst.dtype:
             raise ValueError(f"{name} must be {dst.dtype}, got {tensor.dtype}")
         dst.copy_(tensor)
@@ -130,8 +132,16 @@ class W4A16Linear(_FusedRows):
     ) -> W4A16Linear:
         """Round-to-nearest quantisation of a float ``weight [N, K]`` (one shard)."""
         dtype = dtype if dtype is not None else weight.dtype
-        layer = cls(weight.shape[1], (weight.shape[0],), bias is not None, dtype, weight.device,
-                    group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
+        layer = cls(
+            weight.shape[1],
+            (weight.shape[0],),
+            bias is not None,
+            dtype,
+            weight.device,
+            group_size=group_size,
+            symmetric=symmetric,
+            scale_dtype=scale_dtype,
+        )
         qweight, scales, offsets = quantize_w4(weight, group_size, symmetric, scale_dtype)
         layer.load_shard(0, "qweight", qweight)
         layer.load_shard(0, "scales", scales)
@@ -157,8 +167,10 @@ class W4A16Linear(_FusedRows):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-                f"symmetric={self.symmetric}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+            f"symmetric={self.symmetric}, bias={self.bias is not None}"
+        )
 
 
 class W8A16Linear(_FusedRows):
@@ -198,8 +210,15 @@ class W8A16Linear(_FusedRows):
         scale_dtype: torch.dtype = torch.float16,
     ) -> W8A16Linear:
         dtype = dtype if dtype is not None else weight.dtype
-        layer = cls(weight.shape[1], (weight.shape[0],), bias is not None, dtype, weight.device,
-                    group_size=group_size, scale_dtype=scale_dtype)
+        layer = cls(
+            weight.shape[1],
+            (weight.shape[0],),
+            bias is not None,
+            dtype,
+            weight.device,
+            group_size=group_size,
+            scale_dtype=scale_dtype,
+        )
         qweight, scales = quantize_w8(weight, group_size, scale_dtype)
         layer.load_shard(0, "qweight", qweight)
         layer.load_shard(0, "scales", scales)
@@ -223,8 +242,10 @@ class W8A16Linear(_FusedRows):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class W8A16Embedding(W8A16Linear):
@@ -244,8 +265,15 @@ class W8A16Embedding(W8A16Linear):
         group_size: int = 32,
         scale_dtype: torch.dtype = torch.float16,
     ) -> None:
-        super().__init__(embedding_dim, (num_embeddings,), False, dtype, device,
-                         group_size=group_size, scale_dtype=scale_dtype)
+        super().__init__(
+            embedding_dim,
+            (num_embeddings,),
+            False,
+            dtype,
+            device,
+            group_size=group_size,
+            scale_dtype=scale_dtype,
+        )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
 

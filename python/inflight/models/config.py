@@ -250,13 +250,15 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
         return None
     method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
     if method != QUANT_METHOD:
-        raise ValueError(f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r})")
+        raise ValueError(
+            f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r})"
+        )
     group_size = q.get("group_size")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"quantization_config.group_size must be 32, 64 or 128, got {group_size!r}")
     symmetric = q.get("symmetric", False)
     if not isinstance(symmetric, bool):
-        raise ValueError(f"quantization_config.symmetric must be a boolean, got {symmetric!r}")  # noqa: TRY004
+        raise ValueError(f"quantization_config.symmetric must be a boolean, got {symmetric!r}")
     return {"quant_method": method, "group_size": group_size, "symmetric": symmetric}
 
 
@@ -265,7 +267,7 @@ def _req_int(d: dict[str, Any], key: str) -> int:
         raise ValueError(f"config.json lacks required field {key!r}")
     value = d[key]
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, got {value!r}")  # noqa: TRY004 (a bad config value)
+        raise ValueError(f"{key} must be an integer, got {value!r}")
     return value
 
 
@@ -300,7 +302,7 @@ def _parse_rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] 
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise ValueError(f"{key} must be a dict or null, got {value!r}")  # noqa: TRY004
+            raise ValueError(f"{key} must be a dict or null, got {value!r}")
         if any(isinstance(v, dict) for v in value.values()):
             raise ValueError(f"{key} per layer type ({sorted(value)}) is not supported")
         params.update(value)

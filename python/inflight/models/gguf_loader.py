@@ -68,7 +68,9 @@ def resolve_known_model(name: str) -> Path | None:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
-        raise ValueError(f"model {name!r}: {path} is missing from the installed package {dist!r}; reinstall it")
+        raise ValueError(
+            f"model {name!r}: {path} is missing from the installed package {dist!r}; reinstall it"
+        )
     return path
 
 
@@ -90,7 +92,9 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def config_from_gguf(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCH:
-        raise ValueError(f"GGUF general.architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCH)})")
+        raise ValueError(
+            f"GGUF general.architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCH)})"
+        )
     p = f"{arch}."
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
@@ -109,8 +113,13 @@ def config_from_gguf(reader) -> ModelConfig:
         "num_hidden_layers": int(_field(reader, p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, p + "attention.key_length", _field(reader, p + "rope.dimension_count",
-                                                                         hidden // heads))),
+        "head_dim": int(
+            _field(
+                reader,
+                p + "attention.key_length",
+                _field(reader, p + "rope.dimension_count", hidden // heads),
+            )
+        ),
         "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
@@ -121,13 +130,18 @@ def config_from_gguf(reader) -> ModelConfig:
     }
     rope_dims = _field(reader, p + "rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != d["head_dim"]:
-        raise ValueError(f"GGUF {p}rope.dimension_count={rope_dims} != head_dim {d['head_dim']}: partial RoPE "
-                         "is not supported")
+        raise ValueError(
+            f"GGUF {p}rope.dimension_count={rope_dims} != head_dim {d['head_dim']}: partial RoPE "
+            "is not supported"
+        )
     scaling = _field(reader, p + "rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"GGUF {p}rope.scaling.type {scaling!r} is not supported (only 'linear')")
-        d["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, p + "rope.scaling.factor"))}
+        d["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(_field(reader, p + "rope.scaling.factor")),
+        }
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF tensor rope_freqs.weight (llama3 RoPE frequency factors) is not supported")
     if arch == "qwen2" and not any(t.name.endswith("attn_q.bias") for t in reader.tensors):
@@ -185,8 +199,15 @@ def iter_gguf_tensors(reader, config: ModelConfig, dtype: torch.dtype) -> Iterat
 
 # ---- native quantised weights (W4A16 linears, W8A16 tied embedding) ---------------------------------
 
-_LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight")
+_LINEAR_WEIGHTS = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks
 
 
@@ -214,8 +235,9 @@ def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
             embedding_kind = t.tensor_type.name
     if not kinds or not kinds <= {"Q4_0", "Q4_1"}:
         return None
-    return GGUFQuantPlan(symmetric=kinds == {"Q4_0"},
-                         q8_embedding=config.tie_word_embeddings and embedding_kind == "Q8_0")
+    return GGUFQuantPlan(
+        symmetric=kinds == {"Q4_0"}, q8_embedding=config.tie_word_embeddings and embedding_kind == "Q8_0"
+    )
 
 
 def iter_gguf_quantized_tensors(

@@ -217,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_layers()
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
         if run_fused:
-            hidden = fused.forward(hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches)
+            hidden = fused.forward(
+                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches
+            )
         else:
             cos, signed_sin = self.rotary.lookup(positions)
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -226,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
         if self.embedding is not None:
             return self.embedding(hidden).float()
-        if run_fused:  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
+        if (
+            run_fused
+        ):  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
             return dense_gemm(hidden, self.lm_head).float()
         return F.linear(hidden, self.lm_head).float()
 

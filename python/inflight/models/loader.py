@@ -39,8 +39,10 @@ class LoadedModel:
 ATTENTION_BACKENDS = ("native", "torch")
 
 
-def make_attention_backend(name: str | AttentionBackend | None, device: torch.device | None = None) -> AttentionBackend:
-    """"native" (the C++ / CUDA kernels; the default) or "torch" (the plain-torch reference); an
+def make_attention_backend(
+    name: str | AttentionBackend | None, device: torch.device | None = None
+) -> AttentionBackend:
+    """ "native" (the C++ / CUDA kernels; the default) or "torch" (the plain-torch reference); an
     :class:`AttentionBackend` instance is used as it is."""
     if isinstance(name, AttentionBackend):
         return name
@@ -125,18 +127,24 @@ def load_model(
         if mode == "gguf" and plan is None:
             raise ValueError(
                 f"quantization='gguf' needs every linear weight of {path.name} in Q4_0 or Q4_1, found "
-                f"{sorted(gguf_loader.gguf_linear_kinds(reader))}; use quantization=None to dequantise")
+                f"{sorted(gguf_loader.gguf_linear_kinds(reader))}; use quantization=None to dequantise"
+            )
         if plan is not None:
             if dtype is None:
                 dtype = QUANTIZED_CPU_DTYPE if device.type == "cpu" else torch.float16
             factories["linear_factory"] = partial(
-                W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric)
+                W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric
+            )
             if plan.q8_embedding:
-                factories["embedding_factory"] = partial(W8A16Embedding, group_size=gguf_loader.GGUF_GROUP_SIZE)
+                factories["embedding_factory"] = partial(
+                    W8A16Embedding, group_size=gguf_loader.GGUF_GROUP_SIZE
+                )
             weights = gguf_loader.iter_gguf_quantized_tensors(reader, config, dtype, plan)
         else:
             # Dequantised weights: bfloat16 by default (the fp32 copy is twice the memory traffic).
-            dtype = dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
+            dtype = (
+                dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
+            )
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
         tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
     elif path.is_dir():
@@ -144,8 +152,11 @@ def load_model(
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
         config = ModelConfig.from_hf_dir(path)
         if config.quantization is not None:
-            factories["linear_factory"] = partial(W4A16Linear, group_size=config.quantization["group_size"],
-                                                  symmetric=config.quantization["symmetric"])
+            factories["linear_factory"] = partial(
+                W4A16Linear,
+                group_size=config.quantization["group_size"],
+                symmetric=config.quantization["symmetric"],
+            )
             if dtype is None and device.type == "cpu":
                 dtype = QUANTIZED_CPU_DTYPE
         dtype = dtype if dtype is not None else auto_dtype(config, device)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from inflight.quantization.gguf_import import q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
 from inflight.quantization.checkpoint import quantize_checkpoint
+from inflight.quantization.gguf_import import q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
 from inflight.quantization.w4a16 import (
     GROUP_SIZES,
     dequantize_w4,

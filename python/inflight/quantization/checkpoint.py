@@ -23,8 +23,15 @@ __all__ = ["quantize_checkpoint"]
 # The projections of a llama-family layer that become W4A16 (embeddings, norms, LM head stay float).
 _LINEAR_SUFFIXES = tuple(
     f"{p}.weight"
-    for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    for p in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
 )
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -57,8 +64,10 @@ def quantize_checkpoint(
     for name, tensor in iter_safetensors(src):
         if name.endswith(_LINEAR_SUFFIXES) and name.startswith("model.layers."):
             if tensor.shape[1] % group_size != 0:
-                raise ValueError(f"{name}: in_features ({tensor.shape[1]}) is not a multiple of group_size "
-                                 f"({group_size}); choose a group size that divides it")
+                raise ValueError(
+                    f"{name}: in_features ({tensor.shape[1]}) is not a multiple of group_size "
+                    f"({group_size}); choose a group size that divides it"
+                )
             qweight, scales, offsets = quantize_w4(tensor, group_size, symmetric)
             prefix = name[: -len("weight")]
             tensors[prefix + "qweight"] = qweight
@@ -69,15 +78,25 @@ def quantize_checkpoint(
         else:
             tensors[name] = tensor.contiguous()
     if quantized == 0:
-        raise ValueError(f"no linear layer weights (model.layers.*.{_LINEAR_SUFFIXES[0]}, ...) in {str(src)!r}")
+        raise ValueError(
+            f"no linear layer weights (model.layers.*.{_LINEAR_SUFFIXES[0]}, ...) in {str(src)!r}"
+        )
 
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "group_size": group_size, "symmetric": symmetric}
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "group_size": group_size,
+        "symmetric": symmetric,
+    }
     with open(dst / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     for item in src.iterdir():
-        if item.is_file() and item.name != "config.json" and not item.name.endswith(_WEIGHT_FILES) \
-                and item.name != "model.safetensors.index.json":
+        if (
+            item.is_file()
+            and item.name != "config.json"
+            and not item.name.endswith(_WEIGHT_FILES)
+            and item.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(item, dst / item.name)
     return dst

@@ -39,8 +39,10 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``[N, K] uint8`` values in 0..15 -> ``[N, K//2] uint8`` (even k low nibble, odd k high)."""
     if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % 2 != 0:
-        raise ValueError(f"q must be a 2-D uint8 tensor with an even number of columns, got {q.dtype} "
-                         f"of shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be a 2-D uint8 tensor with an even number of columns, got {q.dtype} "
+            f"of shape {tuple(q.shape)}"
+        )
     if q.numel() and int(q.max()) > 15:
         raise ValueError(f"q values must be in 0..15, got a maximum of {int(q.max())}")
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()

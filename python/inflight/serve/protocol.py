@@ -23,8 +23,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 class APIError(Exception):
     """An error response: HTTP status plus OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,8 +45,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -132,7 +141,9 @@ def check_extra_fields(req: _Request) -> None:
         if name in _NOOP:
             if value is None or any(value == v and type(value) is type(v) for v in _NOOP[name]):
                 continue
-            raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+            raise bad_request(
+                f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+            )
         raise bad_request(f"unrecognized request field: {name}", param=name, code="unrecognized_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
@@ -156,8 +167,11 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
     elif isinstance(prompt, list) and not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     else:
-        raise bad_request("prompt must be a string, a list of token ids, or a list of strings or of token-id "
-                          f"lists, got {_short(prompt)}", param="prompt")
+        raise bad_request(
+            "prompt must be a string, a list of token ids, or a list of strings or of token-id "
+            f"lists, got {_short(prompt)}",
+            param="prompt",
+        )
     for i, p in enumerate(items):
         if len(p) == 0:
             where = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -171,15 +185,19 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     """Chat messages -> [{"role": str, "content": str}]. Content may be a string, null, or a list of
     ``{"type": "text", "text": ...}`` parts (joined); other part types are refused."""
     if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects, got "
-                          f"{_short(messages)}", param="messages")
+        raise bad_request(
+            f"messages must be a non-empty list of {{role, content}} objects, got {_short(messages)}",
+            param="messages",
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object, got {_short(m)}", param="messages")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise bad_request(f"messages[{i}].role must be a non-empty string, got {_short(role)}", param="messages")
+            raise bad_request(
+                f"messages[{i}].role must be a non-empty string, got {_short(role)}", param="messages"
+            )
         for key in m:
             if key not in ("role", "content", "name"):
                 raise bad_request(f"messages[{i}].{key} is not supported by this server", param="messages")
@@ -189,14 +207,23 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         elif isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad_request(f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': "
-                                      f"...}}) are supported, got {_short(part)}", param="messages")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': "
+                        f"...}}) are supported, got {_short(part)}",
+                        param="messages",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         elif not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got "
-                              f"{_short(content)}", param="messages")
+            raise bad_request(
+                f"messages[{i}].content must be a string or a list of text parts, got {_short(content)}",
+                param="messages",
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -209,13 +236,30 @@ def _short(value: Any, limit: int = 80) -> str:
 # ---------------------------------------------------------------------------------------------- sampling
 
 
-_PARAM_FIELDS = ("max_tokens", "min_tokens", "ignore_eos", "temperature", "top_k", "top_p", "min_p",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                 "include_stop_str_in_output", "logprobs", "n", "skip_special_tokens")
+_PARAM_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "logprobs",
+    "n",
+    "skip_special_tokens",
+)
 
 
-def build_sampling_params(req: _Request, max_tokens: int | None, logprobs: int | None,
-                          rename: dict[str, str] | None = None) -> SamplingParams:
+def build_sampling_params(
+    req: _Request, max_tokens: int | None, logprobs: int | None, rename: dict[str, str] | None = None
+) -> SamplingParams:
     """SamplingParams of a request (OpenAI defaults for what it leaves out); a ValueError of
     SamplingParams becomes a 400 naming the request's field (``rename`` maps SamplingParams names to
     the request's, e.g. ``logprobs`` -> ``top_logprobs`` for chat)."""
@@ -244,7 +288,7 @@ def build_sampling_params(req: _Request, max_tokens: int | None, logprobs: int |
         message = str(exc)
         field = next((f for f in _PARAM_FIELDS if message.startswith(f + " ")), None)
         if field is not None and rename and field in rename:
-            message = rename[field] + message[len(field):]
+            message = rename[field] + message[len(field) :]
             field = rename[field]
         raise bad_request(message, param=field) from None
 
@@ -255,8 +299,9 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                              param="top_logprobs")
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
+            )
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -271,8 +316,9 @@ def validation_error_to_api_error(errors: list[dict]) -> APIError:
         loc = loc[1:]
     if kind == "json_invalid":
         detail = err.get("ctx", {}).get("error", "") if isinstance(err.get("ctx"), dict) else ""
-        return bad_request(f"malformed JSON in the request body{': ' + detail if detail else ''}",
-                           code="invalid_json")
+        return bad_request(
+            f"malformed JSON in the request body{': ' + detail if detail else ''}", code="invalid_json"
+        )
     if not loc:
         if kind == "missing":
             return bad_request("the request body must be a JSON object (it is empty)")

@@ -22,7 +22,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
         files = [path / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
-                raise FileNotFoundError(f"shard {file.name!r} named by {index.name} is missing in {str(path)!r}")
+                raise FileNotFoundError(
+                    f"shard {file.name!r} named by {index.name} is missing in {str(path)!r}"
+                )
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:

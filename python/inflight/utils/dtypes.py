@@ -21,7 +21,9 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
 _NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 
 
-def parse_dtype(value: str | torch.dtype | None, name: str = "dtype", allow_auto: bool = True) -> torch.dtype | None:
+def parse_dtype(
+    value: str | torch.dtype | None, name: str = "dtype", allow_auto: bool = True
+) -> torch.dtype | None:
     """The torch dtype that ``value`` names; None for ``"auto"`` (or None) when ``allow_auto``.
 
     Raises ValueError naming ``name``, the value and the accepted spellings.
