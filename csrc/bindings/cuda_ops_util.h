@@ -14,13 +14,13 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::bindings::cuda_ops {
 
 namespace nb = nanobind;
 using Tensor = nb::ndarray<>;
-using inflight::kernels::cuda::ScalarType;
+using inflight::kernels::ScalarType;
 
 inline std::string shape_str(Tensor const& a) {
   std::string s = "[";
@@ -34,12 +34,18 @@ inline std::string shape_str(Tensor const& a) {
 inline std::string dtype_str(Tensor const& a) {
   auto const dt = a.dtype();
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
-    case nb::dlpack::dtype_code::Int: return "int" + std::to_string(dt.bits);
-    case nb::dlpack::dtype_code::UInt: return "uint" + std::to_string(dt.bits);
-    case nb::dlpack::dtype_code::Float: return "float" + std::to_string(dt.bits);
-    case nb::dlpack::dtype_code::Bfloat: return "bfloat" + std::to_string(dt.bits);
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: return "dtype(code=" + std::to_string(dt.code) + ", bits=" + std::to_string(dt.bits) + ")";
+    case nb::dlpack::dtype_code::Int:
+      return "int" + std::to_string(dt.bits);
+    case nb::dlpack::dtype_code::UInt:
+      return "uint" + std::to_string(dt.bits);
+    case nb::dlpack::dtype_code::Float:
+      return "float" + std::to_string(dt.bits);
+    case nb::dlpack::dtype_code::Bfloat:
+      return "bfloat" + std::to_string(dt.bits);
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      return "dtype(code=" + std::to_string(dt.code) + ", bits=" + std::to_string(dt.bits) + ")";
   }
 }
 
@@ -52,8 +58,8 @@ inline ScalarType float_type(Tensor const& a, char const* name, bool allow_float
   if (is_dtype(a, nb::dlpack::dtype_code::Float, 16)) return ScalarType::kFloat16;
   if (is_dtype(a, nb::dlpack::dtype_code::Bfloat, 16)) return ScalarType::kBFloat16;
   if (allow_float32 && is_dtype(a, nb::dlpack::dtype_code::Float, 32)) return ScalarType::kFloat32;
-  throw nb::type_error((std::string(name) + " must be float16" + (allow_float32 ? ", bfloat16 or float32" : " or bfloat16") +
-                        ", got " + dtype_str(a))
+  throw nb::type_error((std::string(name) + " must be float16" +
+                        (allow_float32 ? ", bfloat16 or float32" : " or bfloat16") + ", got " + dtype_str(a))
                            .c_str());
 }
 
@@ -66,16 +72,16 @@ inline void require_dtype(Tensor const& a, char const* name, nb::dlpack::dtype_c
 
 inline void require_same_dtype(Tensor const& a, char const* name, Tensor const& ref, char const* ref_name) {
   if (a.dtype() != ref.dtype()) {
-    throw nb::type_error((std::string(name) + " must have the dtype of " + ref_name + " (" + dtype_str(ref) +
-                          "), got " + dtype_str(a))
-                             .c_str());
+    throw nb::type_error(
+        (std::string(name) + " must have the dtype of " + ref_name + " (" + dtype_str(ref) + "), got " + dtype_str(a))
+            .c_str());
   }
 }
 
 inline void require_ndim(Tensor const& a, char const* name, std::size_t ndim, char const* layout) {
   if (a.ndim() != ndim) {
-    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(ndim) + "-D " + layout + ", got shape " +
-                                shape_str(a));
+    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(ndim) + "-D " + layout +
+                                ", got shape " + shape_str(a));
   }
 }
 
@@ -146,8 +152,8 @@ inline int common_cuda_device(std::initializer_list<std::pair<Tensor const*, cha
       device = t->device_id();
       first = name;
     } else if (t->device_id() != device) {
-      throw std::invalid_argument(std::string(name) + " is on cuda:" + std::to_string(t->device_id()) + " but " + first +
-                                  " is on cuda:" + std::to_string(device));
+      throw std::invalid_argument(std::string(name) + " is on cuda:" + std::to_string(t->device_id()) + " but " +
+                                  first + " is on cuda:" + std::to_string(device));
     }
   }
   return device;

@@ -21,7 +21,7 @@ namespace inflight::bindings::gemm {
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
-
+namespace ik = inflight::kernels;
 
 using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
 
@@ -48,16 +48,16 @@ inline std::string dtype_str(nb::dlpack::dtype d) {
 
 // Any nanobind ndarray (contiguous or strided): only its dtype is read.
 template <class A>
-inline kc::ScalarType float_type(A const& a, char const* name) {
+inline ik::ScalarType float_type(A const& a, char const* name) {
   nb::dlpack::dtype const d = a.dtype();
   if (d.lanes == 1 && d.bits == 32 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    return kc::ScalarType::kFloat32;
+    return ik::ScalarType::kFloat32;
   }
   if (d.lanes == 1 && d.bits == 16 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) {
-    return kc::ScalarType::kBFloat16;
+    return ik::ScalarType::kBFloat16;
   }
   if (d.lanes == 1 && d.bits == 16 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    return kc::ScalarType::kFloat16;
+    return ik::ScalarType::kFloat16;
   }
   throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 or float16, got " + dtype_str(d));
 }
@@ -66,8 +66,7 @@ inline void check_int_type(Array const& a, char const* name, nb::dlpack::dtype_c
   nb::dlpack::dtype const d = a.dtype();
   if (d.lanes != 1 || d.bits != 8 || d.code != static_cast<std::uint8_t>(code)) {
     throw std::invalid_argument(std::string(name) + " must be " +
-                                (code == nb::dlpack::dtype_code::UInt ? "uint8" : "int8") + ", got " +
-                                dtype_str(d));
+                                (code == nb::dlpack::dtype_code::UInt ? "uint8" : "int8") + ", got " + dtype_str(d));
   }
 }
 
@@ -81,8 +80,7 @@ inline void check_shape(Array const& a, char const* name, std::vector<std::int64
   std::vector<std::int64_t> got(a.ndim());
   for (std::size_t i = 0; i < a.ndim(); ++i) got[i] = static_cast<std::int64_t>(a.shape(i));
   if (got != want) {
-    throw std::invalid_argument(std::string(name) + " must have shape " + shape_str(want) + ", got " +
-                                shape_str(got));
+    throw std::invalid_argument(std::string(name) + " must have shape " + shape_str(want) + ", got " + shape_str(got));
   }
 }
 
@@ -98,20 +96,20 @@ inline bool groups_known(std::int64_t k, int group_size) { return group_size > 0
 
 // Checks x [m, k] and out [m, n] (one dtype; the bias, if any, must share it); sets m and x_type.
 inline void bind_x_out(Array const& x, Array const& out, std::int64_t k, std::int64_t n, bool has_bias,
-                kc::ScalarType bias_type, std::int64_t& m, kc::ScalarType& x_type) {
+                       ik::ScalarType bias_type, std::int64_t& m, ik::ScalarType& x_type) {
   check_ndim(x, "x", 2);
   x_type = float_type(x, "x");
   m = static_cast<std::int64_t>(x.shape(0));
   if (static_cast<std::int64_t>(x.shape(1)) != k) {
-    throw std::invalid_argument("x must have shape [m, " + std::to_string(k) + "], got [" + std::to_string(m) +
-                                ", " + std::to_string(x.shape(1)) + "]");
+    throw std::invalid_argument("x must have shape [m, " + std::to_string(k) + "], got [" + std::to_string(m) + ", " +
+                                std::to_string(x.shape(1)) + "]");
   }
   if (float_type(out, "out") != x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(kc::scalar_type_name(x_type)) + ")");
+    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(x_type)) + ")");
   }
   check_shape(out, "out", {m, n});
   if (has_bias && bias_type != x_type) {
-    throw std::invalid_argument("bias must have the dtype of x (" + std::string(kc::scalar_type_name(x_type)) + ")");
+    throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(x_type)) + ")");
   }
 }
 
@@ -132,7 +130,7 @@ class W4A16Weight {
     if (offsets_) {
       if (float_type(*offsets_, "offsets") != p_.scale_type) {
         throw std::invalid_argument("offsets must have the dtype of scales (" +
-                                    std::string(kc::scalar_type_name(p_.scale_type)) + ")");
+                                    std::string(ik::scalar_type_name(p_.scale_type)) + ")");
       }
       if (groups_known(p_.k, group_size)) check_shape(*offsets_, "offsets", {p_.n, p_.k / group_size});
       p_.offsets = offsets_->data();
@@ -166,12 +164,12 @@ class W4A16Weight {
   // The validated params (x, out, m, x_type and num_threads are the caller's to fill).
   kc::W4A16GemmParams const& params() const { return p_; }
   bool has_bias() const { return bias_.has_value(); }
-  kc::ScalarType bias_type() const { return bias_type_; }
+  ik::ScalarType bias_type() const { return bias_type_; }
 
  private:
   Array qweight_, scales_;
   std::optional<Array> offsets_, bias_;
-  kc::ScalarType bias_type_ = kc::ScalarType::kFloat32;
+  ik::ScalarType bias_type_ = ik::ScalarType::kFloat32;
   kc::W4A16GemmParams p_;
 };
 
@@ -213,12 +211,12 @@ class W8A16Weight {
   int group_size() const { return p_.group_size; }
   kc::W8A16GemmParams const& params() const { return p_; }
   bool has_bias() const { return bias_.has_value(); }
-  kc::ScalarType bias_type() const { return bias_type_; }
+  ik::ScalarType bias_type() const { return bias_type_; }
 
  private:
   Array qweight_, scales_;
   std::optional<Array> bias_;
-  kc::ScalarType bias_type_ = kc::ScalarType::kFloat32;
+  ik::ScalarType bias_type_ = ik::ScalarType::kFloat32;
   kc::W8A16GemmParams p_;
 };
 
@@ -231,12 +229,12 @@ class DenseWeight {
     p_.type = float_type(weight_, "weight");
     p_.n = static_cast<std::int64_t>(weight_.shape(0));
     p_.k = static_cast<std::int64_t>(weight_.shape(1));
-    if (p_.n < 1 || p_.k < 1) throw std::invalid_argument("weight must not be empty, got shape " +
-                                                          shape_str({p_.n, p_.k}));
+    if (p_.n < 1 || p_.k < 1)
+      throw std::invalid_argument("weight must not be empty, got shape " + shape_str({p_.n, p_.k}));
     if (bias_) {
       if (float_type(*bias_, "bias") != p_.type)
         throw std::invalid_argument("bias must have the dtype of weight (" +
-                                    std::string(kc::scalar_type_name(p_.type)) + ")");
+                                    std::string(ik::scalar_type_name(p_.type)) + ")");
       check_shape(*bias_, "bias", {p_.n});
       p_.bias = bias_->data();
     }
@@ -246,7 +244,7 @@ class DenseWeight {
   std::int64_t n() const { return p_.n; }
   std::int64_t k() const { return p_.k; }
   kc::DenseGemmParams const& params() const { return p_; }
-  kc::ScalarType type() const { return p_.type; }
+  ik::ScalarType type() const { return p_.type; }
 
  private:
   Array weight_;

@@ -15,6 +15,7 @@
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 using namespace nb::literals;
 
 namespace {
@@ -25,12 +26,23 @@ std::string dtype_name(nb::dlpack::dtype dt) {
   using Code = nb::dlpack::dtype_code;
   char const* kind = "unknown";
   switch (static_cast<Code>(dt.code)) {
-    case Code::Int: kind = "int"; break;
-    case Code::UInt: kind = "uint"; break;
-    case Code::Float: kind = "float"; break;
-    case Code::Bfloat: kind = "bfloat"; break;
-    case Code::Bool: kind = "bool"; break;
-    default: break;
+    case Code::Int:
+      kind = "int";
+      break;
+    case Code::UInt:
+      kind = "uint";
+      break;
+    case Code::Float:
+      kind = "float";
+      break;
+    case Code::Bfloat:
+      kind = "bfloat";
+      break;
+    case Code::Bool:
+      kind = "bool";
+      break;
+    default:
+      break;
   }
   return std::string(kind) + std::to_string(dt.bits);
 }
@@ -48,14 +60,13 @@ void check_cpu(Array const& a, char const* name) {
     throw nb::type_error((std::string(name) + " must be a CPU tensor (the CUDA ops live in inflight._C_cuda)").c_str());
 }
 
-kc::ElementType element_type(Array const& a, char const* name) {
+ik::ScalarType element_type(Array const& a, char const* name) {
   nb::dlpack::dtype const dt = a.dtype();
   using Code = nb::dlpack::dtype_code;
-  if (dt.lanes == 1 && dt.code == uint8_t(Code::Float) && dt.bits == 32) return kc::ElementType::kFloat32;
-  if (dt.lanes == 1 && dt.code == uint8_t(Code::Bfloat) && dt.bits == 16) return kc::ElementType::kBFloat16;
-  if (dt.lanes == 1 && dt.code == uint8_t(Code::Float) && dt.bits == 16) return kc::ElementType::kFloat16;
-  throw nb::type_error(
-      (std::string(name) + " must be float32, bfloat16 or float16, got " + dtype_name(dt)).c_str());
+  if (dt.lanes == 1 && dt.code == uint8_t(Code::Float) && dt.bits == 32) return ik::ScalarType::kFloat32;
+  if (dt.lanes == 1 && dt.code == uint8_t(Code::Bfloat) && dt.bits == 16) return ik::ScalarType::kBFloat16;
+  if (dt.lanes == 1 && dt.code == uint8_t(Code::Float) && dt.bits == 16) return ik::ScalarType::kFloat16;
+  throw nb::type_error((std::string(name) + " must be float32, bfloat16 or float16, got " + dtype_name(dt)).c_str());
 }
 
 void check_same_dtype(Array const& a, char const* name, Array const& ref, char const* ref_name) {

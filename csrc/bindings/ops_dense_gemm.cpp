@@ -17,6 +17,7 @@
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 using namespace nb::literals;
 
 namespace {
@@ -26,7 +27,6 @@ namespace {
 using Array = nb::ndarray<nb::device::cpu>;
 using inflight::bindings::gemm::dtype_str;
 using inflight::bindings::gemm::float_type;
-
 
 std::string list_str(std::vector<std::int64_t> const& s) {
   std::string out = "[";
@@ -42,14 +42,14 @@ std::vector<std::int64_t> shape_of(Array const& a) {
 
 // Checks ndim, dtype (== type), shape, and row-major contiguity (size-1 dimensions may have any stride,
 // as in torch).
-void check_array(Array const& a, char const* name, kc::ScalarType type, std::vector<std::int64_t> const& shape,
+void check_array(Array const& a, char const* name, ik::ScalarType type, std::vector<std::int64_t> const& shape,
                  char const* shape_names) {
   if (a.ndim() != shape.size()) {
-    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(shape.size()) + "-D " +
-                                shape_names + ", got " + std::to_string(a.ndim()) + "-D");
+    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(shape.size()) + "-D " + shape_names +
+                                ", got " + std::to_string(a.ndim()) + "-D");
   }
   if (float_type(a, name) != type) {
-    throw std::invalid_argument(std::string(name) + " must have the dtype of x (" + kc::scalar_type_name(type) +
+    throw std::invalid_argument(std::string(name) + " must have the dtype of x (" + ik::scalar_type_name(type) +
                                 "), got " + dtype_str(a.dtype()));
   }
   if (shape_of(a) != shape) {

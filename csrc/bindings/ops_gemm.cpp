@@ -17,6 +17,7 @@
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 using namespace nb::literals;
 
 namespace {
@@ -42,20 +43,19 @@ void w4a16_gemm(Array x, Array qweight, Array scales, std::optional<Array> offse
   if (offsets) {
     if (float_type(*offsets, "offsets") != p.scale_type) {
       throw std::invalid_argument("offsets must have the dtype of scales (" +
-                                  std::string(kc::scalar_type_name(p.scale_type)) + ")");
+                                  std::string(ik::scalar_type_name(p.scale_type)) + ")");
     }
     if (groups_known(p.k, group_size)) check_shape(*offsets, "offsets", {p.n, p.k / group_size});
     p.offsets = offsets->data();
   }
   if (float_type(out, "out") != p.x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(kc::scalar_type_name(p.x_type)) +
-                                ")");
+    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) + ")");
   }
   check_shape(out, "out", {p.m, p.n});
   if (bias) {
     if (float_type(*bias, "bias") != p.x_type) {
-      throw std::invalid_argument("bias must have the dtype of x (" +
-                                  std::string(kc::scalar_type_name(p.x_type)) + ")");
+      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) +
+                                  ")");
     }
     check_shape(*bias, "bias", {p.n});
     p.bias = bias->data();
@@ -84,14 +84,13 @@ void w8a16_gemm(Array x, Array qweight, Array scales, int group_size, Array out,
   p.scale_type = float_type(scales, "scales");
   if (groups_known(p.k, group_size)) check_shape(scales, "scales", {p.n, p.k / group_size});
   if (float_type(out, "out") != p.x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(kc::scalar_type_name(p.x_type)) +
-                                ")");
+    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) + ")");
   }
   check_shape(out, "out", {p.m, p.n});
   if (bias) {
     if (float_type(*bias, "bias") != p.x_type) {
-      throw std::invalid_argument("bias must have the dtype of x (" +
-                                  std::string(kc::scalar_type_name(p.x_type)) + ")");
+      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) +
+                                  ")");
     }
     check_shape(*bias, "bias", {p.n});
     p.bias = bias->data();
@@ -112,8 +111,8 @@ INFLIGHT_REGISTER_OPS(gemm) {
         "out[m, n] = x[m, k] @ dequant(qweight)[n, k]^T (+ bias). int4 weights, qweight [n, k/2] uint8 "
         "(byte j: k = 2j low nibble, 2j+1 high), scales/offsets [n, k/group_size]; w = scale*q + offset, or "
         "scale*(q - 8) when offsets is None. x, out, bias: one of float32/bfloat16/float16.");
-  m.def("w8a16_gemm", &w8a16_gemm, "x"_a, "qweight"_a, "scales"_a, "group_size"_a, "out"_a.noconvert(),
-        "bias"_a.none(), "num_threads"_a,
+  m.def("w8a16_gemm", &w8a16_gemm, "x"_a, "qweight"_a, "scales"_a, "group_size"_a, "out"_a.noconvert(), "bias"_a.none(),
+        "num_threads"_a,
         "out[m, n] = x[m, k] @ dequant(qweight)[n, k]^T (+ bias). int8 weights [n, k], scales "
         "[n, k/group_size]; w = scale * q.");
   nb::class_<W4A16Weight>(m, "W4A16Weight",

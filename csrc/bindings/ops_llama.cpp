@@ -25,6 +25,7 @@
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 using namespace nb::literals;
 
 namespace {
@@ -33,17 +34,17 @@ using namespace inflight::bindings::gemm;
 
 [[noreturn]] void fail(std::string const& msg) { throw std::invalid_argument(msg); }
 
-kc::ElementType element_type_of(std::string const& dtype) {
-  if (dtype == "float32") return kc::ElementType::kFloat32;
-  if (dtype == "bfloat16") return kc::ElementType::kBFloat16;
-  if (dtype == "float16") return kc::ElementType::kFloat16;
+ik::ScalarType element_type_of(std::string const& dtype) {
+  if (dtype == "float32") return ik::ScalarType::kFloat32;
+  if (dtype == "bfloat16") return ik::ScalarType::kBFloat16;
+  if (dtype == "float16") return ik::ScalarType::kFloat16;
   fail("dtype must be 'float32', 'bfloat16' or 'float16', got '" + dtype + "'");
 }
 
-void check_vector(Array const& a, char const* name, std::int64_t n, kc::ScalarType t) {
+void check_vector(Array const& a, char const* name, std::int64_t n, ik::ScalarType t) {
   check_ndim(a, name, 1);
   if (float_type(a, name) != t)
-    fail(std::string(name) + " must have the model dtype (" + kc::scalar_type_name(t) + ")");
+    fail(std::string(name) + " must have the model dtype (" + ik::scalar_type_name(t) + ")");
   check_shape(a, name, {n});
 }
 
@@ -56,8 +57,8 @@ void check_int_array(Array const& a, char const* name, int bits, std::size_t ndi
 
 class LlamaLayerStack {
  public:
-  LlamaLayerStack(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps,
-                  float scale, std::string const& dtype) {
+  LlamaLayerStack(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale,
+                  std::string const& dtype) {
     if (hidden < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2 || intermediate < 1)
       fail("shape must be positive: hidden=" + std::to_string(hidden) + ", num_heads=" + std::to_string(num_heads) +
            ", num_kv_heads=" + std::to_string(num_kv_heads) + ", head_dim=" + std::to_string(head_dim) +
@@ -77,9 +78,8 @@ class LlamaLayerStack {
     shape_.dtype = element_type_of(dtype);
   }
 
-  void add_layer(Array input_norm, Array post_norm, nb::object qkv, nb::object o, nb::object gate_up,
-                 nb::object down) {
-    kc::ScalarType const t = model_type();
+  void add_layer(Array input_norm, Array post_norm, nb::object qkv, nb::object o, nb::object gate_up, nb::object down) {
+    ik::ScalarType const t = model_type();
     std::string const where = "layer " + std::to_string(layers_.size()) + ": ";
     check_vector(input_norm, "input_norm", shape_.hidden, t);
     check_vector(post_norm, "post_norm", shape_.hidden, t);
@@ -108,7 +108,7 @@ class LlamaLayerStack {
       std::string const name = "kv_caches[" + std::to_string(i) + "]";
       check_ndim(c, name.c_str(), 5);
       if (float_type(c, name.c_str()) != model_type())
-        fail(name + " must have the model dtype (" + kc::scalar_type_name(model_type()) + ")");
+        fail(name + " must have the model dtype (" + ik::scalar_type_name(model_type()) + ")");
       int const nb = int(c.shape(1)), tpb = int(c.shape(2));
       check_shape(c, name.c_str(), {2, nb, tpb, shape_.num_kv_heads, shape_.head_dim});
       if (nb < 1 || tpb < 1) fail(name + " has an empty dimension");
@@ -130,15 +130,15 @@ class LlamaLayerStack {
                std::optional<Array> dec_kv_lens, int num_threads) {
     if (!caches_set_) fail("set_kv_caches() must be called after the last add_layer() and before forward()");
     if (num_threads < 1) fail("num_threads must be >= 1, got " + std::to_string(num_threads));
-    kc::ScalarType const t = model_type();
+    ik::ScalarType const t = model_type();
     check_ndim(hidden, "hidden", 2);
     if (float_type(hidden, "hidden") != t)
-      fail(std::string("hidden must have the model dtype (") + kc::scalar_type_name(t) + ")");
+      fail(std::string("hidden must have the model dtype (") + ik::scalar_type_name(t) + ")");
     std::int64_t const nt = std::int64_t(hidden.shape(0));
     check_shape(hidden, "hidden", {nt, shape_.hidden});
     check_ndim(cos_sin, "cos_sin", 3);
     if (float_type(cos_sin, "cos_sin") != t)
-      fail(std::string("cos_sin must have the model dtype (") + kc::scalar_type_name(t) + ")");
+      fail(std::string("cos_sin must have the model dtype (") + ik::scalar_type_name(t) + ")");
     check_shape(cos_sin, "cos_sin", {nt, 2, shape_.head_dim});
     check_int_array(slot_mapping, "slot_mapping", 64, 1);
     check_shape(slot_mapping, "slot_mapping", {nt});
@@ -208,17 +208,17 @@ class LlamaLayerStack {
     void operator()(unsigned char* p) const { std::free(p); }
   };
 
-  kc::ScalarType model_type() const { return static_cast<kc::ScalarType>(static_cast<int>(shape_.dtype)); }
+  ik::ScalarType model_type() const { return shape_.dtype; }
 
   kc::LinearOp linear_op(nb::object const& obj, std::string const& name, std::int64_t k, std::int64_t n) const {
     kc::LinearOp op;
-    kc::ScalarType const t = model_type();
-    auto check = [&](std::int64_t wk, std::int64_t wn, bool has_bias, kc::ScalarType bias_type) {
+    ik::ScalarType const t = model_type();
+    auto check = [&](std::int64_t wk, std::int64_t wn, bool has_bias, ik::ScalarType bias_type) {
       if (wk != k || wn != n)
         fail(name + " must map " + std::to_string(k) + " -> " + std::to_string(n) + " features, got " +
              std::to_string(wk) + " -> " + std::to_string(wn));
       if (has_bias && bias_type != t)
-        fail(name + "'s bias must have the model dtype (" + kc::scalar_type_name(t) + ")");
+        fail(name + "'s bias must have the model dtype (" + ik::scalar_type_name(t) + ")");
     };
     if (nb::isinstance<W4A16Weight>(obj)) {
       W4A16Weight const& w = nb::cast<W4A16Weight const&>(obj);
@@ -232,7 +232,7 @@ class LlamaLayerStack {
       op.w8 = w.params();
     } else if (nb::isinstance<DenseWeight>(obj)) {
       DenseWeight const& w = nb::cast<DenseWeight const&>(obj);
-      if (w.type() != t) fail(name + "'s weight must have the model dtype (" + kc::scalar_type_name(t) + ")");
+      if (w.type() != t) fail(name + "'s weight must have the model dtype (" + ik::scalar_type_name(t) + ")");
       check(w.k(), w.n(), false, t);
       op.kind = kc::LinearOp::Kind::kDense;
       op.dense = w.params();

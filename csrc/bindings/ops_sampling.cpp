@@ -15,6 +15,7 @@
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 
 namespace {
 
@@ -40,12 +41,12 @@ void check_values(char const* name, Column<T> const& v, Ok ok, char const* what)
   }
 }
 
-kc::SamplingDtype logits_dtype(Logits const& logits) {
+ik::ScalarType logits_dtype(Logits const& logits) {
   nb::dlpack::dtype const dt = logits.dtype();
-  if (dt == nb::dtype<float>()) return kc::SamplingDtype::kFloat32;
+  if (dt == nb::dtype<float>()) return ik::ScalarType::kFloat32;
   if (dt.bits == 16 && dt.lanes == 1) {
-    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) return kc::SamplingDtype::kBFloat16;
-    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) return kc::SamplingDtype::kFloat16;
+    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) return ik::ScalarType::kBFloat16;
+    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) return ik::ScalarType::kFloat16;
   }
   throw std::invalid_argument("logits must be float32, bfloat16 or float16");
 }

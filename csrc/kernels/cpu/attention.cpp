@@ -1,7 +1,7 @@
-// Attention launchers (ISA dispatch, decode partition plan), store_kv, and the portable path:
-// the same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with
-// software bf16 / fp16 conversions, so it runs on any x86-64 (and is what INFLIGHT_CPU_ISA=portable
-// tests).
+// Attention launchers (ISA dispatch, decode partition plan), store_kv, and the portable path: the
+// same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with the scalar
+// bf16 / fp16 conversions of scalar_type.h, so it runs on any x86-64 (and is what
+// INFLIGHT_CPU_ISA=portable tests).
 
 #include <algorithm>
 #include <cmath>
@@ -15,40 +15,6 @@
 
 namespace inflight::kernels::cpu::portable {
 namespace {
-
-// IEEE half <-> float without F16C (after Maratyszcza's FP16 library, MIT): exact widening, and
-// round-to-nearest-even narrowing with overflow to inf and gradual underflow.
-float half_to_float(uint16_t h) {
-  uint32_t const w = uint32_t(h) << 16;
-  uint32_t const sign = w & 0x80000000u;
-  uint32_t const two_w = w + w;
-  float const normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  float const denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  uint32_t const result =
-      sign | (two_w < (1u << 27) ? float_to_bits(denormalized) : float_to_bits(normalized));
-  return bits_to_float(result);
-}
-
-uint16_t float_to_half(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  uint32_t const w = float_to_bits(f);
-  uint32_t const shl1_w = w + w;
-  uint32_t const sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
-  uint32_t const bits = float_to_bits(base);
-  uint32_t const exp_bits = (bits >> 13) & 0x00007C00u;
-  uint32_t const mantissa_bits = bits & 0x00000FFFu;
-  uint32_t const nonsign = exp_bits + mantissa_bits;
-  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t const b = float_to_bits(f);
-  if (std::isnan(f)) return 0x7FC0;
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 struct Vec1 {
   using Reg = float;
@@ -73,12 +39,14 @@ struct Vec1 {
   static Reg reduce_lanes(Reg const* v) { return v[0]; }
   static void transpose(Reg*) {}
 
-  static Reg load_cvt(float const* p) { return *p; }
-  static Reg load_cvt(BF16 const* p) { return bits_to_float(uint32_t(p->bits) << 16); }
-  static Reg load_cvt(F16 const* p) { return half_to_float(p->bits); }
-  static void store_cvt(float* p, Reg v) { *p = v; }
-  static void store_cvt(BF16* p, Reg v) { p->bits = float_to_bf16(v); }
-  static void store_cvt(F16* p, Reg v) { p->bits = float_to_half(v); }
+  template <class T>
+  static Reg load_cvt(T const* p) {
+    return to_float(*p);
+  }
+  template <class T>
+  static void store_cvt(T* p, Reg v) {
+    *p = from_float<T>(v);
+  }
 };
 
 // One instantiation: the run-time head_dim (any value up to kMaxHeadDim).
@@ -97,7 +65,6 @@ constexpr int kMinPartition = 128;
 // Work items per thread to aim for: enough that dynamic scheduling evens out unequal items.
 constexpr int kItemsPerThread = 8;
 
-size_t element_size(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
 }  // namespace
 
 PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) {
@@ -130,7 +97,7 @@ size_t paged_attention_workspace_floats(PagedAttentionParams const& p, PagedAtte
 }
 
 void store_kv(StoreKvParams const& p) {
-  size_t const es = element_size(p.dtype);
+  size_t const es = scalar_type_size(p.dtype);
   size_t const row_bytes = size_t(p.head_dim) * es;
   char* const k_cache = static_cast<char*>(p.kv_cache);
   char* const v_cache = k_cache + size_t(p.num_slots) * p.num_kv_heads * row_bytes;
@@ -155,9 +122,7 @@ void paged_attention_portable(PagedAttentionParams const& params, PagedAttention
   portable::Kernels::paged_attention(params, plan);
 }
 
-void context_attention_portable(ContextAttentionParams const& params) {
-  portable::Kernels::context_attention(params);
-}
+void context_attention_portable(ContextAttentionParams const& params) { portable::Kernels::context_attention(params); }
 
 void paged_attention(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
   if (params.batch == 0) return;

@@ -18,10 +18,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace inflight::kernels::cpu {
+#include "inflight/kernels/scalar_type.h"
 
-// The element type of q, k, v, out and the cache (all equal).
-enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace inflight::kernels::cpu {
 
 // Bounds the per-thread stack buffers (the kernels keep their tiles on the stack).
 inline constexpr int kMaxHeadDim = 256;
@@ -29,20 +28,20 @@ inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kMaxGroupSize = 64;
 
 struct StoreKvParams {
-  void const* k = nullptr;  // [num_tokens, num_kv_heads, head_dim], last dim contiguous
-  void const* v = nullptr;  // same shape as k
+  void const* k = nullptr;                        // [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  void const* v = nullptr;                        // same shape as k
   int64_t k_stride_token = 0, k_stride_head = 0;  // in elements
   int64_t v_stride_token = 0, v_stride_head = 0;
-  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+  void* kv_cache = nullptr;               // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
   int64_t const* slot_mapping = nullptr;  // [num_tokens]; a negative slot skips the token (padding)
   int64_t num_slots = 0;                  // num_blocks * tokens_per_block
   int num_tokens = 0, num_kv_heads = 0, head_dim = 0;
-  ElementType dtype = ElementType::kFloat32;
+  ScalarType dtype = ScalarType::kFloat32;  // of q, k, v, out and the cache: a float type
   int num_threads = 1;
 };
 
 struct PagedAttentionParams {
-  void const* q = nullptr;  // [batch, num_heads, head_dim], last dim contiguous
+  void const* q = nullptr;                        // [batch, num_heads, head_dim], last dim contiguous
   int64_t q_stride_token = 0, q_stride_head = 0;  // in elements
   void const* kv_cache = nullptr;
   int32_t const* block_tables = nullptr;  // [batch, max_blocks_per_seq]
@@ -53,7 +52,7 @@ struct PagedAttentionParams {
   int batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int num_blocks = 0, tokens_per_block = 0, max_blocks_per_seq = 0;
   float scale = 1.0f;
-  ElementType dtype = ElementType::kFloat32;
+  ScalarType dtype = ScalarType::kFloat32;  // of q, k, v, out and the cache: a float type
   int num_threads = 1;
 };
 
@@ -70,7 +69,7 @@ struct ContextAttentionParams {
   int batch = 0, num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int num_blocks = 0, tokens_per_block = 0, max_blocks_per_seq = 0;
   float scale = 1.0f;
-  ElementType dtype = ElementType::kFloat32;
+  ScalarType dtype = ScalarType::kFloat32;  // of q, k, v, out and the cache: a float type
   int num_threads = 1;
 };
 
@@ -91,6 +90,9 @@ PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& params);
 // A decode work item's KV heads x head_dim (floats per token it packs): bounds its tile buffers.
 inline constexpr int kMaxDecodeRowFloats = 512;
 
+// Internal linkage: the per-ISA files include this header with their own -m flags (see scalar_type.h).
+namespace {
+
 // KV heads one decode work item covers: as many as its tile buffers and kMaxGroupSize query heads
 // allow (all of SmolLM2's 3 x 64). A token's rows for all KV heads are adjacent in the cache, so an
 // item covering several reads them as one stream instead of one stride per head.
@@ -100,6 +102,8 @@ inline int decode_kv_heads_per_item(int num_heads, int num_kv_heads, int head_di
   if (per_item > kMaxDecodeRowFloats / head_dim) per_item = kMaxDecodeRowFloats / head_dim;
   return per_item < 1 ? 1 : (per_item < num_kv_heads ? per_item : num_kv_heads);
 }
+
+}  // namespace
 
 // Floats of workspace paged_attention needs (0 when no sequence is split).
 size_t paged_attention_workspace_floats(PagedAttentionParams const& params, PagedAttentionPlan const& plan);

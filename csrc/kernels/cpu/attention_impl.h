@@ -10,7 +10,7 @@
 //   zero, set1, load, store, add, sub, mul, fmadd, max, hsum, hmax, exp2
 //   reduce_lanes(Reg const* v)  -> Reg whose lane i is the sum of v[i]'s lanes (i < kWidth)
 //   transpose(Reg* v)           in place, a kWidth x kWidth block
-//   load_cvt(T const*)          kWidth elements of T (float, BF16, F16) widened to fp32
+//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16) widened to fp32
 //   store_cvt(T*, Reg)          rounded to T (round to nearest even)
 #pragma once
 
@@ -31,25 +31,6 @@
 
 namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA {
 
-// Element types, bit-compatible with torch.bfloat16 / torch.float16.
-struct BF16 {
-  uint16_t bits;
-};
-struct F16 {
-  uint16_t bits;
-};
-
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows (query tokens x heads of one KV group) per context work item: enough rows to amortise
@@ -60,7 +41,7 @@ constexpr int kMaxContextRows = std::max(kContextRows, kMaxGroupSize);
 constexpr int kPrefetchTiles = 2;
 
 // kHeadDim: the head dim this instantiation is unrolled for; 0 = read it from the params at run
-// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BF16, F16).
+// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BFloat16, Float16).
 template <class V, int kHeadDim, class T>
 struct AttentionKernels {
   using Reg = typename V::Reg;
@@ -81,8 +62,7 @@ struct AttentionKernels {
 
   // o[r, c] += sum_i p[r, i] * vrows[i][c] for R rows and NC vectors of columns starting at vector c0.
   template <int R, int NC>
-  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
-                       int n, int c0) {
+  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int c0) {
     Reg acc[R][NC];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < NC; ++c) acc[r][c] = V::load(o + r * o_stride + (c0 + c) * W);
@@ -99,8 +79,8 @@ struct AttentionKernels {
   }
 
   template <int R>
-  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
-                            int n, int nvec_rt) {
+  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
+                            int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int NC = V::kPvChunk;
     int c0 = 0;
@@ -111,8 +91,8 @@ struct AttentionKernels {
   }
 
   // All `rows` rows: blocks of kPvRows, then the remainder (2 or 3 rows in one pass over V).
-  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
-                      int rows, int nvec_rt) {
+  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int rows,
+                      int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int R = V::kPvRows;
     int r = 0;
@@ -534,13 +514,10 @@ struct Dispatch {
     return true;
   }
 
-  static bool run(ElementType dtype, int hd, auto&& fn) {
-    switch (dtype) {
-      case ElementType::kFloat32: return by_head_dim<float>(hd, fn);
-      case ElementType::kBFloat16: return by_head_dim<BF16>(hd, fn);
-      case ElementType::kFloat16: return by_head_dim<F16>(hd, fn);
-    }
-    return false;
+  static bool run(ScalarType dtype, int hd, auto&& fn) {
+    bool done = false;
+    dispatch_float_type(dtype, [&](auto t) { done = by_head_dim<decltype(t)>(hd, fn); });
+    return done;
   }
 
   static bool paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {

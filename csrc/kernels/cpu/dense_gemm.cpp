@@ -61,10 +61,8 @@ struct DensePortable {
 
 void check(DenseGemmParams const& p) {
   std::string const where = "dense_gemm: ";
-  int const type = static_cast<int>(p.type);
-  if (type < 0 || type > 2) {
-    throw std::invalid_argument(where + "type must be 0 (float32), 1 (bfloat16) or 2 (float16), got " +
-                                std::to_string(type));
+  if (!is_float_type(p.type)) {
+    throw std::invalid_argument(where + "type must be float32, bfloat16 or float16, got " + scalar_type_name(p.type));
   }
   if (p.m < 0) throw std::invalid_argument(where + "m must be >= 0, got " + std::to_string(p.m));
   if (p.n < 1) throw std::invalid_argument(where + "n must be >= 1, got " + std::to_string(p.n));
@@ -84,7 +82,7 @@ void check(DenseGemmParams const& p) {
 }  // namespace
 
 void dense_gemm_portable(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+  dispatch_float_type(p.type, [&](auto t) {
     using T = decltype(t);
     run_tiles(DensePortable<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads);
   });

@@ -94,7 +94,7 @@ struct DenseTile {
 }  // namespace
 
 void dense_gemm_avx2(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+  dispatch_float_type(p.type, [&](auto t) {
     using T = decltype(t);
     run_tiles(DenseTile<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads);
   });

@@ -182,7 +182,7 @@ struct DenseTile {
 }  // namespace
 
 void dense_gemm_avx512(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+  dispatch_float_type(p.type, [&](auto t) {
     using T = decltype(t);
     std::int64_t const row_bytes = p.k * static_cast<std::int64_t>(sizeof(T));
     // One x row is bound by memory alone: 8 weight rows streamed at a time keep more loads in flight

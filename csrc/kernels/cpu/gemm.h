@@ -20,34 +20,21 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 
+#include "inflight/kernels/scalar_type.h"
 #include "thread_pool.h"
 
 namespace inflight::kernels::cpu {
 
-enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-char const* scalar_type_name(ScalarType t);
-
-// Storage types of the 16-bit floats (bit patterns; arithmetic happens in fp32).
-struct BFloat16 {
-  std::uint16_t bits;
-};
-struct Float16 {
-  std::uint16_t bits;
-};
-
 struct W4A16GemmParams {
-  void const* x = nullptr;               // [m, k], x_type, row-major contiguous
+  void const* x = nullptr;                // [m, k], x_type, row-major contiguous
   std::uint8_t const* qweight = nullptr;  // [n, k / 2]
-  void const* scales = nullptr;          // [n, k / group_size], scale_type
-  void const* offsets = nullptr;         // [n, k / group_size], scale_type; nullptr: symmetric
-  void const* bias = nullptr;            // [n], x_type; nullptr: none
-  void* out = nullptr;                   // [m, n], x_type
+  void const* scales = nullptr;           // [n, k / group_size], scale_type
+  void const* offsets = nullptr;          // [n, k / group_size], scale_type; nullptr: symmetric
+  void const* bias = nullptr;             // [n], x_type; nullptr: none
+  void* out = nullptr;                    // [m, n], x_type
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
   ScalarType x_type = ScalarType::kFloat32;
@@ -56,11 +43,11 @@ struct W4A16GemmParams {
 };
 
 struct W8A16GemmParams {
-  void const* x = nullptr;              // [m, k], x_type
+  void const* x = nullptr;               // [m, k], x_type
   std::int8_t const* qweight = nullptr;  // [n, k]
-  void const* scales = nullptr;         // [n, k / group_size], scale_type
-  void const* bias = nullptr;           // [n], x_type; nullptr: none
-  void* out = nullptr;                  // [m, n], x_type
+  void const* scales = nullptr;          // [n, k / group_size], scale_type
+  void const* bias = nullptr;            // [n], x_type; nullptr: none
+  void* out = nullptr;                   // [m, n], x_type
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
   ScalarType x_type = ScalarType::kFloat32;
@@ -87,92 +74,6 @@ void w8a16_gemm_avx512(W8A16GemmParams const& p);
 // the linker into the AVX-512 copy and then run on a CPU without AVX-512.
 namespace gemm_detail {
 namespace {
-
-inline float bf16_to_float(std::uint16_t h) {
-  std::uint32_t const u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-inline float f16_to_float(std::uint16_t h) {
-  std::uint32_t const sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t const exp = (h >> 10) & 0x1fu;
-  std::uint32_t const mant = h & 0x3ffu;
-  std::uint32_t u;
-  if (exp == 0) {
-    float const v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
-    std::memcpy(&u, &v, sizeof u);
-    u |= sign;
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 112u) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline std::uint16_t float_to_f16(float f) {
-  std::uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  std::uint32_t const sign = (x >> 16) & 0x8000u;
-  std::uint32_t const ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-  if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): a subnormal (or 1024 = the smallest normal)
-    float const scaled = std::fabs(f) * 16777216.0f;  // exact: a power-of-two scaling
-    return static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled)));
-  }
-  std::uint32_t h = (ax - 0x38000000u) >> 13;  // rebias the exponent (127 - 15 = 112)
-  std::uint32_t const rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry correctly bumps the exponent
-  return static_cast<std::uint16_t>(sign | h);
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(BFloat16 v) { return bf16_to_float(v.bits); }
-inline float to_float(Float16 v) { return f16_to_float(v.bits); }
-
-template <class T>
-inline T from_float(float v);
-template <>
-inline float from_float<float>(float v) {
-  return v;
-}
-template <>
-inline BFloat16 from_float<BFloat16>(float v) {
-  return BFloat16{float_to_bf16(v)};
-}
-template <>
-inline Float16 from_float<Float16>(float v) {
-  return Float16{float_to_f16(v)};
-}
-
-// Calls f(T{}) with T the storage type of `t`: the compile-time dispatch over dtypes.
-template <class F>
-inline void dispatch_type(ScalarType t, F&& f) {
-  switch (t) {
-    case ScalarType::kFloat32:
-      f(float{});
-      break;
-    case ScalarType::kBFloat16:
-      f(BFloat16{});
-      break;
-    case ScalarType::kFloat16:
-      f(Float16{});
-      break;
-  }
-}
 
 // Below this many weight bytes per call one thread does it all: the fork/join would cost more.
 constexpr std::int64_t kMinBytesPerThread = 16 * 1024;
@@ -220,8 +121,7 @@ void run_tile_range(Kernel const& kernel, std::int64_t m, int max_mr, std::int64
 }
 
 template <class Kernel>
-void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes,
-               int num_threads) {
+void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes, int num_threads) {
   constexpr int kNR = Kernel::kNR;
   int max_mr = Kernel::kMaxMR;
   if constexpr (requires { kernel.max_mr(); }) max_mr = kernel.max_mr();

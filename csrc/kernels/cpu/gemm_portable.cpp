@@ -93,8 +93,8 @@ struct W8Portable {
 }  // namespace
 
 void w4a16_gemm_portable(W4A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+  dispatch_float_type(p.x_type, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if (p.offsets != nullptr) {
@@ -107,8 +107,8 @@ void w4a16_gemm_portable(W4A16GemmParams const& p) {
 }
 
 void w8a16_gemm_portable(W8A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+  dispatch_float_type(p.x_type, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       run_tiles(W8Portable<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads);
     });
   });

@@ -12,16 +12,9 @@
 namespace inflight::kernels::cpu {
 namespace {
 
-using gemm_detail::from_float;
-using gemm_detail::to_float;
-
 constexpr std::size_t kAlign = 64;
 
 std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-std::size_t element_bytes(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
-
-ScalarType scalar_type(ElementType t) { return static_cast<ScalarType>(static_cast<int>(t)); }
 
 // Rounds an fp32 value to the storage type and back: the value torch would hold after an op.
 template <class T>
@@ -152,12 +145,12 @@ void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, Scalar
 }
 
 struct Buffers {
-  void* normed;  // [T, hidden]
-  void* qkv;     // [T, q + 2kv]
-  void* attn;    // [T, q]
+  void* normed;   // [T, hidden]
+  void* qkv;      // [T, q + 2kv]
+  void* attn;     // [T, q]
   void* gate_up;  // [T, 2 * intermediate]
-  void* inter;   // [T, intermediate]
-  void* tmp;     // [T, hidden]
+  void* inter;    // [T, intermediate]
+  void* tmp;      // [T, hidden]
   float* paged_ws;
 };
 
@@ -189,7 +182,7 @@ struct Layout {
 
 Layout layout(LlamaShape const& s, LlamaStep const& step) {
   Layout l;
-  std::size_t const e = element_bytes(s.dtype);
+  std::size_t const e = scalar_type_size(s.dtype);
   std::size_t const t = std::size_t(step.num_tokens);
   std::size_t const widths[6] = {std::size_t(s.hidden),       std::size_t(s.q_size() + 2 * s.kv_size()),
                                  std::size_t(s.q_size()),     std::size_t(2 * s.intermediate),
@@ -225,7 +218,7 @@ void forward_t(LlamaShape const& s, LlamaLayerWeights const* layers, int num_lay
   int const threads = step.num_threads;
   int const d = s.hidden;
   int const qkv_n = s.q_size() + 2 * s.kv_size();
-  ScalarType const xt = scalar_type(s.dtype);
+  ScalarType const xt = s.dtype;
   T* hidden = static_cast<T*>(step.hidden);
   auto const* cos_sin = static_cast<T const*>(step.cos_sin);
 
@@ -304,17 +297,7 @@ std::size_t llama_layers_workspace_bytes(LlamaShape const& shape, LlamaStep cons
 void llama_layers_forward(LlamaShape const& shape, LlamaLayerWeights const* layers, int num_layers,
                           LlamaStep const& step, void* workspace) {
   if (step.num_tokens == 0 || num_layers == 0) return;
-  switch (shape.dtype) {
-    case ElementType::kFloat32:
-      forward_t<float>(shape, layers, num_layers, step, workspace);
-      break;
-    case ElementType::kBFloat16:
-      forward_t<BFloat16>(shape, layers, num_layers, step, workspace);
-      break;
-    case ElementType::kFloat16:
-      forward_t<Float16>(shape, layers, num_layers, step, workspace);
-      break;
-  }
+  dispatch_float_type(shape.dtype, [&](auto t) { forward_t<decltype(t)>(shape, layers, num_layers, step, workspace); });
 }
 
 }  // namespace inflight::kernels::cpu

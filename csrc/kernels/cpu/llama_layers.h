@@ -46,8 +46,8 @@ struct LlamaLayerWeights {
 struct LlamaShape {
   int hidden = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate = 0;
   float eps = 1e-6f;
-  float scale = 1.0f;  // attention softmax scale
-  ElementType dtype = ElementType::kFloat32;
+  float scale = 1.0f;                        // attention softmax scale
+  ScalarType dtype = ScalarType::kFloat32;   // the model dtype: float32, bfloat16 or float16
   int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
@@ -59,7 +59,7 @@ struct LlamaShape {
 struct LlamaStep {
   void* hidden = nullptr;  // [num_tokens, hidden], model dtype, in/out
   int num_tokens = 0;
-  void const* cos_sin = nullptr;           // [num_tokens, 2, head_dim]: cos, then sign-folded sin
+  void const* cos_sin = nullptr;               // [num_tokens, 2, head_dim]: cos, then sign-folded sin
   std::int64_t const* slot_mapping = nullptr;  // [num_tokens]; negative: not stored
   int num_ctx_tokens = 0;
   int ctx_batch = 0, ctx_max_blocks = 0;

@@ -31,17 +31,16 @@
 #include <cstdint>
 
 #include "cpu_features.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cpu {
-
-enum class SamplingDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Logits per block: fixed, not derived from the thread count (see "Determinism" above).
 inline constexpr std::int64_t kSamplingBlock = 4096;
 
 struct SamplingKernelParams {
-  void const* logits = nullptr;  // [num_rows, vocab_size], unit stride along the vocabulary
-  SamplingDtype dtype = SamplingDtype::kFloat32;
+  void const* logits = nullptr;             // [num_rows, vocab_size], unit stride along the vocabulary
+  ScalarType dtype = ScalarType::kFloat32;  // of the logits: float32, bfloat16 or float16
   std::int64_t num_rows = 0;
   std::int64_t vocab_size = 0;
   std::int64_t row_stride = 0;           // in elements; 0 broadcasts one row to all rows
@@ -64,6 +63,9 @@ std::size_t sampling_workspace_bytes(std::int64_t num_rows, std::int64_t vocab_s
 // the workspace is too small.
 void launch_sampling(SamplingKernelParams const& params, Isa isa);
 
+// Internal linkage: the per-ISA files include this header with their own -m flags (see scalar_type.h).
+namespace {
+
 // splitmix64's finalizer (Steele, Lea, Flood 2014): a bijective 64-bit mix with full avalanche.
 constexpr std::uint64_t splitmix64(std::uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -78,15 +80,9 @@ constexpr double sampling_uniform(std::uint64_t seed, std::uint64_t step) {
   return static_cast<double>(splitmix64(splitmix64(seed) ^ step) >> 11) * 0x1.0p-53;
 }
 
-namespace detail {
+}  // namespace
 
-// Storage tags for the 16-bit logit types (raw bits).
-struct BFloat16 {
-  std::uint16_t bits;
-};
-struct Float16 {
-  std::uint16_t bits;
-};
+namespace detail {
 
 // What the stats pass accumulates besides Z.
 enum class StatsMode : int {
@@ -123,9 +119,9 @@ struct SamplingBlockKernels {
   void (*divide_exp)(float* x, std::int64_t n, float t, float m, float* e);
 };
 
-SamplingBlockKernels const& sampling_kernels_portable(SamplingDtype dtype);
-SamplingBlockKernels const& sampling_kernels_avx2(SamplingDtype dtype);
-SamplingBlockKernels const& sampling_kernels_avx512(SamplingDtype dtype);
+SamplingBlockKernels const& sampling_kernels_portable(ScalarType dtype);
+SamplingBlockKernels const& sampling_kernels_avx2(ScalarType dtype);
+SamplingBlockKernels const& sampling_kernels_avx512(ScalarType dtype);
 
 }  // namespace detail
 }  // namespace inflight::kernels::cpu

@@ -7,7 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include "context_attention.h"
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 

@@ -14,27 +14,27 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
 struct PagedAttentionParams {
-  void const* q;                   // [batch_size, num_heads, head_dim], token rows q_token_stride apart
-  std::int64_t q_token_stride;     // elements
-  void const* kv_cache;            // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+  void const* q;                // [batch_size, num_heads, head_dim], token rows q_token_stride apart
+  std::int64_t q_token_stride;  // elements
+  void const* kv_cache;         // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
   std::int64_t num_blocks;
   int tokens_per_block;
-  int const* block_tables;         // [batch_size, max_blocks_per_seq], rows block_table_stride apart
-  std::int64_t block_table_stride; // elements
-  int max_blocks_per_seq;          // kv_lens are clamped to max_blocks_per_seq * tokens_per_block
-  int const* kv_lens;              // [batch_size]; 0 gives a zero output row
-  void* out;                       // [batch_size, num_heads, head_dim], contiguous
-  void* workspace;                 // may be null; see paged_attention_workspace_size
+  int const* block_tables;          // [batch_size, max_blocks_per_seq], rows block_table_stride apart
+  std::int64_t block_table_stride;  // elements
+  int max_blocks_per_seq;           // kv_lens are clamped to max_blocks_per_seq * tokens_per_block
+  int const* kv_lens;               // [batch_size]; 0 gives a zero output row
+  void* out;                        // [batch_size, num_heads, head_dim], contiguous
+  void* workspace;                  // may be null; see paged_attention_workspace_size
   std::int64_t workspace_bytes;
   int batch_size;
   int num_heads;
-  int num_kv_heads;                // divides num_heads
-  int head_dim;                    // 64 or 128
+  int num_kv_heads;  // divides num_heads
+  int head_dim;      // 64 or 128
   float scale;
 };
 
@@ -51,7 +51,6 @@ cudaError_t launch_paged_attention(PagedAttentionParams const& params, ScalarTyp
 
 // The CUDA-core kernel for every dtype (no split, workspace unused): a slow, simple twin kept for
 // tests and as a fallback.
-cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, ScalarType dtype,
-                                        cudaStream_t stream);
+cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, ScalarType dtype, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

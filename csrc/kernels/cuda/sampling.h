@@ -19,22 +19,22 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
 struct SamplingParams {
-  void const* logits;           // [num_rows, vocab_size], unit stride along the vocabulary
-  std::int64_t row_stride;      // elements between rows (0 broadcasts one row)
+  void const* logits;       // [num_rows, vocab_size], unit stride along the vocabulary
+  std::int64_t row_stride;  // elements between rows (0 broadcasts one row)
   std::int64_t num_rows;
-  int vocab_size;               // >= 1
-  float const* temperature;     // [num_rows]
-  int const* top_k;             // [num_rows]; <= 0 or >= vocab_size: all
-  float const* top_p;           // [num_rows]; >= 1: all
-  float const* min_p;           // [num_rows]; <= 0: all
-  std::uint64_t const* seeds;   // [num_rows]
-  std::int64_t const* steps;    // [num_rows]
-  std::int64_t* out;            // [num_rows]
+  int vocab_size;              // >= 1
+  float const* temperature;    // [num_rows]
+  int const* top_k;            // [num_rows]; <= 0 or >= vocab_size: all
+  float const* top_p;          // [num_rows]; >= 1: all
+  float const* min_p;          // [num_rows]; <= 0: all
+  std::uint64_t const* seeds;  // [num_rows]
+  std::int64_t const* steps;   // [num_rows]
+  std::int64_t* out;           // [num_rows]
 };
 
 // dtype: of the logits (float32, bfloat16 or float16).
