@@ -58,8 +58,8 @@ void check_head_dim(int head_dim) {
 
 void check_heads(int num_heads, int num_kv_heads) {
   if (num_heads < 1 || num_heads % num_kv_heads != 0) {
-    throw std::invalid_argument("num_heads (" + std::to_string(num_heads) + ") must be a positive multiple of num_kv_heads (" +
-                                std::to_string(num_kv_heads) + ")");
+    throw std::invalid_argument("num_heads (" + std::to_string(num_heads) +
+                                ") must be a positive multiple of num_kv_heads (" + std::to_string(num_kv_heads) + ")");
   }
 }
 
@@ -122,7 +122,8 @@ void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor c
   require_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
   require_dim(slot_mapping, "slot_mapping", 0, num_tokens, "k.shape[0] (num_tokens)");
   require_contiguous(slot_mapping, "slot_mapping");
-  int const device = common_cuda_device({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
+  int const device =
+      common_cuda_device({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
 
   ck::StoreKvParams p{};
   p.k = k.data();
@@ -132,9 +133,10 @@ void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor c
   p.num_tokens = num_tokens;
   p.k_token_stride = row_stride(k);
   p.v_token_stride = row_stride(v);
-  p.row_elems = static_cast<std::int64_t>(c.num_kv_heads) * c.head_dim;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_dim = c.head_dim;
   p.num_slots = c.num_blocks * c.tokens_per_block;
-  p.elem_bytes = dtype == ScalarType::kFloat32 ? 4 : 2;
+  p.dtype = dtype;
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
   check_cuda(ck::launch_store_kv(p, as_stream(stream)), "store_kv");
@@ -147,18 +149,23 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
   CacheShape const c = check_cache(kv_cache, q, "q");
   check_query(q, "[batch_size, num_heads, head_dim]", c);
   std::int64_t const batch_size = static_cast<std::int64_t>(q.shape(0));
-  if (batch_size > 65535) throw std::invalid_argument("batch_size (q.shape[0]) must be <= 65535, got " + std::to_string(batch_size));
+  if (batch_size > 65535)
+    throw std::invalid_argument("batch_size (q.shape[0]) must be <= 65535, got " + std::to_string(batch_size));
   check_block_tables(block_tables, batch_size, "q.shape[0] (batch_size)");
   check_int32_vector(kv_lens, "kv_lens", batch_size, "[batch_size]");
   check_output(out, q);
   if (workspace) {
     require_contiguous(*workspace, "workspace");
     require_aligned(*workspace, "workspace", 16);
-    device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                                 {&kv_lens, "kv_lens"}, {&out, "out"}, {&*workspace, "workspace"}});
+    device = common_cuda_device({{&q, "q"},
+                                 {&kv_cache, "kv_cache"},
+                                 {&block_tables, "block_tables"},
+                                 {&kv_lens, "kv_lens"},
+                                 {&out, "out"},
+                                 {&*workspace, "workspace"}});
   } else {
-    device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                                 {&kv_lens, "kv_lens"}, {&out, "out"}});
+    device = common_cuda_device(
+        {{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"}, {&kv_lens, "kv_lens"}, {&out, "out"}});
   }
   ck::PagedAttentionParams p{};
   p.q = q.data();
@@ -166,10 +173,11 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
   p.kv_cache = kv_cache.data();
   p.num_blocks = c.num_blocks;
   p.tokens_per_block = c.tokens_per_block;
-  p.block_tables = static_cast<int const*>(block_tables.data());
-  p.block_table_stride = block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
+  p.block_tables = static_cast<std::int32_t const*>(block_tables.data());
+  p.block_table_stride =
+      block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
   p.max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
-  p.kv_lens = static_cast<int const*>(kv_lens.data());
+  p.kv_lens = static_cast<std::int32_t const*>(kv_lens.data());
   p.out = out.data();
   p.workspace = workspace && workspace->nbytes() > 0 ? workspace->data() : nullptr;
   p.workspace_bytes = workspace ? static_cast<std::int64_t>(workspace->nbytes()) : 0;
@@ -178,6 +186,7 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
   p.num_kv_heads = c.num_kv_heads;
   p.head_dim = c.head_dim;
   p.scale = static_cast<float>(scale);
+  p.dtype = dtype;
   return p;
 }
 
@@ -185,10 +194,11 @@ void paged_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& bloc
                      double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream) {
   ScalarType dtype{};
   int device = 0;
-  ck::PagedAttentionParams const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, dtype, device);
+  ck::PagedAttentionParams const p =
+      paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, dtype, device);
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_paged_attention(p, dtype, as_stream(stream)), "paged_attention");
+  check_cuda(ck::launch_paged_attention(p, as_stream(stream)), "paged_attention");
 }
 
 void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
@@ -199,7 +209,7 @@ void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const&
       paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, dtype, device);
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_paged_attention_simt(p, dtype, as_stream(stream)), "paged_attention_simt");
+  check_cuda(ck::launch_paged_attention_simt(p, as_stream(stream)), "paged_attention_simt");
 }
 
 ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
@@ -216,19 +226,24 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
   check_int32_vector(cu_seqlens, "cu_seqlens", batch_size + 1, "[batch_size + 1] (len(kv_lens) + 1)");
   check_block_tables(block_tables, batch_size, "len(kv_lens) (batch_size)");
   check_output(out, q);
-  device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                               {&cu_seqlens, "cu_seqlens"}, {&kv_lens, "kv_lens"}, {&out, "out"}});
+  device = common_cuda_device({{&q, "q"},
+                               {&kv_cache, "kv_cache"},
+                               {&block_tables, "block_tables"},
+                               {&cu_seqlens, "cu_seqlens"},
+                               {&kv_lens, "kv_lens"},
+                               {&out, "out"}});
   ck::ContextAttentionParams p{};
   p.q = q.data();
   p.q_token_stride = row_stride(q);
   p.kv_cache = kv_cache.data();
   p.num_blocks = c.num_blocks;
   p.tokens_per_block = c.tokens_per_block;
-  p.block_tables = static_cast<int const*>(block_tables.data());
-  p.block_table_stride = block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
+  p.block_tables = static_cast<std::int32_t const*>(block_tables.data());
+  p.block_table_stride =
+      block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
   p.max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
-  p.cu_seqlens = static_cast<int const*>(cu_seqlens.data());
-  p.kv_lens = static_cast<int const*>(kv_lens.data());
+  p.cu_seqlens = static_cast<std::int32_t const*>(cu_seqlens.data());
+  p.kv_lens = static_cast<std::int32_t const*>(kv_lens.data());
   p.out = out.data();
   p.num_tokens = num_tokens;
   p.batch_size = static_cast<int>(batch_size);
@@ -236,6 +251,7 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
   p.num_kv_heads = c.num_kv_heads;
   p.head_dim = c.head_dim;
   p.scale = static_cast<float>(scale);
+  p.dtype = dtype;
   return p;
 }
 
@@ -247,7 +263,7 @@ void context_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& bl
       context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, dtype, device);
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_context_attention(p, dtype, as_stream(stream)), "context_attention");
+  check_cuda(ck::launch_context_attention(p, as_stream(stream)), "context_attention");
 }
 
 void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
@@ -259,7 +275,7 @@ void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor cons
       context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, dtype, device);
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_context_attention_simt(p, dtype, as_stream(stream)), "context_attention_simt");
+  check_cuda(ck::launch_context_attention_simt(p, as_stream(stream)), "context_attention_simt");
 }
 
 }  // namespace

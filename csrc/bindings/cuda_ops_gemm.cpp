@@ -114,9 +114,10 @@ void w4a16_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, st
   p.n = s.n;
   p.k = s.k;
   p.group_size = group_size;
+  p.dtype = dtype;
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_w4a16_gemm(p, dtype, as_stream(stream)), "w4a16_gemm");
+  check_cuda(ck::launch_w4a16_gemm(p, as_stream(stream)), "w4a16_gemm");
 }
 
 void w8a16_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, int group_size, Tensor const& out,
@@ -138,9 +139,10 @@ void w8a16_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, in
   p.n = s.n;
   p.k = s.k;
   p.group_size = group_size;
+  p.dtype = dtype;
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_w8a16_gemm(p, dtype, as_stream(stream)), "w8a16_gemm");
+  check_cuda(ck::launch_w8a16_gemm(p, as_stream(stream)), "w8a16_gemm");
 }
 
 }  // namespace

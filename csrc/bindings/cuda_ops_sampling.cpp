@@ -70,17 +70,18 @@ void sample(Tensor const& logits, Tensor const& temperature, Tensor const& top_k
   p.logits = logits.data();
   p.row_stride = rows > 1 ? logits.stride(0) : 0;
   p.num_rows = rows;
-  p.vocab_size = static_cast<int>(vocab);
+  p.vocab_size = vocab;
   p.temperature = static_cast<float const*>(temperature.data());
-  p.top_k = static_cast<int const*>(top_k.data());
+  p.top_k = static_cast<std::int32_t const*>(top_k.data());
   p.top_p = static_cast<float const*>(top_p.data());
   p.min_p = static_cast<float const*>(min_p.data());
   p.seeds = static_cast<std::uint64_t const*>(seeds.data());
   p.steps = static_cast<std::int64_t const*>(steps.data());
   p.out = static_cast<std::int64_t*>(out.data());
+  p.dtype = dtype;
   nb::gil_scoped_release release;
   DeviceGuard guard(device);
-  check_cuda(ck::launch_sampling(p, dtype, as_stream(stream)), "sample");
+  check_cuda(ck::launch_sampling(p, as_stream(stream)), "sample");
 }
 
 }  // namespace

@@ -145,17 +145,17 @@ class W4A16Weight {
     // Validate the rest (group_size, k) now, with a placeholder call shape.
     kc::W4A16GemmParams probe = p_;
     probe.m = 0;
-    kc::w4a16_gemm(probe);
+    kc::launch_w4a16_gemm(probe, kc::ThreadPool::global());
   }
 
   void gemm(Array x, Array out, int num_threads) const {
     kc::W4A16GemmParams p = p_;
     p.num_threads = num_threads;
-    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.x_type);
+    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.dtype);
     p.x = x.data();
     p.out = out.data();
     nb::gil_scoped_release release;
-    kc::w4a16_gemm(p);
+    kc::launch_w4a16_gemm(p, kc::ThreadPool::global());
   }
 
   std::int64_t n() const { return p_.n; }
@@ -193,17 +193,17 @@ class W8A16Weight {
     p_.scales = scales_.data();
     kc::W8A16GemmParams probe = p_;
     probe.m = 0;
-    kc::w8a16_gemm(probe);
+    kc::launch_w8a16_gemm(probe, kc::ThreadPool::global());
   }
 
   void gemm(Array x, Array out, int num_threads) const {
     kc::W8A16GemmParams p = p_;
     p.num_threads = num_threads;
-    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.x_type);
+    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.dtype);
     p.x = x.data();
     p.out = out.data();
     nb::gil_scoped_release release;
-    kc::w8a16_gemm(p);
+    kc::launch_w8a16_gemm(p, kc::ThreadPool::global());
   }
 
   std::int64_t n() const { return p_.n; }
@@ -226,15 +226,15 @@ class DenseWeight {
  public:
   DenseWeight(Array weight, std::optional<Array> bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
     check_ndim(weight_, "weight", 2);
-    p_.type = float_type(weight_, "weight");
+    p_.dtype = float_type(weight_, "weight");
     p_.n = static_cast<std::int64_t>(weight_.shape(0));
     p_.k = static_cast<std::int64_t>(weight_.shape(1));
     if (p_.n < 1 || p_.k < 1)
       throw std::invalid_argument("weight must not be empty, got shape " + shape_str({p_.n, p_.k}));
     if (bias_) {
-      if (float_type(*bias_, "bias") != p_.type)
+      if (float_type(*bias_, "bias") != p_.dtype)
         throw std::invalid_argument("bias must have the dtype of weight (" +
-                                    std::string(ik::scalar_type_name(p_.type)) + ")");
+                                    std::string(ik::scalar_type_name(p_.dtype)) + ")");
       check_shape(*bias_, "bias", {p_.n});
       p_.bias = bias_->data();
     }
@@ -244,7 +244,7 @@ class DenseWeight {
   std::int64_t n() const { return p_.n; }
   std::int64_t k() const { return p_.k; }
   kc::DenseGemmParams const& params() const { return p_; }
-  ik::ScalarType type() const { return p_.type; }
+  ik::ScalarType type() const { return p_.dtype; }
 
  private:
   Array weight_;

@@ -210,10 +210,10 @@ void store_kv(Array k, Array v, Array kv_cache, Array slot_mapping, int num_thre
   kc::StoreKvParams p;
   p.k = k.data();
   p.v = v.data();
-  p.k_stride_token = k.stride(0);
-  p.k_stride_head = k.stride(1);
-  p.v_stride_token = v.stride(0);
-  p.v_stride_head = v.stride(1);
+  p.k_token_stride = k.stride(0);
+  p.k_head_stride = k.stride(1);
+  p.v_token_stride = v.stride(0);
+  p.v_head_stride = v.stride(1);
   p.kv_cache = kv_cache.data();
   p.slot_mapping = static_cast<int64_t const*>(slot_mapping.data());
   p.num_slots = int64_t(c.num_blocks) * c.tokens_per_block;
@@ -227,7 +227,7 @@ void store_kv(Array k, Array v, Array kv_cache, Array slot_mapping, int num_thre
       fail("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(p.slot_mapping[t]) +
            " is outside the cache's " + std::to_string(p.num_slots) + " slots (negative = skip)");
   nb::gil_scoped_release release;
-  kc::store_kv(p);
+  kc::launch_store_kv(p, kc::ThreadPool::global());
 }
 
 void paged_attention(Array q, Array kv_cache, Array block_tables, Array kv_lens, float scale, Array out,
@@ -241,30 +241,30 @@ void paged_attention(Array q, Array kv_cache, Array block_tables, Array kv_lens,
 
   kc::PagedAttentionParams p;
   p.q = q.data();
-  p.q_stride_token = q.stride(0);
-  p.q_stride_head = q.stride(1);
+  p.q_token_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
   p.kv_cache = kv_cache.data();
   p.block_tables = static_cast<int32_t const*>(block_tables.data());
   p.kv_lens = static_cast<int32_t const*>(kv_lens.data());
   p.out = out.data();
-  p.batch = batch;
+  p.batch_size = batch;
   p.num_heads = num_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.head_dim = c.head_dim;
   p.num_blocks = c.num_blocks;
   p.tokens_per_block = c.tokens_per_block;
   p.max_blocks_per_seq = int(block_tables.shape(1));
+  p.block_table_stride = int64_t(block_tables.shape(1));
   p.scale = scale;
   p.dtype = element_type(q, "q");
   p.num_threads = num_threads;
   if (batch == 0) return;
   nb::gil_scoped_release release;
-  kc::PagedAttentionPlan const plan = kc::plan_paged_attention(p);
   // The partials of split sequences; the kernels allocate nothing themselves.
-  size_t const ws = kc::paged_attention_workspace_floats(p, plan);
-  std::unique_ptr<float[]> workspace(ws ? new float[ws] : nullptr);
+  p.workspace_bytes = kc::paged_attention_workspace_size(p);
+  std::unique_ptr<float[]> workspace(p.workspace_bytes ? new float[p.workspace_bytes / sizeof(float)] : nullptr);
   p.workspace = workspace.get();
-  kc::paged_attention(p, plan);
+  kc::launch_paged_attention(p, kc::ThreadPool::global());
 }
 
 void context_attention(Array q, Array kv_cache, Array block_tables, Array cu_seqlens, Array kv_lens, float scale,
@@ -296,14 +296,14 @@ void context_attention(Array q, Array kv_cache, Array block_tables, Array cu_seq
 
   kc::ContextAttentionParams p;
   p.q = q.data();
-  p.q_stride_token = q.stride(0);
-  p.q_stride_head = q.stride(1);
+  p.q_token_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
   p.kv_cache = kv_cache.data();
   p.block_tables = static_cast<int32_t const*>(block_tables.data());
   p.cu_seqlens = cu;
   p.kv_lens = lens;
   p.out = out.data();
-  p.batch = batch;
+  p.batch_size = batch;
   p.num_tokens = num_tokens;
   p.num_heads = num_heads;
   p.num_kv_heads = c.num_kv_heads;
@@ -311,11 +311,12 @@ void context_attention(Array q, Array kv_cache, Array block_tables, Array cu_seq
   p.num_blocks = c.num_blocks;
   p.tokens_per_block = c.tokens_per_block;
   p.max_blocks_per_seq = int(block_tables.shape(1));
+  p.block_table_stride = int64_t(block_tables.shape(1));
   p.scale = scale;
   p.dtype = element_type(q, "q");
   p.num_threads = num_threads;
   nb::gil_scoped_release release;
-  kc::context_attention(p);
+  kc::launch_context_attention(p, kc::ThreadPool::global());
 }
 
 }  // namespace

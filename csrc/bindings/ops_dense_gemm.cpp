@@ -73,7 +73,7 @@ void dense_gemm(Array x, Array weight, std::optional<Array> bias, Array out, int
     throw std::invalid_argument("x must be 2-D [m, k], got " + std::to_string(x.ndim()) + "-D");
   }
   kc::DenseGemmParams p;
-  p.type = float_type(x, "x");
+  p.dtype = float_type(x, "x");
   p.m = static_cast<std::int64_t>(x.shape(0));
   p.k = static_cast<std::int64_t>(x.shape(1));
   if (weight.ndim() != 2) {
@@ -81,18 +81,18 @@ void dense_gemm(Array x, Array weight, std::optional<Array> bias, Array out, int
   }
   p.n = static_cast<std::int64_t>(weight.shape(0));
   p.num_threads = num_threads;
-  check_array(x, "x", p.type, {p.m, p.k}, "[m, k]");
-  check_array(weight, "weight", p.type, {p.n, p.k}, "[n, k]");
-  check_array(out, "out", p.type, {p.m, p.n}, "[m, n]");
+  check_array(x, "x", p.dtype, {p.m, p.k}, "[m, k]");
+  check_array(weight, "weight", p.dtype, {p.n, p.k}, "[n, k]");
+  check_array(out, "out", p.dtype, {p.m, p.n}, "[m, n]");
   if (bias) {
-    check_array(*bias, "bias", p.type, {p.n}, "[n]");
+    check_array(*bias, "bias", p.dtype, {p.n}, "[n]");
     p.bias = bias->data();
   }
   p.x = x.data();
   p.weight = weight.data();
   p.out = out.data();
   nb::gil_scoped_release release;
-  kc::dense_gemm(p);
+  kc::launch_dense_gemm(p, kc::ThreadPool::global());
 }
 
 }  // namespace

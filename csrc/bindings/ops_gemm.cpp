@@ -35,7 +35,7 @@ void w4a16_gemm(Array x, Array qweight, Array scales, std::optional<Array> offse
   p.n = static_cast<std::int64_t>(qweight.shape(0));
   p.group_size = group_size;
   p.num_threads = num_threads;
-  p.x_type = float_type(x, "x");
+  p.dtype = float_type(x, "x");
   if (p.k % 2 != 0) throw std::invalid_argument("x.shape[1] (k) must be even, got " + std::to_string(p.k));
   check_shape(qweight, "qweight", {p.n, p.k / 2});
   p.scale_type = float_type(scales, "scales");
@@ -48,14 +48,13 @@ void w4a16_gemm(Array x, Array qweight, Array scales, std::optional<Array> offse
     if (groups_known(p.k, group_size)) check_shape(*offsets, "offsets", {p.n, p.k / group_size});
     p.offsets = offsets->data();
   }
-  if (float_type(out, "out") != p.x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) + ")");
+  if (float_type(out, "out") != p.dtype) {
+    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.dtype)) + ")");
   }
   check_shape(out, "out", {p.m, p.n});
   if (bias) {
-    if (float_type(*bias, "bias") != p.x_type) {
-      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) +
-                                  ")");
+    if (float_type(*bias, "bias") != p.dtype) {
+      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.dtype)) + ")");
     }
     check_shape(*bias, "bias", {p.n});
     p.bias = bias->data();
@@ -65,7 +64,7 @@ void w4a16_gemm(Array x, Array qweight, Array scales, std::optional<Array> offse
   p.scales = scales.data();
   p.out = out.data();
   nb::gil_scoped_release release;
-  kc::w4a16_gemm(p);
+  kc::launch_w4a16_gemm(p, kc::ThreadPool::global());
 }
 
 void w8a16_gemm(Array x, Array qweight, Array scales, int group_size, Array out, std::optional<Array> bias,
@@ -79,18 +78,17 @@ void w8a16_gemm(Array x, Array qweight, Array scales, int group_size, Array out,
   p.n = static_cast<std::int64_t>(qweight.shape(0));
   p.group_size = group_size;
   p.num_threads = num_threads;
-  p.x_type = float_type(x, "x");
+  p.dtype = float_type(x, "x");
   check_shape(qweight, "qweight", {p.n, p.k});
   p.scale_type = float_type(scales, "scales");
   if (groups_known(p.k, group_size)) check_shape(scales, "scales", {p.n, p.k / group_size});
-  if (float_type(out, "out") != p.x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) + ")");
+  if (float_type(out, "out") != p.dtype) {
+    throw std::invalid_argument("out must have the dtype of x (" + std::string(ik::scalar_type_name(p.dtype)) + ")");
   }
   check_shape(out, "out", {p.m, p.n});
   if (bias) {
-    if (float_type(*bias, "bias") != p.x_type) {
-      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.x_type)) +
-                                  ")");
+    if (float_type(*bias, "bias") != p.dtype) {
+      throw std::invalid_argument("bias must have the dtype of x (" + std::string(ik::scalar_type_name(p.dtype)) + ")");
     }
     check_shape(*bias, "bias", {p.n});
     p.bias = bias->data();
@@ -100,7 +98,7 @@ void w8a16_gemm(Array x, Array qweight, Array scales, int group_size, Array out,
   p.scales = scales.data();
   p.out = out.data();
   nb::gil_scoped_release release;
-  kc::w8a16_gemm(p);
+  kc::launch_w8a16_gemm(p, kc::ThreadPool::global());
 }
 
 }  // namespace

@@ -151,7 +151,6 @@ class LlamaLayerStack {
     step.cos_sin = cos_sin.data();
     step.slot_mapping = static_cast<std::int64_t const*>(slot_mapping.data());
     step.num_ctx_tokens = num_ctx_tokens;
-    step.num_threads = num_threads;
     std::int64_t const num_slots = std::int64_t(shape_.num_blocks) * shape_.tokens_per_block;
     for (std::int64_t i = 0; i < nt; ++i)
       if (step.slot_mapping[i] >= num_slots)
@@ -192,13 +191,21 @@ class LlamaLayerStack {
 
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mutex_);
-    std::size_t const need = kc::llama_layers_workspace_bytes(shape_, step);
+    kc::LlamaLayersParams p;
+    p.shape = shape_;
+    p.layers = layers_.data();
+    p.num_layers = int(layers_.size());
+    p.step = step;
+    p.num_threads = num_threads;
+    std::size_t const need = std::size_t(kc::llama_layers_workspace_size(p));
     if (need > workspace_bytes_) {
       workspace_.reset(static_cast<unsigned char*>(std::aligned_alloc(64, (need + 63) / 64 * 64)));
       if (!workspace_) throw std::bad_alloc();
       workspace_bytes_ = need;
     }
-    kc::llama_layers_forward(shape_, layers_.data(), int(layers_.size()), step, workspace_.get());
+    p.workspace = workspace_.get();
+    p.workspace_bytes = std::int64_t(workspace_bytes_);
+    kc::launch_llama_layers(p, kc::ThreadPool::global());
   }
 
   int num_layers() const { return int(layers_.size()); }

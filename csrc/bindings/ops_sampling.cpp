@@ -76,7 +76,7 @@ void sample(Logits logits, Column<float> temperature, Column<std::int32_t> top_k
   check_values("min_p", min_p, [](float v) { return v >= 0.f && v <= 1.f; }, "in [0, 1]");
   check_values("steps", steps, [](std::int64_t v) { return v >= 0; }, ">= 0");
 
-  kc::SamplingKernelParams p;
+  kc::SamplingParams p;
   p.logits = logits.data();
   p.dtype = logits_dtype(logits);
   p.num_rows = rows;
@@ -90,11 +90,11 @@ void sample(Logits logits, Column<float> temperature, Column<std::int32_t> top_k
   p.steps = steps.data();
   p.out = out.data();
   p.num_threads = num_threads < 1 ? 1 : num_threads;
-  p.workspace_bytes = kc::sampling_workspace_bytes(rows, vocab, p.num_threads);
+  p.workspace_bytes = kc::sampling_workspace_size(rows, vocab, p.num_threads);
   // Uninitialised on purpose: only the pages a row touches get faulted in.
-  std::unique_ptr<std::byte[]> workspace(new std::byte[p.workspace_bytes]);
+  std::unique_ptr<std::byte[]> workspace(new std::byte[static_cast<std::size_t>(p.workspace_bytes)]);
   p.workspace = workspace.get();
-  kc::launch_sampling(p, kc::selected_isa());
+  kc::launch_sampling(p, kc::ThreadPool::global());
 }
 
 }  // namespace

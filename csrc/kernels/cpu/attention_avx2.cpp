@@ -118,10 +118,12 @@ using Kernels = Dispatch<Vec256, 64, 128, 32, 256>;
 
 namespace inflight::kernels::cpu {
 
-bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  return avx2::Kernels::paged_attention(params, plan);
+bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
+  return avx2::Kernels::paged_attention(params, plan, pool);
 }
 
-bool context_attention_avx2(ContextAttentionParams const& params) { return avx2::Kernels::context_attention(params); }
+bool context_attention_avx2(ContextAttentionParams const& params, ThreadPool& pool) {
+  return avx2::Kernels::context_attention(params, pool);
+}
 
 }  // namespace inflight::kernels::cpu

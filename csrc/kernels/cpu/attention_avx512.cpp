@@ -122,12 +122,12 @@ using Kernels = Dispatch<Vec512, 64, 128, 32, 256>;
 
 namespace inflight::kernels::cpu {
 
-bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  return avx512::Kernels::paged_attention(params, plan);
+bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
+  return avx512::Kernels::paged_attention(params, plan, pool);
 }
 
-bool context_attention_avx512(ContextAttentionParams const& params) {
-  return avx512::Kernels::context_attention(params);
+bool context_attention_avx512(ContextAttentionParams const& params, ThreadPool& pool) {
+  return avx512::Kernels::context_attention(params, pool);
 }
 
 }  // namespace inflight::kernels::cpu

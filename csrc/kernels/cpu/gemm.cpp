@@ -11,10 +11,10 @@ namespace inflight::kernels::cpu {
 namespace {
 
 void check_common(char const* op, void const* x, void const* qweight, void const* scales, void const* out,
-                  std::int64_t m, std::int64_t n, std::int64_t k, int group_size, ScalarType x_type,
+                  std::int64_t m, std::int64_t n, std::int64_t k, int group_size, ScalarType dtype,
                   ScalarType scale_type, int num_threads) {
   std::string const where = std::string(op) + ": ";
-  for (auto [name, t] : {std::pair{"x_type", x_type}, std::pair{"scale_type", scale_type}}) {
+  for (auto [name, t] : {std::pair{"dtype", dtype}, std::pair{"scale_type", scale_type}}) {
     if (!is_float_type(t)) {
       throw std::invalid_argument(where + name + " must be float32, bfloat16 or float16, got " + scalar_type_name(t));
     }
@@ -38,36 +38,36 @@ void check_common(char const* op, void const* x, void const* qweight, void const
 
 }  // namespace
 
-void w4a16_gemm(W4A16GemmParams const& p) {
-  check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.x_type, p.scale_type,
+void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool) {
+  check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      w4a16_gemm_avx512(p);
+      w4a16_gemm_avx512(p, pool);
       break;
     case Isa::kAvx2:
-      w4a16_gemm_avx2(p);
+      w4a16_gemm_avx2(p, pool);
       break;
     case Isa::kPortable:
-      w4a16_gemm_portable(p);
+      w4a16_gemm_portable(p, pool);
       break;
   }
 }
 
-void w8a16_gemm(W8A16GemmParams const& p) {
-  check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.x_type, p.scale_type,
+void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool) {
+  check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      w8a16_gemm_avx512(p);
+      w8a16_gemm_avx512(p, pool);
       break;
     case Isa::kAvx2:
-      w8a16_gemm_avx2(p);
+      w8a16_gemm_avx2(p, pool);
       break;
     case Isa::kPortable:
-      w8a16_gemm_portable(p);
+      w8a16_gemm_portable(p, pool);
       break;
   }
 }

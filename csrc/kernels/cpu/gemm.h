@@ -11,12 +11,15 @@
 //          w = scale * q + offset (a value-space offset: GGUF Q4_1 stores its minimum that way).
 //          Symmetric (offsets == nullptr): w = scale * (q - 8) (GGUF Q4_0).
 //   int8:  qweight [N, K] int8, scales [N, K/group_size], w = scale * q (GGUF Q8_0: group 32).
-// x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another (fp32, bf16,
-// fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is 32, 64 or 128.
+// x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another, scale_type
+// (fp32, bf16, fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is
+// 32, 64 or 128.
 //
-// Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher validates
-// the struct and picks the ISA (cpu_features.h); each ISA file instantiates its micro-kernels for the
-// explicit set {x: f32, bf16, f16} x {scales: f32, bf16, f16} x {symmetric, asymmetric} x {M tile}.
+// Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher,
+// launch_<op>(params, pool), validates the struct and picks the ISA (cpu_features.h); the pool is a
+// parameter, as the stream of the CUDA launchers; each ISA file instantiates its micro-kernels for the
+// explicit set {dtype: f32, bf16, f16} x {scale_type: f32, bf16, f16} x {symmetric, asymmetric} x
+// {M tile}.
 #pragma once
 
 #include <algorithm>
@@ -28,50 +31,53 @@
 
 namespace inflight::kernels::cpu {
 
+// The fields and names of the CUDA op's params (kernels/cuda/w4a16_gemm.h, w8a16_gemm.h); the CPU reads
+// x and out contiguous (the CUDA op takes row strides) and has num_threads.
 struct W4A16GemmParams {
-  void const* x = nullptr;                // [m, k], x_type, row-major contiguous
+  void const* x = nullptr;                // [m, k], dtype, row-major contiguous
   std::uint8_t const* qweight = nullptr;  // [n, k / 2]
   void const* scales = nullptr;           // [n, k / group_size], scale_type
   void const* offsets = nullptr;          // [n, k / group_size], scale_type; nullptr: symmetric
-  void const* bias = nullptr;             // [n], x_type; nullptr: none
-  void* out = nullptr;                    // [m, n], x_type
+  ScalarType scale_type = ScalarType::kFloat32;
+  void const* bias = nullptr;  // [n], dtype; nullptr: none
+  void* out = nullptr;         // [m, n], dtype, row-major contiguous
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
-  ScalarType x_type = ScalarType::kFloat32;
-  ScalarType scale_type = ScalarType::kFloat32;
-  int num_threads = 1;
+  ScalarType dtype = ScalarType::kFloat32;  // of x, bias and out
+  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
 };
 
 struct W8A16GemmParams {
-  void const* x = nullptr;               // [m, k], x_type
+  void const* x = nullptr;               // [m, k], dtype, row-major contiguous
   std::int8_t const* qweight = nullptr;  // [n, k]
   void const* scales = nullptr;          // [n, k / group_size], scale_type
-  void const* bias = nullptr;            // [n], x_type; nullptr: none
-  void* out = nullptr;                   // [m, n], x_type
+  ScalarType scale_type = ScalarType::kFloat32;
+  void const* bias = nullptr;  // [n], dtype; nullptr: none
+  void* out = nullptr;         // [m, n], dtype, row-major contiguous
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
-  ScalarType x_type = ScalarType::kFloat32;
-  ScalarType scale_type = ScalarType::kFloat32;
-  int num_threads = 1;
+  ScalarType dtype = ScalarType::kFloat32;  // of x, bias and out
+  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
 };
 
 // Launchers: validate the params (std::invalid_argument naming the field, value and allowed range),
-// then run the path of selected_isa(). Nothing is allocated; `out` is fully overwritten.
-void w4a16_gemm(W4A16GemmParams const& p);
-void w8a16_gemm(W8A16GemmParams const& p);
+// then run the path of selected_isa() on up to p.num_threads threads of `pool`. Nothing is
+// allocated; `out` is fully overwritten.
+void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool);
+void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool);
 
 // Per-ISA paths (gemm_portable.cpp, gemm_avx2.cpp, gemm_avx512.cpp); only the launchers call them.
-void w4a16_gemm_portable(W4A16GemmParams const& p);
-void w8a16_gemm_portable(W8A16GemmParams const& p);
-void w4a16_gemm_avx2(W4A16GemmParams const& p);
-void w8a16_gemm_avx2(W8A16GemmParams const& p);
-void w4a16_gemm_avx512(W4A16GemmParams const& p);
-void w8a16_gemm_avx512(W8A16GemmParams const& p);
+void w4a16_gemm_portable(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_portable(W8A16GemmParams const& p, ThreadPool& pool);
+void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool);
+void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool);
 
 // ------------------------------------------------------------------------------------------------
 // Shared by the ISA files. Everything below has internal linkage (anonymous namespace): each ISA
 // file is compiled with its own -m flags, and a shared inline definition could otherwise be merged by
-// the linker into the AVX-512 copy and then run on a CPU without AVX-512.
+// the linker into the AVX-512 copy and then run on a CPU without AVX-512 (as in scalar_type.h).
 namespace gemm_detail {
 namespace {
 
@@ -121,7 +127,8 @@ void run_tile_range(Kernel const& kernel, std::int64_t m, int max_mr, std::int64
 }
 
 template <class Kernel>
-void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes, int num_threads) {
+void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes, int num_threads,
+               ThreadPool& pool) {
   constexpr int kNR = Kernel::kNR;
   int max_mr = Kernel::kMaxMR;
   if constexpr (requires { kernel.max_mr(); }) max_mr = kernel.max_mr();
@@ -137,7 +144,7 @@ void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_
   auto task = [&](int i, int count) {
     run_tile_range(kernel, m, max_mr, num_tiles * i / count, num_tiles * (i + 1) / count, chunk);
   };
-  parallel_run(threads, TaskRef(task));
+  pool.run(threads, TaskRef(task));
 }
 
 // Calls k.template run<MR>(args...) for the runtime mr in [1, kMaxMR]: the compile-time M tile.

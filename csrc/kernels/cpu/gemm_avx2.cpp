@@ -148,24 +148,25 @@ struct W8Fma {
 
 }  // namespace
 
-void w4a16_gemm_avx2(W4A16GemmParams const& p) {
-  dispatch_float_type(p.x_type, [&](auto xt) {
+void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
     dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if (p.offsets != nullptr) {
-        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       } else {
-        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       }
     });
   });
 }
 
-void w8a16_gemm_avx2(W8A16GemmParams const& p) {
-  dispatch_float_type(p.x_type, [&](auto xt) {
-    dispatch_float_type(
-        p.scale_type, [&](auto st) { run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads); });
+void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
+      run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads, pool);
+    });
   });
 }
 

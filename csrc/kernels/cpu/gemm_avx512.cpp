@@ -597,7 +597,7 @@ constexpr std::int64_t kPanelBytes = 96 * 1024;
 // Runs a panel dequantiser D (D::dequantise(n0, rows, bf16 panel), D::p with the GEMM's m, n, k, x,
 // bias, out and num_threads) over all of N: panels of near-equal size, a multiple of the thread count.
 template <class D>
-void run_panels(D const& deq) {
+void run_panels(D const& deq, ThreadPool& pool) {
   auto const& p = deq.p;
   std::int64_t const cap = kPanelBytes / (2 * p.k) / 4 * 4;
   int const threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.num_threads, (p.n + 7) / 8)));
@@ -619,17 +619,17 @@ void run_panels(D const& deq) {
       d.m = p.m;
       d.n = nr;
       d.k = p.k;
-      d.ldo = p.n;
-      d.type = ScalarType::kBFloat16;
+      d.out_row_stride = p.n;
+      d.dtype = ScalarType::kBFloat16;
       d.num_threads = 1;
-      dense_gemm_avx512(d);
+      dense_gemm_avx512(d, pool);
     }
   };
   int const used = static_cast<int>(std::min<std::int64_t>(threads, count));
   if (used <= 1) {
     task(0, 1);
   } else {
-    parallel_run(used, TaskRef(task));
+    pool.run(used, TaskRef(task));
   }
 }
 
@@ -832,8 +832,8 @@ struct W8Fma {
 
 }  // namespace
 
-void w4a16_gemm_avx512(W4A16GemmParams const& p) {
-  dispatch_float_type(p.x_type, [&](auto xt) {
+void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
     dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
@@ -841,15 +841,15 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
       // Runs a scratch-buffer kernel when one x row (or M tile) fits its scratch.
       auto run_if_fits = [&](auto const& kernel) {
         if (!kernel.fits()) return false;
-        run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads, pool);
         return true;
       };
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (p.m >= kPanelMinM && panel_fits(p.k)) {
           if (asym) {
-            run_panels(W4Bf16Panel<ST, true>{p});
+            run_panels(W4Bf16Panel<ST, true>{p}, pool);
           } else {
-            run_panels(W4Bf16Panel<ST, false>{p});
+            run_panels(W4Bf16Panel<ST, false>{p}, pool);
           }
           return;
         }
@@ -860,37 +860,37 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
       // Rows too long for the scratch buffer (k beyond ~16K): the in-register kernels, no reordering.
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (asym) {
-          run_tiles(W4Bf16Dot<ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+          run_tiles(W4Bf16Dot<ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
         } else {
-          run_tiles(W4Bf16Dot<ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+          run_tiles(W4Bf16Dot<ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
         }
       } else if (asym) {
-        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       } else {
-        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       }
     });
   });
 }
 
-void w8a16_gemm_avx512(W8A16GemmParams const& p) {
-  dispatch_float_type(p.x_type, [&](auto xt) {
+void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
     dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (p.m >= kPanelMinM && panel_fits(p.k)) {
-          run_panels(W8Bf16Panel<ST>{p});
+          run_panels(W8Bf16Panel<ST>{p}, pool);
           return;
         }
       }
       // fp32 / fp16 x, and bf16 x below kPanelMinM rows (widened to fp32 exactly; W8Fma's bf16 path is slower).
       W8Tiled<XT, ST> const tiled(p);
       if (p.m >= kTiledMinM && tiled.fits()) {
-        run_tiles(tiled, p.m, p.n, p.k, p.num_threads);
+        run_tiles(tiled, p.m, p.n, p.k, p.num_threads, pool);
         return;
       }
-      run_tiles(W8Fma<XT, ST>{p}, p.m, p.n, p.k, p.num_threads);
+      run_tiles(W8Fma<XT, ST>{p}, p.m, p.n, p.k, p.num_threads, pool);
     });
   });
 }

@@ -22,7 +22,7 @@
 
 namespace inflight::kernels::cpu {
 
-// One linear projection: which kernel, and its weight-side params (x, out, m, x_type and num_threads
+// One linear projection: which kernel, and its weight-side params (x, out, m, dtype and num_threads
 // are filled per call).
 struct LinearOp {
   enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2 };
@@ -69,16 +69,26 @@ struct LlamaStep {
   int dec_batch = 0, dec_max_blocks = 0;
   std::int32_t const* dec_block_tables = nullptr;  // [dec_batch, dec_max_blocks]
   std::int32_t const* dec_kv_lens = nullptr;       // [dec_batch]
-  int num_threads = 1;
 };
 
-// Bytes of scratch llama_layers_forward needs for this step (activations of one layer + the paged
-// attention partials).
-std::size_t llama_layers_workspace_bytes(LlamaShape const& shape, LlamaStep const& step);
+// The op's params: layers[0 .. num_layers) run over the step, in place on step.hidden.
+struct LlamaLayersParams {
+  LlamaShape shape;
+  LlamaLayerWeights const* layers = nullptr;  // [num_layers]
+  int num_layers = 0;
+  LlamaStep step;
+  // llama_layers_workspace_size(params) bytes, 64-byte aligned: the activations of one layer and the
+  // paged-attention partials (their split depends on num_threads).
+  void* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
+  int num_threads = 1;  // at most this many of the pool's threads, for every op of the step
+};
 
-// Runs layers[0 .. n) over the step, in place on step.hidden. `workspace` holds at least
-// llama_layers_workspace_bytes(shape, step) bytes, 64-byte aligned. Callers validate.
-void llama_layers_forward(LlamaShape const& shape, LlamaLayerWeights const* layers, int num_layers,
-                          LlamaStep const& step, void* workspace);
+// The workspace launch_llama_layers needs for these params (their workspace fields are not read).
+std::int64_t llama_layers_workspace_size(LlamaLayersParams const& params);
+
+// Runs the step on the pool's threads. Callers validate (the binding does); throws
+// std::invalid_argument only for a workspace smaller than llama_layers_workspace_size(params).
+void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool);
 
 }  // namespace inflight::kernels::cpu

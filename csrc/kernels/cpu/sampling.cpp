@@ -300,7 +300,7 @@ std::int64_t mass_select(Cand* sel, std::int64_t n, double target) {
 
 class RowSampler {
  public:
-  RowSampler(SamplingKernelParams const& p, SamplingBlockKernels const& k, Layout const& lay, std::byte* ws)
+  RowSampler(SamplingParams const& p, SamplingBlockKernels const& k, Layout const& lay, std::byte* ws)
       : p_(p), k_(k), lay_(lay), ws_(ws), elem_(static_cast<std::int64_t>(scalar_type_size(p.dtype))) {}
 
   std::int64_t num_blocks() const { return lay_.num_blocks; }
@@ -688,7 +688,7 @@ class RowSampler {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
 
-  SamplingKernelParams const& p_;
+  SamplingParams const& p_;
   SamplingBlockKernels const& k_;
   Layout const& lay_;
   std::byte* ws_;
@@ -708,11 +708,11 @@ SamplingBlockKernels const& kernels_for(Isa isa, ScalarType dtype) {
 
 }  // namespace
 
-std::size_t sampling_workspace_bytes(std::int64_t num_rows, std::int64_t vocab_size, int num_threads) {
-  return make_layout(num_rows, vocab_size, num_threads).total;
+std::int64_t sampling_workspace_size(std::int64_t num_rows, std::int64_t vocab_size, int num_threads) {
+  return static_cast<std::int64_t>(make_layout(num_rows, vocab_size, num_threads).total);
 }
 
-void launch_sampling(SamplingKernelParams const& p, Isa isa) {
+void launch_sampling(SamplingParams const& p, ThreadPool& pool) {
   if (p.num_rows <= 0) return;
   if (p.vocab_size <= 0 || p.vocab_size > std::numeric_limits<std::int32_t>::max()) {
     throw std::invalid_argument("vocab_size must be in [1, 2**31), got " + std::to_string(p.vocab_size));
@@ -722,20 +722,20 @@ void launch_sampling(SamplingKernelParams const& p, Isa isa) {
                                 scalar_type_name(p.dtype));
   }
   Layout const lay = make_layout(p.num_rows, p.vocab_size, p.num_threads);
-  if (p.workspace == nullptr || p.workspace_bytes < lay.total) {
+  if (p.workspace == nullptr || p.workspace_bytes < static_cast<std::int64_t>(lay.total)) {
     throw std::invalid_argument("sampling workspace must be >= " + std::to_string(lay.total) + " bytes, got " +
                                 std::to_string(p.workspace_bytes));
   }
   auto const addr = reinterpret_cast<std::uintptr_t>(p.workspace);
   auto* ws = static_cast<std::byte*>(p.workspace) + ((64 - addr % 64) % 64);
-  RowSampler const rs(p, kernels_for(isa, p.dtype), lay, ws);
+  RowSampler const rs(p, kernels_for(selected_isa(), p.dtype), lay, ws);
   std::int64_t const nb = rs.num_blocks();
   std::int64_t const rows = p.num_rows;
   int const nt = lay.threads;
 
   if (!lay.staged) {
     // Many rows: each thread owns whole rows (they stay in its cache across the passes).
-    pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+    pool_detail::parallel_for(pool, rows, nt, true, [&](std::int64_t r, int thread) {
       ThreadArea const area = rs.area(thread);
       for (std::int64_t b = 0; b < nb; ++b) rs.max_pass(r, b, &area.maxes[b]);
       RowPlan pl;
@@ -752,14 +752,14 @@ void launch_sampling(SamplingKernelParams const& p, Isa isa) {
   // which reads few candidates, is per row. Same blocks, same combine order as above.
   RowPlan* plans = rs.plans();
   // Four phases, each complete (parallel_for returns) before the next reads its results.
-  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+  pool_detail::parallel_for(pool, rows * nb, nt, false, [&](std::int64_t t, int) {
     rs.max_pass(t / nb, t % nb, rs.shared_maxes(t / nb) + t % nb);
   });
   for (std::int64_t r = 0; r < rows; ++r) rs.plan(r, rs.shared_maxes(r), &plans[r]);
-  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+  pool_detail::parallel_for(pool, rows * nb, nt, false, [&](std::int64_t t, int) {
     if (!plans[t / nb].greedy) rs.stats_pass(t / nb, t % nb, plans[t / nb], rs.shared_stats(t / nb) + t % nb);
   });
-  pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+  pool_detail::parallel_for(pool, rows, nt, true, [&](std::int64_t r, int thread) {
     p.out[r] = rs.finish(r, plans[r], rs.shared_stats(r), rs.area(thread));
   });
 }

@@ -16,6 +16,7 @@
 
 #include "device_utils.cuh"
 #include "inflight/kernels/scalar_type.h"
+#include "static_switch.h"
 
 namespace inflight::kernels::cuda {
 
@@ -82,6 +83,7 @@ struct Int4Format {
   static constexpr int kKSteps = 8;
   static constexpr int kXVecs = 4;  // 16-byte vectors of x per chunk and batch row
   static constexpr int kMinGroup = 32;
+  static constexpr int kKPerByte = 2;
 
   // Dequantised pairs for k-step `s` of one weight row: lo = A[row][2t,2t+1], hi = A[row][2t+8,2t+9].
   template <typename T, bool kAsym>
@@ -121,6 +123,7 @@ struct Int8Format {
   static constexpr int kKSteps = 4;
   static constexpr int kXVecs = 2;
   static constexpr int kMinGroup = 16;
+  static constexpr int kKPerByte = 1;
 
   template <typename T>
   __device__ static void bytes_to_pairs(std::uint32_t word, std::uint32_t& p02, std::uint32_t& p13) {
@@ -317,6 +320,40 @@ cudaError_t launch_weight_only_gemm(WeightOnlyGemmArgs const& a, cudaStream_t st
     return cudaGetLastError();
   };
   return a.m <= 8 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
+}
+
+// The launcher of both ops: their params share the field names. kOffsets: Params has offsets (the
+// int4 op); the kernel is then instantiated for both symmetric and asymmetric weights.
+template <typename Format, bool kOffsets, typename Params>
+cudaError_t launch_weight_only_op(Params const& p, cudaStream_t stream) {
+  constexpr std::int64_t kIntMax = 0x7fffffff;
+  if (p.group_size <= 0 || p.group_size % Format::kMinGroup != 0 || p.k % p.group_size != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.m < 0 || p.n < 0 || p.k < 0 || p.m > kIntMax || p.n > kIntMax || p.k > kIntMax) return cudaErrorInvalidValue;
+  WeightOnlyGemmArgs a{};
+  a.x = p.x;
+  a.x_row_stride = p.x_row_stride;
+  a.qweight = reinterpret_cast<std::uint8_t const*>(p.qweight);
+  a.qweight_row_bytes = p.k / Format::kKPerByte;
+  a.scales = p.scales;
+  if constexpr (kOffsets) a.offsets = p.offsets;
+  a.scale_type = p.scale_type;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.out_row_stride = p.out_row_stride;
+  a.m = static_cast<int>(p.m);
+  a.n = static_cast<int>(p.n);
+  a.k = static_cast<int>(p.k);
+  a.group_size = p.group_size;
+  return HALF_TYPE_SWITCH(p.dtype, T, [&] {
+    if constexpr (kOffsets) {
+      return BOOL_SWITCH(a.offsets != nullptr, kAsym,
+                         [&] { return launch_weight_only_gemm<T, Format, kAsym>(a, stream); });
+    } else {
+      return launch_weight_only_gemm<T, Format, false>(a, stream);
+    }
+  });
 }
 
 }  // namespace inflight::kernels::cuda
