@@ -99,38 +99,33 @@ inline std::uint16_t float_to_bf16(float f) {
 inline float f16_to_float(std::uint16_t bits) {
   std::uint32_t const sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
   std::uint32_t const magnitude = bits & 0x7fffu;
-  if (magnitude >= 0x7c00u) {  // infinity, or a NaN (made quiet)
-    std::uint32_t const quiet = magnitude > 0x7c00u ? 0x00400000u : 0u;
-    return float_from_bits(sign | 0x7f800000u | quiet | ((magnitude & 0x3ffu) << 13));
-  }
-  if (magnitude >= 0x0400u) return float_from_bits(sign | ((magnitude << 13) + 0x38000000u));  // rebias 15 -> 127
-  // Zero or subnormal: magnitude * 2^-24, exact in fp32 (and a normal fp32 number unless zero).
-  return float_from_bits(sign | bits_of_float(static_cast<float>(magnitude) * 5.9604644775390625e-8f));
+  // Normal, infinity or NaN: the fields moved into place with the exponent field 112 too high (so that
+  // 31, infinity or NaN, becomes 255), then one exact multiply by 2^-112 takes it down again. Infinity
+  // stays infinity, and a NaN comes out of the multiply quiet, with its payload.
+  float const scaled = float_from_bits((magnitude << 13) + 0x70000000u) * 0x1.0p-112f;
+  // Zero or subnormal, magnitude * 2^-24: 0.5f has an ulp of 2^-24, so 0.5 + magnitude * 2^-24 is the
+  // float whose low mantissa bits are magnitude; subtracting 0.5f is exact.
+  float const tiny = float_from_bits(0x3f000000u | magnitude) - 0.5f;
+  return float_from_bits(sign | bits_of_float(magnitude >= 0x0400u ? scaled : tiny));
 }
 
+// The fp16 conversions have no branches (every case computed, one selected), so that loops over them
+// vectorise: the portable kernels widen whole K/V rows with f16_to_float.
 inline std::uint16_t float_to_f16(float f) {
   std::uint32_t const u = bits_of_float(f);
   std::uint32_t const sign = (u >> 16) & 0x8000u;
   std::uint32_t const a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN: quiet
-  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to infinity
-  std::uint32_t h;
-  std::uint32_t rest;  // the bits shifted out, and where their half lies
-  std::uint32_t half;
-  if (a >= 0x38800000u) {  // a normal half: rebias the exponent (127 - 15) and drop 13 mantissa bits
-    h = (a >> 13) - (112u << 10);
-    rest = a & 0x1fffu;
-    half = 0x1000u;
-  } else {  // below 2^-14: a subnormal half, m * 2^-24 with m = the mantissa (and its implicit 1) shifted
-    std::uint32_t const shift = 126u - (a >> 23);              // >= 14
-    if (shift > 24u) return static_cast<std::uint16_t>(sign);  // below 2^-25: rounds to zero
-    std::uint32_t const mant = (a & 0x7fffffu) | 0x800000u;
-    h = mant >> shift;
-    rest = mant & ((1u << shift) - 1u);
-    half = 1u << (shift - 1u);
-  }
-  if (rest > half || (rest == half && (h & 1u))) ++h;  // a carry moves into the exponent correctly
-  return static_cast<std::uint16_t>(sign | h);
+  std::uint32_t const nan = 0x7e00u | ((a >> 13) & 0x3ffu);  // quiet, top payload bits
+  // A normal half: rebias the exponent (127 - 15) and round off 13 mantissa bits to nearest even (adding
+  // 0xfff plus the lowest kept bit carries exactly when rounding up); a carry moves into the exponent,
+  // and everything from 65520 on becomes infinity.
+  std::uint32_t const rounded = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+  std::uint32_t const normal = rounded < 0x7c00u ? rounded : 0x7c00u;
+  // Below 2^-14 a subnormal half, m * 2^-24: adding 0.5f (whose ulp is 2^-24) lets the FPU round |f| to
+  // that grid, to nearest even; m = 1024 is the smallest normal half, correctly.
+  std::uint32_t const subnormal = bits_of_float(float_from_bits(a) + 0.5f) - 0x3f000000u;
+  std::uint32_t const result = a > 0x7f800000u ? nan : (a >= 0x38800000u ? normal : subnormal);
+  return static_cast<std::uint16_t>(sign | result);
 }
 
 inline float to_float(float v) { return v; }
