@@ -1,5 +1,5 @@
 // CapacityScheduler: TRT-LLM's MaxRequests / GuaranteedNoEvict / StaticBatch / MaxUtilization
-// schedulers behind one class. Semantics: shared/docs/batch-manager.md.
+// schedulers behind one class. Semantics: docs/batch-manager.md.
 #include "inflight/batch_manager/capacity_scheduler.h"
 
 #include <algorithm>
@@ -108,8 +108,8 @@ std::size_t output_capacity(RequestVector const& active_requests, SizeType32 max
 }  // namespace
 
 CapacityScheduler::CapacityScheduler(SizeType32 max_num_requests, CapacitySchedulerPolicy policy,
-                                     LlmRequestState no_schedule_until_state,
-                                     LlmRequestState no_schedule_after_state, bool two_steps_lookahead)
+                                     LlmRequestState no_schedule_until_state, LlmRequestState no_schedule_after_state,
+                                     bool two_steps_lookahead)
     : max_num_requests_(max_num_requests),
       policy_(policy),
       no_schedule_until_state_(no_schedule_until_state),

@@ -1,5 +1,5 @@
 // MicroBatchScheduler: TRT-LLM's MicroBatchScheduler (token budget, batch size, context chunking,
-// draft-token fitting). Semantics: shared/docs/batch-manager.md.
+// draft-token fitting). Semantics: docs/batch-manager.md.
 #include "inflight/batch_manager/micro_batch_scheduler.h"
 
 #include <algorithm>

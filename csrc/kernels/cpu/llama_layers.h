@@ -10,6 +10,10 @@
 // Numerics follow the Python layer (inflight/models/llama.py) rounding point for rounding point:
 // every intermediate the torch ops would materialise in the model dtype is rounded to it here too
 // (for fp32 models rounding is the identity); arithmetic inside an op is fp32.
+//
+// Like every kernel: a params struct (LlamaLayersParams) and a launcher, launch_llama_layers(params,
+// pool), that allocates nothing (the workspace comes in) and runs the other ops' launchers on the same
+// pool.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // KVCacheManager: accounting of a paged KV pool (block ids only; the memory is a torch tensor
-// owned by Python). Semantics: ../../../../shared/docs/batch-manager.md (TRT-LLM's).
+// owned by Python). Semantics: docs/batch-manager.md (TRT-LLM's).
 //
 // Invariants (check_integrity() verifies them):
 //   * every block is either free (ref_count == 0, in exactly one free list) or in use
