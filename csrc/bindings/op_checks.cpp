@@ -7,8 +7,9 @@ namespace {
 constexpr char const* kCacheLayout = "[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]";
 constexpr char const* kColumn = "[N] (one entry per logits row)";
 
+// The data pointer as T (host or device memory: only the pointer is cast).
 template <class T>
-T const* host_data(Tensor const& a) {
+T const* typed_data(Tensor const& a) {
   return static_cast<T const*>(a.data());
 }
 
@@ -108,10 +109,10 @@ void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor 
   p.kv_cache = kv_cache.data();
   p.num_blocks = args.cache.num_blocks;
   p.tokens_per_block = args.cache.tokens_per_block;
-  p.block_tables = host_data<std::int32_t>(block_tables);
+  p.block_tables = typed_data<std::int32_t>(block_tables);
   p.block_table_stride = args.block_table_stride;
   p.max_blocks_per_seq = args.max_blocks_per_seq;
-  p.kv_lens = host_data<std::int32_t>(kv_lens);
+  p.kv_lens = typed_data<std::int32_t>(kv_lens);
   p.out = out.data();
   p.batch_size = args.batch_size;
   p.num_heads = args.num_heads;
@@ -137,8 +138,8 @@ void check_block_table_values(Tensor const& block_tables, Tensor const& kv_lens,
   std::int64_t const max_blocks = static_cast<std::int64_t>(block_tables.shape(1));
   std::int64_t const stride = row_stride(block_tables);
   std::int64_t const cap = max_blocks * cache.tokens_per_block;
-  auto const* ids = host_data<std::int32_t>(block_tables);
-  auto const* lens = host_data<std::int32_t>(kv_lens);
+  auto const* ids = typed_data<std::int32_t>(block_tables);
+  auto const* lens = typed_data<std::int32_t>(kv_lens);
   for (std::int64_t b = 0; b < batch_size; ++b) {
     std::int64_t const len = lens[b];
     if (len < 1 || len > cap) {
@@ -159,8 +160,8 @@ void check_block_table_values(Tensor const& block_tables, Tensor const& kv_lens,
 void check_cu_seqlens_values(Tensor const& cu_seqlens, Tensor const& kv_lens, std::int64_t num_tokens,
                              char const* num_tokens_what, std::string const& prefix) {
   std::int64_t const batch_size = static_cast<std::int64_t>(kv_lens.shape(0));
-  auto const* cu = host_data<std::int32_t>(cu_seqlens);
-  auto const* lens = host_data<std::int32_t>(kv_lens);
+  auto const* cu = typed_data<std::int32_t>(cu_seqlens);
+  auto const* lens = typed_data<std::int32_t>(kv_lens);
   std::string const name = prefix + "cu_seqlens";
   if (cu[0] != 0) throw_value_error(name + "[0] must be 0, got " + std::to_string(cu[0]));
   if (cu[batch_size] != num_tokens) {
@@ -178,7 +179,7 @@ void check_cu_seqlens_values(Tensor const& cu_seqlens, Tensor const& kv_lens, st
 }
 
 void check_slot_mapping_values(Tensor const& slot_mapping, std::int64_t num_slots) {
-  auto const* slots = host_data<std::int64_t>(slot_mapping);
+  auto const* slots = typed_data<std::int64_t>(slot_mapping);
   for (std::int64_t t = 0, n = static_cast<std::int64_t>(slot_mapping.shape(0)); t < n; ++t) {
     if (slots[t] >= num_slots) {
       throw_value_error("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slots[t]) +
