@@ -108,8 +108,8 @@ std::size_t output_capacity(RequestVector const& active_requests, SizeType32 max
 }  // namespace
 
 CapacityScheduler::CapacityScheduler(SizeType32 max_num_requests, CapacitySchedulerPolicy policy,
-                                     LlmRequestState no_schedule_until_state,
-                                     LlmRequestState no_schedule_after_state, bool two_steps_lookahead)
+                                     LlmRequestState no_schedule_until_state, LlmRequestState no_schedule_after_state,
+                                     bool two_steps_lookahead)
     : max_num_requests_(max_num_requests),
       policy_(policy),
       no_schedule_until_state_(no_schedule_until_state),

@@ -393,9 +393,8 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   SizeType32 const num_new = num_blocks - num_hits;
   SizeType32 const needed = num_new + num_free_hits;
   if (needed > num_free_) {
-    throw std::runtime_error(
-        concat("add_sequence: not enough free KV blocks for request_id ", request_id, ": need ", needed, ", free ",
-               num_free_));
+    throw std::runtime_error(concat("add_sequence: not enough free KV blocks for request_id ", request_id, ": need ",
+                                    needed, ", free ", num_free_));
   }
 
   // Commit; nothing below can fail. Hits are claimed before allocating so that an allocation can
@@ -487,8 +486,8 @@ SizeType32 KVCacheManager::get_num_tokens(RequestIdType request_id) const {
 void KVCacheManager::copy_block_tables(std::vector<RequestIdType> const& request_ids, BlockIdType* out,
                                        std::int64_t num_rows, std::int64_t row_stride) const {
   if (num_rows < 0 || static_cast<std::int64_t>(request_ids.size()) > num_rows) {
-    throw std::invalid_argument(concat("copy_block_tables: num_rows must be >= request_ids.size() ", request_ids.size(),
-                                       ", got ", num_rows));
+    throw std::invalid_argument(
+        concat("copy_block_tables: num_rows must be >= request_ids.size() ", request_ids.size(), ", got ", num_rows));
   }
   if (row_stride < 0) {
     throw std::invalid_argument(concat("copy_block_tables: row_stride must be >= 0, got ", row_stride));

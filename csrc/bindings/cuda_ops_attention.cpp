@@ -1,265 +1,152 @@
 // CUDA attention ops: store_kv, paged_attention (decode), context_attention (prefill), their
-// CUDA-core *_simt twins and the decode workspace size. Same argument order as the CPU ops, with the
-// stream (an integer cudaStream_t, e.g. torch.cuda.current_stream().cuda_stream) last.
+// CUDA-core *_simt twins and the decode workspace size. The arguments and their checks are the CPU
+// ops' (op_checks.h), with the stream (an integer cudaStream_t, e.g.
+// torch.cuda.current_stream().cuda_stream) last instead of num_threads; what only these kernels need
+// (16-byte aligned rows, head_dim 64 or 128, grid limits) is checked here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <string>
 
 #include "context_attention.h"
-#include "cuda_ops_util.h"
+#include "cuda_launch.h"
+#include "op_checks.h"
 #include "paged_attention.h"
 #include "registry.h"
 #include "store_kv.h"
 
 namespace nb = nanobind;
 namespace ck = inflight::kernels::cuda;
-using namespace inflight::bindings::cuda_ops;
+using namespace inflight::bindings;
 
 namespace {
 
-constexpr auto kInt = nb::dlpack::dtype_code::Int;
-
-// The cache's shape, checked against the query/key side: [2, num_blocks, tokens_per_block, num_kv_heads,
-// head_dim], contiguous, of `dtype_ref`'s dtype.
-struct CacheShape {
-  std::int64_t num_blocks;
-  int tokens_per_block;
-  int num_kv_heads;
-  int head_dim;
-};
-
-CacheShape check_cache(Tensor const& kv_cache, Tensor const& dtype_ref, char const* ref_name) {
-  require_ndim(kv_cache, "kv_cache", 5, "[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]");
-  require_dim(kv_cache, "kv_cache", 0, 2, "2 (keys, values)");
-  require_same_dtype(kv_cache, "kv_cache", dtype_ref, ref_name);
-  require_contiguous(kv_cache, "kv_cache");
+// The cache's slots are addressed with 32-bit indices; the 16-byte copies need an aligned base.
+void check_cuda_cache(Tensor const& kv_cache, KvCacheShape const& c) {
   require_aligned(kv_cache, "kv_cache", 16);
-  CacheShape c{static_cast<std::int64_t>(kv_cache.shape(1)), static_cast<int>(kv_cache.shape(2)),
-               static_cast<int>(kv_cache.shape(3)), static_cast<int>(kv_cache.shape(4))};
-  require_positive(c.tokens_per_block, "kv_cache.shape[2] (tokens_per_block)");
-  require_positive(c.num_kv_heads, "kv_cache.shape[3] (num_kv_heads)");
-  if (c.num_blocks * c.tokens_per_block > 0x7fffffffLL) {
-    throw std::invalid_argument("kv_cache holds " + std::to_string(c.num_blocks * c.tokens_per_block) +
-                                " slots; at most 2^31 - 1 are addressable");
-  }
-  return c;
-}
-
-void check_head_dim(int head_dim) {
-  if (head_dim != 64 && head_dim != 128) {
-    throw std::invalid_argument("head_dim must be 64 or 128 (the instantiated sizes), got " + std::to_string(head_dim));
+  if (c.num_slots() > 0x7fffffffLL) {
+    throw_value_error("kv_cache holds " + std::to_string(c.num_slots()) + " slots; at most 2^31 - 1 are addressable");
   }
 }
 
-void check_heads(int num_heads, int num_kv_heads) {
-  if (num_heads < 1 || num_heads % num_kv_heads != 0) {
-    throw std::invalid_argument("num_heads (" + std::to_string(num_heads) + ") must be a positive multiple of num_kv_heads (" +
-                                std::to_string(num_kv_heads) + ")");
-  }
-}
-
-// q: [rows, num_heads, head_dim] with contiguous heads; rows may be strided (a slice of a fused qkv) but
-// the 16-byte copies need the row starts aligned.
-void check_query(Tensor const& q, char const* layout, CacheShape const& c) {
-  require_ndim(q, "q", 3, layout);
-  require_rows_contiguous(q, "q");
+// q: rows may be strided (a slice of a fused qkv) but heads are contiguous, and the 16-byte copies
+// need the row starts aligned.
+void check_cuda_query(Tensor const& q, int head_dim) {
+  require_contiguous(q, "q", 1);
   require_aligned(q, "q", 16);
   if ((row_stride(q) * static_cast<std::int64_t>(q.itemsize())) % 16 != 0) {
-    throw std::invalid_argument("q's row stride (" + std::to_string(row_stride(q)) +
-                                " elements) must be a multiple of 16 bytes; call .contiguous()");
+    throw_value_error("q's row stride (" + std::to_string(row_stride(q)) +
+                      " elements) must be a multiple of 16 bytes; call .contiguous()");
   }
-  require_dim(q, "q", 2, c.head_dim, "kv_cache.shape[4] (head_dim)");
-  check_head_dim(c.head_dim);
-  check_heads(static_cast<int>(q.shape(1)), c.num_kv_heads);
-}
-
-void check_block_tables(Tensor const& block_tables, std::int64_t batch_size, char const* batch_what) {
-  require_ndim(block_tables, "block_tables", 2, "[batch_size, max_blocks_per_seq]");
-  require_dtype(block_tables, "block_tables", kInt, 32, "int32");
-  require_dim(block_tables, "block_tables", 0, batch_size, batch_what);
-  if (block_tables.shape(1) > 1 && block_tables.stride(1) != 1) {
-    throw std::invalid_argument("block_tables must be contiguous along its second dimension");
-  }
-  if (block_tables.shape(0) > 1 && block_tables.stride(0) < 0) {
-    throw std::invalid_argument("block_tables must not have a negative stride");
+  if (head_dim != 64 && head_dim != 128) {
+    throw_value_error("head_dim must be 64 or 128 (the instantiated sizes), got " + std::to_string(head_dim));
   }
 }
 
-void check_int32_vector(Tensor const& a, char const* name, std::int64_t length, char const* what) {
-  require_ndim(a, name, 1, what);
-  require_dtype(a, name, kInt, 32, "int32");
-  require_dim(a, name, 0, length, what);
-  require_contiguous(a, name);
-}
-
-void check_output(Tensor const& out, Tensor const& q) {
-  require_ndim(out, "out", 3, "like q");
-  for (std::size_t i = 0; i < 3; ++i) require_dim(out, "out", i, static_cast<std::int64_t>(q.shape(i)), "q's");
-  require_same_dtype(out, "out", q, "q");
-  require_contiguous(out, "out");
-  require_aligned(out, "out", 16);
+template <class Params>
+void run(cudaError_t (*launch)(Params const&, cudaStream_t), Params const& p, int device, std::uintptr_t stream,
+         char const* what) {
+  nb::gil_scoped_release release;
+  DeviceGuard guard(device);
+  check_cuda(launch(p, as_stream(stream)), what);
 }
 
 void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
               std::uintptr_t stream) {
-  ScalarType const dtype = float_type(k, "k", /*allow_float32=*/true);
-  require_ndim(k, "k", 3, "[num_tokens, num_kv_heads, head_dim]");
-  require_ndim(v, "v", 3, "[num_tokens, num_kv_heads, head_dim]");
-  for (std::size_t i = 0; i < 3; ++i) require_dim(v, "v", i, static_cast<std::int64_t>(k.shape(i)), "k's");
-  require_same_dtype(v, "v", k, "k");
-  require_rows_contiguous(k, "k");
-  require_rows_contiguous(v, "v");
-  CacheShape const c = check_cache(kv_cache, k, "k");
-  require_dim(k, "k", 1, c.num_kv_heads, "kv_cache.shape[3] (num_kv_heads)");
-  require_dim(k, "k", 2, c.head_dim, "kv_cache.shape[4] (head_dim)");
-  std::int64_t const num_tokens = static_cast<std::int64_t>(k.shape(0));
-  require_ndim(slot_mapping, "slot_mapping", 1, "[num_tokens]");
-  require_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
-  require_dim(slot_mapping, "slot_mapping", 0, num_tokens, "k.shape[0] (num_tokens)");
-  require_contiguous(slot_mapping, "slot_mapping");
-  int const device = common_cuda_device({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
-
+  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping);
+  require_contiguous(k, "k", 1);
+  require_contiguous(v, "v", 1);
+  check_cuda_cache(kv_cache, a.cache);
+  int const device =
+      require_one_cuda_device({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
   ck::StoreKvParams p{};
-  p.k = k.data();
-  p.v = v.data();
-  p.kv_cache = kv_cache.data();
-  p.slot_mapping = static_cast<std::int64_t const*>(slot_mapping.data());
-  p.num_tokens = num_tokens;
-  p.k_token_stride = row_stride(k);
-  p.v_token_stride = row_stride(v);
-  p.row_elems = static_cast<std::int64_t>(c.num_kv_heads) * c.head_dim;
-  p.num_slots = c.num_blocks * c.tokens_per_block;
-  p.elem_bytes = dtype == ScalarType::kFloat32 ? 4 : 2;
-  nb::gil_scoped_release release;
-  DeviceGuard guard(device);
-  check_cuda(ck::launch_store_kv(p, as_stream(stream)), "store_kv");
+  fill_store_kv_params(p, k, v, kv_cache, slot_mapping, a);
+  run(ck::launch_store_kv, p, device, stream, "store_kv");
 }
 
+// The params of paged_attention and its twin; *device: the tensors' device.
 ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                       Tensor const& kv_lens, double scale, Tensor const& out,
-                                      std::optional<Tensor> const& workspace, ScalarType& dtype, int& device) {
-  dtype = float_type(q, "q", /*allow_float32=*/true);
-  CacheShape const c = check_cache(kv_cache, q, "q");
-  check_query(q, "[batch_size, num_heads, head_dim]", c);
-  std::int64_t const batch_size = static_cast<std::int64_t>(q.shape(0));
-  if (batch_size > 65535) throw std::invalid_argument("batch_size (q.shape[0]) must be <= 65535, got " + std::to_string(batch_size));
-  check_block_tables(block_tables, batch_size, "q.shape[0] (batch_size)");
-  check_int32_vector(kv_lens, "kv_lens", batch_size, "[batch_size]");
-  check_output(out, q);
-  if (workspace) {
-    require_contiguous(*workspace, "workspace");
-    require_aligned(*workspace, "workspace", 16);
-    device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                                 {&kv_lens, "kv_lens"}, {&out, "out"}, {&*workspace, "workspace"}});
-  } else {
-    device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                                 {&kv_lens, "kv_lens"}, {&out, "out"}});
+                                      std::optional<Tensor> const& workspace, int* device) {
+  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out);
+  check_cuda_cache(kv_cache, a.cache);
+  check_cuda_query(q, a.cache.head_dim);
+  require_aligned(out, "out", 16);
+  if (a.batch_size > 65535) {
+    throw_value_error("batch_size (q.shape[0]) must be <= 65535, got " + std::to_string(a.batch_size));
   }
+  Tensor const* ws = workspace ? &*workspace : nullptr;
+  if (ws != nullptr) {
+    require_contiguous(*ws, "workspace");
+    require_aligned(*ws, "workspace", 16);
+  }
+  *device = require_one_cuda_device({{&q, "q"},
+                                     {&kv_cache, "kv_cache"},
+                                     {&block_tables, "block_tables"},
+                                     {&kv_lens, "kv_lens"},
+                                     {&out, "out"},
+                                     {ws, "workspace"}});
   ck::PagedAttentionParams p{};
-  p.q = q.data();
-  p.q_token_stride = row_stride(q);
-  p.kv_cache = kv_cache.data();
-  p.num_blocks = c.num_blocks;
-  p.tokens_per_block = c.tokens_per_block;
-  p.block_tables = static_cast<int const*>(block_tables.data());
-  p.block_table_stride = block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
-  p.max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
-  p.kv_lens = static_cast<int const*>(kv_lens.data());
-  p.out = out.data();
-  p.workspace = workspace && workspace->nbytes() > 0 ? workspace->data() : nullptr;
-  p.workspace_bytes = workspace ? static_cast<std::int64_t>(workspace->nbytes()) : 0;
-  p.batch_size = static_cast<int>(batch_size);
-  p.num_heads = static_cast<int>(q.shape(1));
-  p.num_kv_heads = c.num_kv_heads;
-  p.head_dim = c.head_dim;
-  p.scale = static_cast<float>(scale);
+  fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
+  p.workspace = ws != nullptr && ws->nbytes() > 0 ? ws->data() : nullptr;
+  p.workspace_bytes = ws != nullptr ? static_cast<std::int64_t>(ws->nbytes()) : 0;
   return p;
 }
 
 void paged_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
                      double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream) {
-  ScalarType dtype{};
   int device = 0;
-  ck::PagedAttentionParams const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, dtype, device);
-  nb::gil_scoped_release release;
-  DeviceGuard guard(device);
-  check_cuda(ck::launch_paged_attention(p, dtype, as_stream(stream)), "paged_attention");
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, &device);
+  run(ck::launch_paged_attention, p, device, stream, "paged_attention");
 }
 
 void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
                           double scale, Tensor const& out, std::uintptr_t stream) {
-  ScalarType dtype{};
   int device = 0;
-  ck::PagedAttentionParams const p =
-      paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, dtype, device);
-  nb::gil_scoped_release release;
-  DeviceGuard guard(device);
-  check_cuda(ck::launch_paged_attention_simt(p, dtype, as_stream(stream)), "paged_attention_simt");
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, &device);
+  run(ck::launch_paged_attention_simt, p, device, stream, "paged_attention_simt");
 }
 
+// The params of context_attention and its twin; *device: the tensors' device.
 ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                           Tensor const& cu_seqlens, Tensor const& kv_lens, double scale,
-                                          Tensor const& out, ScalarType& dtype, int& device) {
-  dtype = float_type(q, "q", /*allow_float32=*/true);
-  CacheShape const c = check_cache(kv_cache, q, "q");
-  check_query(q, "[num_tokens, num_heads, head_dim]", c);
-  std::int64_t const num_tokens = static_cast<std::int64_t>(q.shape(0));
-  if (num_tokens > 0x7fffffffLL - 64) throw std::invalid_argument("num_tokens (q.shape[0]) is too large");
-  require_ndim(kv_lens, "kv_lens", 1, "[batch_size]");
-  std::int64_t const batch_size = static_cast<std::int64_t>(kv_lens.shape(0));
-  check_int32_vector(kv_lens, "kv_lens", batch_size, "[batch_size]");
-  check_int32_vector(cu_seqlens, "cu_seqlens", batch_size + 1, "[batch_size + 1] (len(kv_lens) + 1)");
-  check_block_tables(block_tables, batch_size, "len(kv_lens) (batch_size)");
-  check_output(out, q);
-  device = common_cuda_device({{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
-                               {&cu_seqlens, "cu_seqlens"}, {&kv_lens, "kv_lens"}, {&out, "out"}});
+                                          Tensor const& out, int* device) {
+  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out);
+  check_cuda_cache(kv_cache, a.cache);
+  check_cuda_query(q, a.cache.head_dim);
+  require_aligned(out, "out", 16);
+  if (a.num_tokens > 0x7fffffffLL - 64) {
+    throw_value_error("num_tokens (q.shape[0]) must be < 2^31 - 64, got " + std::to_string(a.num_tokens));
+  }
+  *device = require_one_cuda_device({{&q, "q"},
+                                     {&kv_cache, "kv_cache"},
+                                     {&block_tables, "block_tables"},
+                                     {&cu_seqlens, "cu_seqlens"},
+                                     {&kv_lens, "kv_lens"},
+                                     {&out, "out"}});
   ck::ContextAttentionParams p{};
-  p.q = q.data();
-  p.q_token_stride = row_stride(q);
-  p.kv_cache = kv_cache.data();
-  p.num_blocks = c.num_blocks;
-  p.tokens_per_block = c.tokens_per_block;
-  p.block_tables = static_cast<int const*>(block_tables.data());
-  p.block_table_stride = block_tables.shape(0) > 1 ? block_tables.stride(0) : static_cast<std::int64_t>(block_tables.shape(1));
-  p.max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
-  p.cu_seqlens = static_cast<int const*>(cu_seqlens.data());
-  p.kv_lens = static_cast<int const*>(kv_lens.data());
-  p.out = out.data();
-  p.num_tokens = num_tokens;
-  p.batch_size = static_cast<int>(batch_size);
-  p.num_heads = static_cast<int>(q.shape(1));
-  p.num_kv_heads = c.num_kv_heads;
-  p.head_dim = c.head_dim;
-  p.scale = static_cast<float>(scale);
+  fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
+  p.cu_seqlens = static_cast<std::int32_t const*>(cu_seqlens.data());
+  p.num_tokens = a.num_tokens;
   return p;
 }
 
 void context_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& cu_seqlens,
                        Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream) {
-  ScalarType dtype{};
   int device = 0;
-  ck::ContextAttentionParams const p =
-      context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, dtype, device);
-  nb::gil_scoped_release release;
-  DeviceGuard guard(device);
-  check_cuda(ck::launch_context_attention(p, dtype, as_stream(stream)), "context_attention");
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, &device);
+  run(ck::launch_context_attention, p, device, stream, "context_attention");
 }
 
 void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                             Tensor const& cu_seqlens, Tensor const& kv_lens, double scale, Tensor const& out,
                             std::uintptr_t stream) {
-  ScalarType dtype{};
   int device = 0;
-  ck::ContextAttentionParams const p =
-      context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, dtype, device);
-  nb::gil_scoped_release release;
-  DeviceGuard guard(device);
-  check_cuda(ck::launch_context_attention_simt(p, dtype, as_stream(stream)), "context_attention_simt");
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, &device);
+  run(ck::launch_context_attention_simt, p, device, stream, "context_attention_simt");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// Shared by the GEMM bindings (ops_gemm.cpp) and the fused decoder-layer binding (ops_llama.cpp):
-// dtype/shape checks with messages naming the argument, and the weight objects validated and
-// imported once (W4A16Weight, W8A16Weight).
+// The CPU GEMM weights, validated and imported once (W4A16Weight, W8A16Weight, DenseWeight), for the
+// GEMM bindings (ops_gemm.cpp) and the fused decoder-layer binding (ops_llama.cpp). Their checks are
+// op_checks.h's, as for the CUDA ops; the CPU kernels read every tensor contiguous.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -9,248 +9,136 @@
 
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
-#include <string>
+#include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "dense_gemm.h"
 #include "gemm.h"
+#include "op_checks.h"
 
 namespace inflight::bindings::gemm {
 
-namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
 
+inline bool cpu_group_size_ok(int group_size) { return group_size == 32 || group_size == 64 || group_size == 128; }
+inline constexpr GroupSizeRule kCpuGroupSizes{cpu_group_size_ok, "32, 64 or 128"};
 
-using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
-
-inline std::string dtype_str(nb::dlpack::dtype d) {
-  char const* code = "?";
-  switch (static_cast<nb::dlpack::dtype_code>(d.code)) {
-    case nb::dlpack::dtype_code::Int:
-      code = "int";
-      break;
-    case nb::dlpack::dtype_code::UInt:
-      code = "uint";
-      break;
-    case nb::dlpack::dtype_code::Float:
-      code = "float";
-      break;
-    case nb::dlpack::dtype_code::Bfloat:
-      code = "bfloat";
-      break;
-    default:
-      break;
-  }
-  return std::string(code) + std::to_string(d.bits);
-}
-
-// Any nanobind ndarray (contiguous or strided): only its dtype is read.
-template <class A>
-inline kc::ScalarType float_type(A const& a, char const* name) {
-  nb::dlpack::dtype const d = a.dtype();
-  if (d.lanes == 1 && d.bits == 32 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    return kc::ScalarType::kFloat32;
-  }
-  if (d.lanes == 1 && d.bits == 16 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) {
-    return kc::ScalarType::kBFloat16;
-  }
-  if (d.lanes == 1 && d.bits == 16 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    return kc::ScalarType::kFloat16;
-  }
-  throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 or float16, got " + dtype_str(d));
-}
-
-inline void check_int_type(Array const& a, char const* name, nb::dlpack::dtype_code code) {
-  nb::dlpack::dtype const d = a.dtype();
-  if (d.lanes != 1 || d.bits != 8 || d.code != static_cast<std::uint8_t>(code)) {
-    throw std::invalid_argument(std::string(name) + " must be " +
-                                (code == nb::dlpack::dtype_code::UInt ? "uint8" : "int8") + ", got " +
-                                dtype_str(d));
-  }
-}
-
-inline std::string shape_str(std::vector<std::int64_t> const& s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-inline void check_shape(Array const& a, char const* name, std::vector<std::int64_t> const& want) {
-  std::vector<std::int64_t> got(a.ndim());
-  for (std::size_t i = 0; i < a.ndim(); ++i) got[i] = static_cast<std::int64_t>(a.shape(i));
-  if (got != want) {
-    throw std::invalid_argument(std::string(name) + " must have shape " + shape_str(want) + ", got " +
-                                shape_str(got));
-  }
-}
-
-inline void check_ndim(Array const& a, char const* name, std::size_t ndim) {
-  if (a.ndim() != ndim) {
-    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(ndim) + "-D, got " +
-                                std::to_string(a.ndim()) + "-D");
-  }
-}
-
-// Shapes that depend on group_size; a group_size the launcher will reject is left to its message.
-inline bool groups_known(std::int64_t k, int group_size) { return group_size > 0 && k % group_size == 0; }
-
-// Checks x [m, k] and out [m, n] (one dtype; the bias, if any, must share it); sets m and x_type.
-inline void bind_x_out(Array const& x, Array const& out, std::int64_t k, std::int64_t n, bool has_bias,
-                kc::ScalarType bias_type, std::int64_t& m, kc::ScalarType& x_type) {
-  check_ndim(x, "x", 2);
-  x_type = float_type(x, "x");
-  m = static_cast<std::int64_t>(x.shape(0));
-  if (static_cast<std::int64_t>(x.shape(1)) != k) {
-    throw std::invalid_argument("x must have shape [m, " + std::to_string(k) + "], got [" + std::to_string(m) +
-                                ", " + std::to_string(x.shape(1)) + "]");
-  }
-  if (float_type(out, "out") != x_type) {
-    throw std::invalid_argument("out must have the dtype of x (" + std::string(kc::scalar_type_name(x_type)) + ")");
-  }
-  check_shape(out, "out", {m, n});
-  if (has_bias && bias_type != x_type) {
-    throw std::invalid_argument("bias must have the dtype of x (" + std::string(kc::scalar_type_name(x_type)) + ")");
-  }
+// The checks and fields of one call of weights imported once: x [m, k] and out [m, n] of one float
+// dtype, the bias's if there is one. P: kc::W4A16GemmParams or kc::W8A16GemmParams.
+template <class P>
+P call_params(P p, Tensor const& x, Tensor const& out, std::optional<Tensor> const& bias, char const* k_what,
+              int num_threads) {
+  p.m = check_gemm_x(x, {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}, p.k, k_what);
+  check_gemm_out(out, x, p.m, p.n);
+  if (bias) require_same_dtype(*bias, "bias", x, "x");
+  require_cpu_contiguous({{&x, "x"}, {&out, "out"}});
+  scalar_type_of(x, &p.dtype);
+  p.x = x.data();
+  p.out = out.data();
+  p.num_threads = num_threads;
+  return p;
 }
 
 // Weights validated and imported once (DLPack costs ~2 us per tensor per call from torch); each call
-// then passes only x and out. Holding the arrays keeps the tensors' memory alive; in-place writes to
-// them are seen, replacing them (e.g. moving the module) needs a new object.
-class W4A16Weight {
+// then passes only x and out. Holding the tensors keeps their memory alive; in-place writes to them are
+// seen, replacing them (e.g. moving the module) needs a new object. Bits: 4 (uint8 [n, k / 2], optional
+// offsets) or 8 (int8 [n, k]).
+template <int kBits>
+class QuantizedWeight {
  public:
-  W4A16Weight(Array qweight, Array scales, std::optional<Array> offsets, int group_size, std::optional<Array> bias)
+  using Params = std::conditional_t<kBits == 4, kc::W4A16GemmParams, kc::W8A16GemmParams>;
+
+  QuantizedWeight(Tensor qweight, Tensor scales, std::optional<Tensor> offsets, int group_size,
+                  std::optional<Tensor> bias)
       : qweight_(std::move(qweight)), scales_(std::move(scales)), offsets_(std::move(offsets)), bias_(std::move(bias)) {
-    check_ndim(qweight_, "qweight", 2);
-    check_int_type(qweight_, "qweight", nb::dlpack::dtype_code::UInt);
-    p_.n = static_cast<std::int64_t>(qweight_.shape(0));
-    p_.k = static_cast<std::int64_t>(qweight_.shape(1)) * 2;
+    Tensor const* off = offsets_ ? &*offsets_ : nullptr;
+    Tensor const* b = bias_ ? &*bias_ : nullptr;
+    QuantizedWeightArgs const w = check_quantized_weight(qweight_, scales_, off, group_size, kBits, kCpuGroupSizes);
+    if (b != nullptr) {
+      bias_type_ = float_type(*b, "bias");
+      require_shape(*b, "bias", {w.n}, "[n]");
+    }
+    require_cpu_contiguous({{&qweight_, "qweight"}, {&scales_, "scales"}, {off, "offsets"}, {b, "bias"}});
+    p_.n = w.n;
+    p_.k = w.k;
     p_.group_size = group_size;
-    p_.scale_type = float_type(scales_, "scales");
-    if (groups_known(p_.k, group_size)) check_shape(scales_, "scales", {p_.n, p_.k / group_size});
-    if (offsets_) {
-      if (float_type(*offsets_, "offsets") != p_.scale_type) {
-        throw std::invalid_argument("offsets must have the dtype of scales (" +
-                                    std::string(kc::scalar_type_name(p_.scale_type)) + ")");
-      }
-      if (groups_known(p_.k, group_size)) check_shape(*offsets_, "offsets", {p_.n, p_.k / group_size});
-      p_.offsets = offsets_->data();
-    }
-    if (bias_) {
-      bias_type_ = float_type(*bias_, "bias");
-      check_shape(*bias_, "bias", {p_.n});
-      p_.bias = bias_->data();
-    }
-    p_.qweight = static_cast<std::uint8_t const*>(qweight_.data());
+    p_.scale_type = w.scale_type;
+    p_.qweight = static_cast<decltype(p_.qweight)>(qweight_.data());
     p_.scales = scales_.data();
-    // Validate the rest (group_size, k) now, with a placeholder call shape.
-    kc::W4A16GemmParams probe = p_;
+    if constexpr (kBits == 4) p_.offsets = off != nullptr ? off->data() : nullptr;
+    p_.bias = b != nullptr ? b->data() : nullptr;
+    // Let the launcher validate the rest (what its kernels accept) now, with an empty call.
+    Params probe = p_;
     probe.m = 0;
-    kc::w4a16_gemm(probe);
+    launch(probe);
   }
 
-  void gemm(Array x, Array out, int num_threads) const {
-    kc::W4A16GemmParams p = p_;
-    p.num_threads = num_threads;
-    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.x_type);
-    p.x = x.data();
-    p.out = out.data();
+  // int8 weights have no offsets.
+  QuantizedWeight(Tensor qweight, Tensor scales, int group_size, std::optional<Tensor> bias)
+    requires(kBits == 8)
+      : QuantizedWeight(std::move(qweight), std::move(scales), std::nullopt, group_size, std::move(bias)) {}
+
+  void gemm(Tensor x, Tensor out, int num_threads) const {
+    Params const p =
+        call_params(p_, x, out, bias_, kBits == 4 ? "k (2 * qweight.shape[1])" : "k (qweight.shape[1])", num_threads);
     nb::gil_scoped_release release;
-    kc::w4a16_gemm(p);
+    launch(p);
   }
 
   std::int64_t n() const { return p_.n; }
   std::int64_t k() const { return p_.k; }
   int group_size() const { return p_.group_size; }
-  // The validated params (x, out, m, x_type and num_threads are the caller's to fill).
-  kc::W4A16GemmParams const& params() const { return p_; }
+  // The validated params (x, out, m, dtype and num_threads are the caller's to fill).
+  Params const& params() const { return p_; }
   bool has_bias() const { return bias_.has_value(); }
-  kc::ScalarType bias_type() const { return bias_type_; }
+  ScalarType bias_type() const { return bias_type_; }
 
  private:
-  Array qweight_, scales_;
-  std::optional<Array> offsets_, bias_;
-  kc::ScalarType bias_type_ = kc::ScalarType::kFloat32;
-  kc::W4A16GemmParams p_;
-};
-
-class W8A16Weight {
- public:
-  W8A16Weight(Array qweight, Array scales, int group_size, std::optional<Array> bias)
-      : qweight_(std::move(qweight)), scales_(std::move(scales)), bias_(std::move(bias)) {
-    check_ndim(qweight_, "qweight", 2);
-    check_int_type(qweight_, "qweight", nb::dlpack::dtype_code::Int);
-    p_.n = static_cast<std::int64_t>(qweight_.shape(0));
-    p_.k = static_cast<std::int64_t>(qweight_.shape(1));
-    p_.group_size = group_size;
-    p_.scale_type = float_type(scales_, "scales");
-    if (groups_known(p_.k, group_size)) check_shape(scales_, "scales", {p_.n, p_.k / group_size});
-    if (bias_) {
-      bias_type_ = float_type(*bias_, "bias");
-      check_shape(*bias_, "bias", {p_.n});
-      p_.bias = bias_->data();
+  static void launch(Params const& p) {
+    if constexpr (kBits == 4) {
+      kc::launch_w4a16_gemm(p, kc::ThreadPool::global());
+    } else {
+      kc::launch_w8a16_gemm(p, kc::ThreadPool::global());
     }
-    p_.qweight = static_cast<std::int8_t const*>(qweight_.data());
-    p_.scales = scales_.data();
-    kc::W8A16GemmParams probe = p_;
-    probe.m = 0;
-    kc::w8a16_gemm(probe);
   }
 
-  void gemm(Array x, Array out, int num_threads) const {
-    kc::W8A16GemmParams p = p_;
-    p.num_threads = num_threads;
-    bind_x_out(x, out, p.k, p.n, bias_.has_value(), bias_type_, p.m, p.x_type);
-    p.x = x.data();
-    p.out = out.data();
-    nb::gil_scoped_release release;
-    kc::w8a16_gemm(p);
-  }
-
-  std::int64_t n() const { return p_.n; }
-  std::int64_t k() const { return p_.k; }
-  int group_size() const { return p_.group_size; }
-  kc::W8A16GemmParams const& params() const { return p_; }
-  bool has_bias() const { return bias_.has_value(); }
-  kc::ScalarType bias_type() const { return bias_type_; }
-
- private:
-  Array qweight_, scales_;
-  std::optional<Array> bias_;
-  kc::ScalarType bias_type_ = kc::ScalarType::kFloat32;
-  kc::W8A16GemmParams p_;
+  Tensor qweight_, scales_;
+  std::optional<Tensor> offsets_, bias_;
+  ScalarType bias_type_ = ScalarType::kFloat32;
+  Params p_;
 };
+
+using W4A16Weight = QuantizedWeight<4>;
+using W8A16Weight = QuantizedWeight<8>;
 
 // A dense weight [n, k] (and bias [n]) in one float dtype, validated and imported once, for the fused
 // layer stack (the dense_gemm binding takes tensors per call).
 class DenseWeight {
  public:
-  DenseWeight(Array weight, std::optional<Array> bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
-    check_ndim(weight_, "weight", 2);
-    p_.type = float_type(weight_, "weight");
+  DenseWeight(Tensor weight, std::optional<Tensor> bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
+    p_.dtype = float_type(weight_, "weight");
+    require_ndim(weight_, "weight", 2, "[n, k]");
     p_.n = static_cast<std::int64_t>(weight_.shape(0));
     p_.k = static_cast<std::int64_t>(weight_.shape(1));
-    if (p_.n < 1 || p_.k < 1) throw std::invalid_argument("weight must not be empty, got shape " +
-                                                          shape_str({p_.n, p_.k}));
-    if (bias_) {
-      if (float_type(*bias_, "bias") != p_.type)
-        throw std::invalid_argument("bias must have the dtype of weight (" +
-                                    std::string(kc::scalar_type_name(p_.type)) + ")");
-      check_shape(*bias_, "bias", {p_.n});
-      p_.bias = bias_->data();
+    if (p_.n < 1 || p_.k < 1) throw_value_error("weight must not be empty, got shape " + shape_str(weight_));
+    Tensor const* b = bias_ ? &*bias_ : nullptr;
+    if (b != nullptr) {
+      require_same_dtype(*b, "bias", weight_, "weight");
+      require_shape(*b, "bias", {p_.n}, "[n]");
+      p_.bias = b->data();
     }
+    require_cpu_contiguous({{&weight_, "weight"}, {b, "bias"}});
     p_.weight = weight_.data();
   }
 
   std::int64_t n() const { return p_.n; }
   std::int64_t k() const { return p_.k; }
   kc::DenseGemmParams const& params() const { return p_; }
-  kc::ScalarType type() const { return p_.type; }
+  ScalarType dtype() const { return p_.dtype; }
 
  private:
-  Array weight_;
-  std::optional<Array> bias_;
+  Tensor weight_;
+  std::optional<Tensor> bias_;
   kc::DenseGemmParams p_;
 };
 

@@ -1,4 +1,6 @@
-// Fused CPU sampling (csrc/kernels/cpu/sampling.h). The typed wrapper is inflight.ops.sample.
+// Fused CPU sampling (csrc/kernels/cpu/sampling.h). The arguments and their checks are the CUDA op's
+// (op_checks.h), with num_threads last instead of the stream; the per-row parameters are on the host
+// here, so their ranges are checked too. The typed wrapper is inflight.ops.sample.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
@@ -6,94 +8,52 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 
-#include "cpu_features.h"
+#include "op_checks.h"
 #include "registry.h"
 #include "sampling.h"
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
+using namespace inflight::bindings;
 
 namespace {
 
-template <typename T>
-using Column = nb::ndarray<T const, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
-using OutColumn = nb::ndarray<std::int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
-using Logits = nb::ndarray<nb::ndim<2>, nb::device::cpu>;
-
-void check_rows(char const* name, std::size_t got, std::int64_t rows) {
-  if (static_cast<std::int64_t>(got) != rows) {
-    throw std::invalid_argument(std::string(name) + " must have one entry per logits row (" + std::to_string(rows) +
-                                "), got " + std::to_string(got));
-  }
-}
-
 template <typename T, typename Ok>
-void check_values(char const* name, Column<T> const& v, Ok ok, char const* what) {
-  for (std::size_t i = 0; i < v.shape(0); ++i) {
-    if (!ok(v(i))) {
-      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] must be " + what + ", got " +
-                                  std::to_string(v(i)));
+void check_values(char const* name, Tensor const& column, Ok ok, char const* what) {
+  auto const* v = static_cast<T const*>(column.data());
+  for (std::size_t i = 0; i < column.shape(0); ++i) {
+    if (!ok(v[i])) {
+      throw_value_error(std::string(name) + "[" + std::to_string(i) + "] must be " + what + ", got " +
+                        std::to_string(v[i]));
     }
   }
 }
 
-kc::SamplingDtype logits_dtype(Logits const& logits) {
-  nb::dlpack::dtype const dt = logits.dtype();
-  if (dt == nb::dtype<float>()) return kc::SamplingDtype::kFloat32;
-  if (dt.bits == 16 && dt.lanes == 1) {
-    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)) return kc::SamplingDtype::kBFloat16;
-    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) return kc::SamplingDtype::kFloat16;
-  }
-  throw std::invalid_argument("logits must be float32, bfloat16 or float16");
-}
+// The columns may be read-only numpy views; nothing but out is written.
+void sample(ReadOnlyTensor logits_in, ReadOnlyTensor temperature_in, ReadOnlyTensor top_k_in, ReadOnlyTensor top_p_in,
+            ReadOnlyTensor min_p_in, ReadOnlyTensor seeds_in, ReadOnlyTensor steps_in, Tensor out, int num_threads) {
+  Tensor const logits(logits_in), temperature(temperature_in), top_k(top_k_in), top_p(top_p_in), min_p(min_p_in),
+      seeds(seeds_in), steps(steps_in);
+  require_at_least(num_threads, 1, "num_threads");
+  SamplingArgs const s = check_sampling_args(logits, temperature, top_k, top_p, min_p, seeds, steps, out);
+  require_cpu(s.tensors);
+  check_values<float>(
+      "temperature", temperature, [](float v) { return std::isfinite(v) && v >= 0.f; }, "finite and >= 0");
+  check_values<float>("top_p", top_p, [](float v) { return v > 0.f && v <= 1.f; }, "in (0, 1]");
+  check_values<float>("min_p", min_p, [](float v) { return v >= 0.f && v <= 1.f; }, "in [0, 1]");
+  check_values<std::int64_t>("steps", steps, [](std::int64_t v) { return v >= 0; }, ">= 0");
+  if (s.num_rows == 0) return;
 
-void sample(Logits logits, Column<float> temperature, Column<std::int32_t> top_k, Column<float> top_p,
-            Column<float> min_p, Column<std::uint64_t> seeds, Column<std::int64_t> steps, OutColumn out,
-            int num_threads) {
-  auto const rows = static_cast<std::int64_t>(logits.shape(0));
-  auto const vocab = static_cast<std::int64_t>(logits.shape(1));
-  if (vocab < 1) throw std::invalid_argument("logits must have at least one column, got 0");
-  if (rows > 0 && vocab > 1 && logits.stride(1) != 1) {
-    throw std::invalid_argument("logits must have unit stride along the vocabulary, got " +
-                                std::to_string(logits.stride(1)));
-  }
-  if (rows > 1 && logits.stride(0) < 0) {
-    throw std::invalid_argument("logits must have a row stride >= 0, got " + std::to_string(logits.stride(0)));
-  }
-  check_rows("temperature", temperature.shape(0), rows);
-  check_rows("top_k", top_k.shape(0), rows);
-  check_rows("top_p", top_p.shape(0), rows);
-  check_rows("min_p", min_p.shape(0), rows);
-  check_rows("seeds", seeds.shape(0), rows);
-  check_rows("steps", steps.shape(0), rows);
-  check_rows("out", out.shape(0), rows);
-  check_values("temperature", temperature, [](float v) { return std::isfinite(v) && v >= 0.f; }, "finite and >= 0");
-  check_values("top_p", top_p, [](float v) { return v > 0.f && v <= 1.f; }, "in (0, 1]");
-  check_values("min_p", min_p, [](float v) { return v >= 0.f && v <= 1.f; }, "in [0, 1]");
-  check_values("steps", steps, [](std::int64_t v) { return v >= 0; }, ">= 0");
-
-  kc::SamplingKernelParams p;
-  p.logits = logits.data();
-  p.dtype = logits_dtype(logits);
-  p.num_rows = rows;
-  p.vocab_size = vocab;
-  p.row_stride = rows > 1 ? logits.stride(0) : 0;
-  p.temperature = temperature.data();
-  p.top_k = top_k.data();
-  p.top_p = top_p.data();
-  p.min_p = min_p.data();
-  p.seeds = seeds.data();
-  p.steps = steps.data();
-  p.out = out.data();
-  p.num_threads = num_threads < 1 ? 1 : num_threads;
-  p.workspace_bytes = kc::sampling_workspace_bytes(rows, vocab, p.num_threads);
+  kc::SamplingParams p;
+  fill_sampling_params(p, s);
+  p.num_threads = num_threads;
+  p.workspace_bytes = kc::sampling_workspace_size(p.num_rows, p.vocab_size, p.num_threads);
   // Uninitialised on purpose: only the pages a row touches get faulted in.
-  std::unique_ptr<std::byte[]> workspace(new std::byte[p.workspace_bytes]);
+  std::unique_ptr<std::byte[]> workspace(new std::byte[static_cast<std::size_t>(p.workspace_bytes)]);
   p.workspace = workspace.get();
-  kc::launch_sampling(p, kc::selected_isa());
+  kc::launch_sampling(p, kc::ThreadPool::global());
 }
 
 }  // namespace

@@ -155,10 +155,10 @@ def test_layer_stack_rejects_bad_arguments(tmp_path):
         _C.LlamaLayerStack(64, 4, 3, 16, 128, 1e-5, 0.25, "float32")
     with pytest.raises(ValueError, match=r"kv_caches must hold one tensor per layer \(2\), got 1"):
         stack.set_kv_caches([to_dlpack(torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim))])
-    with pytest.raises(ValueError, match="kv_caches\\[1\\] must have the model dtype"):
+    with pytest.raises(TypeError, match=r"kv_caches\[1\] must have the model dtype \(float32\), got bfloat16"):
         shape = (2, 4, 4, c.num_key_value_heads, c.head_dim)
         stack.set_kv_caches([to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))])
-    with pytest.raises(ValueError, match="must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
+    with pytest.raises(TypeError, match="qkv must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
         w = torch.ones(c.hidden_size)
         stack.add_layer(to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3))
 

@@ -477,9 +477,9 @@ def test_boundary_messages_name_the_argument():
     table = torch.zeros(2, 3, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
     out = torch.zeros_like(q)
-    with pytest.raises(TypeError, match="block_tables must be int32"):
+    with pytest.raises(TypeError, match="block_tables must be int32, got int64"):
         _mod.paged_attention(q, cache, table.long(), lens, 0.1, out, None, 0)
-    with pytest.raises(TypeError, match="kv_cache must have the dtype of q"):
+    with pytest.raises(TypeError, match=r"kv_cache must have the dtype of q \(float16\), got float32"):
         _mod.paged_attention(q, cache.float(), table, lens, 0.1, out, None, 0)
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
         q96 = torch.zeros(2, 4, 96, dtype=torch.float16)
@@ -520,13 +520,13 @@ def test_boundary_gemm_and_sampling_messages():
     qweight = torch.zeros(8, 128, dtype=torch.uint8)
     scales = torch.zeros(8, 2, dtype=torch.float16)
     out = torch.zeros(2, 8, dtype=torch.float16)
-    with pytest.raises(TypeError, match="x must be float16 or bfloat16"):
+    with pytest.raises(TypeError, match="x must be bfloat16 or float16, got float32"):
         _mod.w4a16_gemm(x.float(), qweight, scales, None, 128, out, None, 0)
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
         _mod.w4a16_gemm(x, qweight, scales, None, 48, out, None, 0)
-    with pytest.raises(ValueError, match=r"scales.shape\[1\]"):
+    with pytest.raises(ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"):
         _mod.w4a16_gemm(x, qweight, scales, None, 64, out, None, 0)
-    with pytest.raises(TypeError, match="qweight must be int8"):
+    with pytest.raises(TypeError, match="qweight must be int8, got uint8"):
         _mod.w8a16_gemm(x, qweight, scales, 128, out, None, 0)
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         _mod.w4a16_gemm(x, qweight, scales, None, 128, out, None, 0)
@@ -539,7 +539,87 @@ def test_boundary_gemm_and_sampling_messages():
         torch.zeros(2, dtype=torch.uint64),
         torch.zeros(2, dtype=torch.int64),
     )
-    with pytest.raises(TypeError, match="top_k must be int32"):
+    with pytest.raises(TypeError, match="top_k must be int32, got int64"):
         _mod.sample(logits, cols[0], cols[1].long(), *cols[2:], torch.zeros(2, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="logits must be a CUDA tensor"):
         _mod.sample(logits, *cols, torch.zeros(2, dtype=torch.int64), 0)
+
+
+def _raised(call):
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    raise AssertionError("no exception raised")
+
+
+@needs_module
+def test_boundary_cpu_and_cuda_raise_the_same():
+    """The same mistake raises the same exception type and message from inflight._C (CPU) and
+    inflight._C_cuda: both bindings run the shared checks (csrc/bindings/op_checks.h) before their
+    device's own, so CPU tensors reach them here without a GPU."""
+    from inflight import _C
+
+    f16 = torch.float16
+    q = torch.zeros(2, 4, 64, dtype=f16)
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=f16)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = torch.zeros_like(q)
+    k = torch.zeros(3, 2, 64, dtype=f16)
+    slots = torch.zeros(3, dtype=torch.int64)
+    x = torch.zeros(2, 256, dtype=f16)
+    qweight = torch.zeros(8, 128, dtype=torch.uint8)
+    scales = torch.zeros(8, 4, dtype=f16)
+    gout = torch.zeros(2, 8, dtype=f16)
+    cols = [torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2),
+            torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)]
+
+    def paged(*a):
+        return (lambda: _C.paged_attention(*a, 1)), (lambda: _mod.paged_attention(*a, None, 0))
+
+    def context(*a):
+        return (lambda: _C.context_attention(*a, 1)), (lambda: _mod.context_attention(*a, 0))
+
+    def store(*a):
+        return (lambda: _C.store_kv(*a, 1)), (lambda: _mod.store_kv(*a, 0))
+
+    def w4(*a):
+        return (lambda: _C.w4a16_gemm(*a, 1)), (lambda: _mod.w4a16_gemm(*a, 0))
+
+    def w8(*a):
+        return (lambda: _C.w8a16_gemm(*a, 1)), (lambda: _mod.w8a16_gemm(*a, 0))
+
+    def sample(logits, c, o):
+        return (lambda: _C.sample(logits, *c, o, 1)), (lambda: _mod.sample(logits, *c, o, 0))
+
+    cases = {
+        "block_tables dtype": paged(q, cache, table.long(), lens, 0.1, out),
+        "kv_cache dtype": paged(q, cache.float(), table, lens, 0.1, out),
+        "kv_cache ndim": paged(q, cache[0], table, lens, 0.1, out),
+        "num_heads": paged(torch.zeros(2, 3, 64, dtype=f16), cache, table, lens, 0.1, torch.zeros(2, 3, 64, dtype=f16)),
+        "kv_lens length": paged(q, cache, table, lens[:1], 0.1, out),
+        "out layout": paged(q, cache, table, lens, 0.1, torch.zeros(4, 2, 64, dtype=f16).transpose(0, 1)),
+        "out dtype": paged(q, cache, table, lens, 0.1, out.float()),
+        "cu_seqlens length": context(q, cache, table, cu[:2], lens, 0.1, out),
+        "v dtype": store(k, k.float(), cache, slots),
+        "k heads": store(torch.zeros(3, 4, 64, dtype=f16), torch.zeros(3, 4, 64, dtype=f16), cache, slots),
+        "slot_mapping dtype": store(k, k, cache, slots.int()),
+        "qweight dtype": w4(x, qweight.to(torch.int8), scales, None, 64, gout, None),
+        "scales shape": w4(x, qweight, scales[:, :2], None, 64, gout, None),
+        "offsets dtype": w4(x, qweight, scales, scales.float(), 64, gout, None),
+        "x k": w4(x[:, :128], qweight, scales, None, 64, gout, None),
+        "gemm out dtype": w4(x, qweight, scales, None, 64, gout.bfloat16(), None),
+        "bias shape": w4(x, qweight, scales, None, 64, gout, torch.zeros(9, dtype=f16)),
+        "k multiple": w8(x[:, :96], torch.zeros(8, 96, dtype=torch.int8), scales[:, :1], 64, gout, None),
+        "logits dtype": sample(torch.zeros(2, 10, dtype=torch.int64), cols, torch.zeros(2, dtype=torch.int64)),
+        "top_k dtype": sample(torch.zeros(2, 10), [cols[0], cols[1].long(), *cols[2:]], torch.zeros(2, dtype=torch.int64)),
+        "temperature length": sample(torch.zeros(2, 10), [torch.ones(3), *cols[1:]], torch.zeros(2, dtype=torch.int64)),
+        "out dtype (sample)": sample(torch.zeros(2, 10), cols, torch.zeros(2, dtype=torch.int32)),
+    }
+    for what, (cpu, gpu) in cases.items():
+        got_cpu, got_gpu = _raised(cpu), _raised(gpu)
+        assert got_cpu == got_gpu, f"{what}: CPU raised {got_cpu}, CUDA raised {got_gpu}"
+        # The rule: a wrong dtype is a TypeError, a wrong shape or layout a ValueError.
+        assert got_cpu[0] is (TypeError if "dtype" in what else ValueError), f"{what}: {got_cpu}"

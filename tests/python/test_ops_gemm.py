@@ -171,27 +171,29 @@ def test_bad_arguments_name_the_parameter():
     gen = torch.Generator().manual_seed(5)
     qweight, scales, offsets = _w4(8, 128, 32, False, torch.float16, gen)
     x = torch.randn(2, 128)
-    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128, got 48"):
         ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets[:, :2].contiguous(), 48)
-    with pytest.raises(ValueError, match=r"scales must have shape \[8, 4\]"):
+    with pytest.raises(ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"):
         ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets, 32)
-    with pytest.raises(ValueError, match="offsets must have the dtype of scales"):
+    with pytest.raises(TypeError, match=r"offsets must have the dtype of scales \(float16\), got float32"):
         ops.w4a16_gemm(x, qweight, scales, offsets.float(), 32)
-    with pytest.raises(ValueError, match="qweight must be uint8"):
+    with pytest.raises(TypeError, match="qweight must be uint8, got int8"):
         ops.w4a16_gemm(x, qweight.to(torch.int8), scales, offsets, 32)
-    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16"):
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got float64"):
         ops.w4a16_gemm(x.double(), qweight, scales, offsets, 32)
-    with pytest.raises(ValueError, match="out must have the dtype of x"):
+    with pytest.raises(TypeError, match=r"out must have the dtype of x \(float32\), got bfloat16"):
         ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(2, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"out must have shape \[2, 8\]"):
+    with pytest.raises(ValueError, match=r"out must have shape \[m, n\] = \[2, 8\], got \[2, 9\]"):
         ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(2, 9))
     with pytest.raises(ValueError, match="out must be a contiguous"):
         ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(8, 2).T)
-    with pytest.raises(ValueError, match="k must be a positive multiple of group_size"):
+    with pytest.raises(
+        ValueError, match=r"k \(2 \* qweight.shape\[1\]\) must be a positive multiple of group_size \(64\), got 96"
+    ):
         ops.w4a16_gemm(torch.randn(2, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1).half(), None, 64)
-    with pytest.raises(ValueError, match=r"x must have shape \[m, 128\]"):
+    with pytest.raises(ValueError, match=r"x.shape\[1\] must be k \(2 \* qweight.shape\[1\]\) = 128, got shape \[2, 64\]"):
         ops.W4A16Weight(qweight, scales, offsets, 32)(torch.randn(2, 64))
-    with pytest.raises(ValueError, match="qweight must be int8"):
+    with pytest.raises(TypeError, match="qweight must be int8, got uint8"):
         ops.w8a16_gemm(x, torch.zeros(8, 128, dtype=torch.uint8), scales, 32)
 
 

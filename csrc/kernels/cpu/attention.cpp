@@ -1,7 +1,7 @@
-// Attention launchers (ISA dispatch, decode partition plan), store_kv, and the portable path:
-// the same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with
-// software bf16 / fp16 conversions, so it runs on any x86-64 (and is what INFLIGHT_CPU_ISA=portable
-// tests).
+// Attention launchers (ISA dispatch, decode partition plan), store_kv, and the portable path: the
+// same algorithms as the AVX2 / AVX-512 files over a one-lane "vector" of plain floats, with the scalar
+// bf16 / fp16 conversions of scalar_type.h, so it runs on any x86-64 (and is what
+// INFLIGHT_CPU_ISA=portable tests).
 
 #include <algorithm>
 #include <cmath>
@@ -15,40 +15,6 @@
 
 namespace inflight::kernels::cpu::portable {
 namespace {
-
-// IEEE half <-> float without F16C (after Maratyszcza's FP16 library, MIT): exact widening, and
-// round-to-nearest-even narrowing with overflow to inf and gradual underflow.
-float half_to_float(uint16_t h) {
-  uint32_t const w = uint32_t(h) << 16;
-  uint32_t const sign = w & 0x80000000u;
-  uint32_t const two_w = w + w;
-  float const normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  float const denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  uint32_t const result =
-      sign | (two_w < (1u << 27) ? float_to_bits(denormalized) : float_to_bits(normalized));
-  return bits_to_float(result);
-}
-
-uint16_t float_to_half(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  uint32_t const w = float_to_bits(f);
-  uint32_t const shl1_w = w + w;
-  uint32_t const sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
-  uint32_t const bits = float_to_bits(base);
-  uint32_t const exp_bits = (bits >> 13) & 0x00007C00u;
-  uint32_t const mantissa_bits = bits & 0x00000FFFu;
-  uint32_t const nonsign = exp_bits + mantissa_bits;
-  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t const b = float_to_bits(f);
-  if (std::isnan(f)) return 0x7FC0;
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 struct Vec1 {
   using Reg = float;
@@ -73,12 +39,14 @@ struct Vec1 {
   static Reg reduce_lanes(Reg const* v) { return v[0]; }
   static void transpose(Reg*) {}
 
-  static Reg load_cvt(float const* p) { return *p; }
-  static Reg load_cvt(BF16 const* p) { return bits_to_float(uint32_t(p->bits) << 16); }
-  static Reg load_cvt(F16 const* p) { return half_to_float(p->bits); }
-  static void store_cvt(float* p, Reg v) { *p = v; }
-  static void store_cvt(BF16* p, Reg v) { p->bits = float_to_bf16(v); }
-  static void store_cvt(F16* p, Reg v) { p->bits = float_to_half(v); }
+  template <class T>
+  static Reg load_cvt(T const* p) {
+    return to_float(*p);
+  }
+  template <class T>
+  static void store_cvt(T* p, Reg v) {
+    *p = from_float<T>(v);
+  }
 };
 
 // One instantiation: the run-time head_dim (any value up to kMaxHeadDim).
@@ -97,13 +65,11 @@ constexpr int kMinPartition = 128;
 // Work items per thread to aim for: enough that dynamic scheduling evens out unequal items.
 constexpr int kItemsPerThread = 8;
 
-size_t element_size(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
-}  // namespace
-
-PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) {
+// The split of plan_paged_attention, or (split = false) one partition per sequence.
+PagedAttentionPlan make_plan(PagedAttentionParams const& p, bool split) {
   int max_kv = 0;
   int64_t total = 0;
-  for (int b = 0; b < p.batch; ++b) {
+  for (int b = 0; b < p.batch_size; ++b) {
     max_kv = std::max(max_kv, p.kv_lens[b]);
     total += p.kv_lens[b];
   }
@@ -112,7 +78,7 @@ PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) {
   plan.max_partitions = 1;
   int64_t const macs = total * p.num_heads * p.head_dim * 2;  // q.k and p.v
   plan.num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
-  if (plan.num_threads <= 1 || max_kv <= kMinPartition) return plan;
+  if (!split || plan.num_threads <= 1 || max_kv <= kMinPartition) return plan;
   int const per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
   int64_t const kv_chunks = (p.num_kv_heads + per_item - 1) / per_item;
   int64_t const target = int64_t(plan.num_threads) * kItemsPerThread;
@@ -124,66 +90,80 @@ PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) {
   return plan;
 }
 
-size_t paged_attention_workspace_floats(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
+// Bytes of the partials of the split sequences: (m, l, acc[head_dim]) per (sequence, head, partition).
+int64_t workspace_bytes(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
   if (plan.max_partitions <= 1) return 0;
-  return size_t(p.batch) * p.num_heads * plan.max_partitions * (p.head_dim + 2);
+  return int64_t(p.batch_size) * p.num_heads * plan.max_partitions * (p.head_dim + 2) * int64_t(sizeof(float));
 }
 
-void store_kv(StoreKvParams const& p) {
-  size_t const es = element_size(p.dtype);
+}  // namespace
+
+PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& p) { return make_plan(p, true); }
+
+int64_t paged_attention_workspace_size(PagedAttentionParams const& p) {
+  return workspace_bytes(p, plan_paged_attention(p));
+}
+
+void launch_store_kv(StoreKvParams const& p, ThreadPool& pool) {
+  size_t const es = scalar_type_size(p.dtype);
   size_t const row_bytes = size_t(p.head_dim) * es;
   char* const k_cache = static_cast<char*>(p.kv_cache);
   char* const v_cache = k_cache + size_t(p.num_slots) * p.num_kv_heads * row_bytes;
   char const* const k = static_cast<char const*>(p.k);
   char const* const v = static_cast<char const*>(p.v);
   // A copy: a thread pays off only for long prompts.
-  int const threads = p.num_tokens * p.num_kv_heads * row_bytes >= (size_t(1) << 18) ? p.num_threads : 1;
-  pool_detail::parallel_for(p.num_tokens, threads, false, [&](int64_t t, int) {
+  int const threads = size_t(p.num_tokens) * p.num_kv_heads * row_bytes >= (size_t(1) << 18) ? p.num_threads : 1;
+  pool_detail::parallel_for(pool, p.num_tokens, threads, false, [&](int64_t t, int) {
     int64_t const slot = p.slot_mapping[t];
     if (slot < 0) return;
     size_t const dst = size_t(slot) * p.num_kv_heads * row_bytes;
     for (int h = 0; h < p.num_kv_heads; ++h) {
-      std::memcpy(k_cache + dst + h * row_bytes, k + (t * p.k_stride_token + h * p.k_stride_head) * int64_t(es),
+      std::memcpy(k_cache + dst + h * row_bytes, k + (t * p.k_token_stride + h * p.k_head_stride) * int64_t(es),
                   row_bytes);
-      std::memcpy(v_cache + dst + h * row_bytes, v + (t * p.v_stride_token + h * p.v_stride_head) * int64_t(es),
+      std::memcpy(v_cache + dst + h * row_bytes, v + (t * p.v_token_stride + h * p.v_head_stride) * int64_t(es),
                   row_bytes);
     }
   });
 }
 
-void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  portable::Kernels::paged_attention(params, plan);
+void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
+  portable::Kernels::paged_attention(params, plan, pool);
 }
 
-void context_attention_portable(ContextAttentionParams const& params) {
-  portable::Kernels::context_attention(params);
+void context_attention_portable(ContextAttentionParams const& params, ThreadPool& pool) {
+  portable::Kernels::context_attention(params, pool);
 }
 
-void paged_attention(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  if (params.batch == 0) return;
+void launch_paged_attention(PagedAttentionParams const& params, ThreadPool& pool) {
+  if (params.batch_size == 0) return;
+  PagedAttentionPlan plan = plan_paged_attention(params);
+  if (plan.max_partitions > 1 &&
+      (params.workspace == nullptr || params.workspace_bytes < workspace_bytes(params, plan))) {
+    plan = make_plan(params, false);  // no room for the partials: every sequence in one pass
+  }
   switch (selected_isa()) {
     case Isa::kAvx512:
-      if (paged_attention_avx512(params, plan)) return;
+      if (paged_attention_avx512(params, plan, pool)) return;
       [[fallthrough]];
     case Isa::kAvx2:
-      if (paged_attention_avx2(params, plan)) return;
+      if (paged_attention_avx2(params, plan, pool)) return;
       [[fallthrough]];
     case Isa::kPortable:
-      paged_attention_portable(params, plan);
+      paged_attention_portable(params, plan, pool);
   }
 }
 
-void context_attention(ContextAttentionParams const& params) {
-  if (params.batch == 0 || params.num_tokens == 0) return;
+void launch_context_attention(ContextAttentionParams const& params, ThreadPool& pool) {
+  if (params.batch_size == 0 || params.num_tokens == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      if (context_attention_avx512(params)) return;
+      if (context_attention_avx512(params, pool)) return;
       [[fallthrough]];
     case Isa::kAvx2:
-      if (context_attention_avx2(params)) return;
+      if (context_attention_avx2(params, pool)) return;
       [[fallthrough]];
     case Isa::kPortable:
-      context_attention_portable(params);
+      context_attention_portable(params, pool);
   }
 }
 

@@ -5,23 +5,28 @@
 // num_kv_heads, head_dim], index 0 = K, 1 = V. Token p of sequence i lives at slot
 // block_tables[i, p / tokens_per_block] * tokens_per_block + p % tokens_per_block.
 //
-// Each op is a params struct and a launcher. The launcher picks the ISA path at run time
-// (selected_isa(): AVX-512, AVX2 or portable) and, inside it, a compile-time instantiation over
-// (element type, head_dim); head dims outside the explicit list run a vectorised path with a run-time
-// head_dim (any multiple of the vector width, <= kMaxHeadDim) or, failing that, the portable one.
-// Kernels allocate nothing: outputs and the decode workspace come in. Arithmetic is fp32 throughout
-// (online softmax, accumulators); only the final output is rounded to the element type.
+// Each op is a params struct and a launcher, launch_<op>(params, pool), with the fields and names of
+// the CUDA op (kernels/cuda/store_kv.h, paged_attention.h, context_attention.h; the two attention ops
+// share inflight/kernels/attention_params.h); the fields only the CPU has are marked. The launcher picks the ISA path
+// at run time (selected_isa(): AVX-512, AVX2 or portable) and, inside it, a compile-time instantiation over (dtype,
+// head_dim); head dims outside the explicit list run a vectorised path with a run-time head_dim (any multiple of the
+// vector width,
+// <= kMaxHeadDim) or, failing that, the portable one. Kernels allocate nothing: outputs and the
+// decode workspace come in; threads come from the pool passed in. Arithmetic is fp32 throughout
+// (online softmax, accumulators); only the final output is rounded to the dtype.
 //
-// Callers validate (the bindings do, naming the argument); the kernels trust their params.
+// Callers validate (the bindings do, naming the argument); the kernels trust their params: unlike the
+// CUDA kernels they neither clamp kv_lens nor skip out-of-range block ids.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-namespace inflight::kernels::cpu {
+#include "inflight/kernels/attention_params.h"
+#include "inflight/kernels/scalar_type.h"
+#include "thread_pool.h"
 
-// The element type of q, k, v, out and the cache (all equal).
-enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace inflight::kernels::cpu {
 
 // Bounds the per-thread stack buffers (the kernels keep their tiles on the stack).
 inline constexpr int kMaxHeadDim = 256;
@@ -29,54 +34,42 @@ inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kMaxGroupSize = 64;
 
 struct StoreKvParams {
-  void const* k = nullptr;  // [num_tokens, num_kv_heads, head_dim], last dim contiguous
-  void const* v = nullptr;  // same shape as k
-  int64_t k_stride_token = 0, k_stride_head = 0;  // in elements
-  int64_t v_stride_token = 0, v_stride_head = 0;
-  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
-  int64_t const* slot_mapping = nullptr;  // [num_tokens]; a negative slot skips the token (padding)
-  int64_t num_slots = 0;                  // num_blocks * tokens_per_block
-  int num_tokens = 0, num_kv_heads = 0, head_dim = 0;
-  ElementType dtype = ElementType::kFloat32;
-  int num_threads = 1;
+  void const* k = nullptr;                              // [num_tokens, num_kv_heads, head_dim], head_dim contiguous
+  void const* v = nullptr;                              // like k
+  std::int64_t k_token_stride = 0, v_token_stride = 0;  // elements between consecutive tokens
+  // CPU only: elements between consecutive heads of a token (the CUDA copy needs head_dim).
+  std::int64_t k_head_stride = 0, v_head_stride = 0;
+  void* kv_cache = nullptr;                    // [2, num_slots, num_kv_heads, head_dim] in effect
+  std::int64_t const* slot_mapping = nullptr;  // [num_tokens]; a negative slot skips the token (padding)
+  std::int64_t num_slots = 0;                  // num_blocks * tokens_per_block
+  std::int64_t num_tokens = 0;
+  int num_kv_heads = 0, head_dim = 0;
+  ScalarType dtype = ScalarType::kFloat32;  // of k, v and the cache: a float type
+  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
 };
 
-struct PagedAttentionParams {
-  void const* q = nullptr;  // [batch, num_heads, head_dim], last dim contiguous
-  int64_t q_stride_token = 0, q_stride_head = 0;  // in elements
-  void const* kv_cache = nullptr;
-  int32_t const* block_tables = nullptr;  // [batch, max_blocks_per_seq]
-  int32_t const* kv_lens = nullptr;       // [batch], each in 1 .. max_blocks_per_seq * tokens_per_block
-  void* out = nullptr;                    // [batch, num_heads, head_dim], contiguous
-  // paged_attention_workspace_floats(params) floats; may be null when that is 0.
-  float* workspace = nullptr;
-  int batch = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  int num_blocks = 0, tokens_per_block = 0, max_blocks_per_seq = 0;
-  float scale = 1.0f;
-  ElementType dtype = ElementType::kFloat32;
-  int num_threads = 1;
+// The fields shared with context attention and with the CUDA op are AttentionParams'.
+struct PagedAttentionParams : AttentionParams {
+  std::int64_t q_head_stride = 0;  // CPU only: elements between heads of q (CUDA: head_dim)
+  // paged_attention_workspace_size(params) bytes, 4-byte aligned, or fewer (null): sequences are then
+  // not split, as on CUDA without a workspace.
+  void* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
+  int num_threads = 1;  // CPU only: at most this many of the pool's threads
 };
 
-struct ContextAttentionParams {
-  void const* q = nullptr;  // [num_tokens, num_heads, head_dim], last dim contiguous
-  int64_t q_stride_token = 0, q_stride_head = 0;
-  void const* kv_cache = nullptr;
-  int32_t const* block_tables = nullptr;  // [batch, max_blocks_per_seq]
-  // [batch + 1]: sequence i's queries are tokens cu_seqlens[i] .. cu_seqlens[i+1]-1, at positions
+struct ContextAttentionParams : AttentionParams {
+  std::int64_t q_head_stride = 0;  // CPU only: elements between heads of q (CUDA: head_dim)
+  // [batch_size + 1]: sequence i's queries are tokens cu_seqlens[i] .. cu_seqlens[i+1]-1, at positions
   // kv_lens[i] - q_len_i + r (so q_len_i <= kv_lens[i]); causal over the sequence's cache.
-  int32_t const* cu_seqlens = nullptr;
-  int32_t const* kv_lens = nullptr;  // [batch]
-  void* out = nullptr;               // [num_tokens, num_heads, head_dim], contiguous
-  int batch = 0, num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  int num_blocks = 0, tokens_per_block = 0, max_blocks_per_seq = 0;
-  float scale = 1.0f;
-  ElementType dtype = ElementType::kFloat32;
-  int num_threads = 1;
+  std::int32_t const* cu_seqlens = nullptr;
+  std::int64_t num_tokens = 0;  // rows of q and out
+  int num_threads = 1;          // CPU only: at most this many of the pool's threads
 };
 
 // How a decode batch is split: each sequence's keys in partitions of `partition_size` tokens, so a
 // small batch with long contexts still gives every thread work; partitions are merged by
-// log-sum-exp. Depends only on the shapes, kv_lens and num_threads.
+// log-sum-exp. Depends only on the shapes, kv_lens and num_threads (not on the workspace).
 struct PagedAttentionPlan {
   int partition_size = 0;
   int max_partitions = 1;  // over the batch
@@ -91,6 +84,9 @@ PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& params);
 // A decode work item's KV heads x head_dim (floats per token it packs): bounds its tile buffers.
 inline constexpr int kMaxDecodeRowFloats = 512;
 
+// Internal linkage: the per-ISA files include this header with their own -m flags (see scalar_type.h).
+namespace {
+
 // KV heads one decode work item covers: as many as its tile buffers and kMaxGroupSize query heads
 // allow (all of SmolLM2's 3 x 64). A token's rows for all KV heads are adjacent in the cache, so an
 // item covering several reads them as one stream instead of one stride per head.
@@ -101,20 +97,23 @@ inline int decode_kv_heads_per_item(int num_heads, int num_kv_heads, int head_di
   return per_item < 1 ? 1 : (per_item < num_kv_heads ? per_item : num_kv_heads);
 }
 
-// Floats of workspace paged_attention needs (0 when no sequence is split).
-size_t paged_attention_workspace_floats(PagedAttentionParams const& params, PagedAttentionPlan const& plan);
+}  // namespace
 
-void store_kv(StoreKvParams const& params);
-void paged_attention(PagedAttentionParams const& params, PagedAttentionPlan const& plan);
-void context_attention(ContextAttentionParams const& params);
+// Bytes of workspace that let launch_paged_attention split the batch as plan_paged_attention does
+// (0 when no sequence is split).
+std::int64_t paged_attention_workspace_size(PagedAttentionParams const& params);
+
+void launch_store_kv(StoreKvParams const& params, ThreadPool& pool);
+void launch_paged_attention(PagedAttentionParams const& params, ThreadPool& pool);
+void launch_context_attention(ContextAttentionParams const& params, ThreadPool& pool);
 
 // Per-ISA entry points (attention_avx512.cpp, attention_avx2.cpp, attention.cpp). The vectorised
 // ones return false when head_dim is not a multiple of their vector width.
-bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan);
-bool context_attention_avx512(ContextAttentionParams const& params);
-bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan);
-bool context_attention_avx2(ContextAttentionParams const& params);
-void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan);
-void context_attention_portable(ContextAttentionParams const& params);
+bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool);
+bool context_attention_avx512(ContextAttentionParams const& params, ThreadPool& pool);
+bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool);
+bool context_attention_avx2(ContextAttentionParams const& params, ThreadPool& pool);
+void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool);
+void context_attention_portable(ContextAttentionParams const& params, ThreadPool& pool);
 
 }  // namespace inflight::kernels::cpu

@@ -84,24 +84,28 @@ struct Vec256 {
   }
 
   static Reg load_cvt(float const* p) { return _mm256_loadu_ps(p); }
-  static Reg load_cvt(BF16 const* p) {
+  static Reg load_cvt(BFloat16 const* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static Reg load_cvt(F16 const* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))); }
+  static Reg load_cvt(Float16 const* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
 
   static void store_cvt(float* p, Reg v) { _mm256_storeu_ps(p, v); }
-  // Round to nearest even on the bit pattern; NaN stays a (quiet) NaN.
-  static void store_cvt(BF16* p, Reg v) {
+  // Round to nearest even on the bit pattern; a NaN keeps its sign and top payload bits and is made
+  // quiet (the rule of scalar_type.h and of the AVX-512 converter).
+  static void store_cvt(BFloat16* p, Reg v) {
     __m256i b = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i hi = _mm256_srli_epi32(b, 16);
+    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
-  static void store_cvt(F16* p, Reg v) {
+  static void store_cvt(Float16* p, Reg v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
@@ -114,12 +118,12 @@ using Kernels = Dispatch<Vec256, 64, 128, 32, 256>;
 
 namespace inflight::kernels::cpu {
 
-bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  return avx2::Kernels::paged_attention(params, plan);
+bool paged_attention_avx2(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
+  return avx2::Kernels::paged_attention(params, plan, pool);
 }
 
-bool context_attention_avx2(ContextAttentionParams const& params) {
-  return avx2::Kernels::context_attention(params);
+bool context_attention_avx2(ContextAttentionParams const& params, ThreadPool& pool) {
+  return avx2::Kernels::context_attention(params, pool);
 }
 
 }  // namespace inflight::kernels::cpu

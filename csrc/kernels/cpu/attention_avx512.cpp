@@ -1,8 +1,9 @@
 // Attention kernels, AVX-512 path (compiled with -mavx512f/bw/vl/dq/bf16; chosen at run time).
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* (GCC bug
-// 105593); the warning says nothing about this file.
+// GCC 12's AVX-512 headers trip -W(maybe-)uninitialized on their own _mm512_undefined_* (GCC bug
+// 105593); the warnings say nothing about this file.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 
@@ -94,17 +95,19 @@ struct Vec512 {
   }
 
   static Reg load_cvt(float const* p) { return _mm512_loadu_ps(p); }
-  static Reg load_cvt(BF16 const* p) {
+  static Reg load_cvt(BFloat16 const* p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  static Reg load_cvt(F16 const* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p))); }
+  static Reg load_cvt(Float16 const* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+  }
 
   static void store_cvt(float* p, Reg v) { _mm512_storeu_ps(p, v); }
-  static void store_cvt(BF16* p, Reg v) {
+  static void store_cvt(BFloat16* p, Reg v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
-  static void store_cvt(F16* p, Reg v) {
+  static void store_cvt(Float16* p, Reg v) {
     // maskz form: the plain one trips GCC 12's bogus -Wmaybe-uninitialized even with the pragma.
     __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
@@ -119,12 +122,12 @@ using Kernels = Dispatch<Vec512, 64, 128, 32, 256>;
 
 namespace inflight::kernels::cpu {
 
-bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan) {
-  return avx512::Kernels::paged_attention(params, plan);
+bool paged_attention_avx512(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
+  return avx512::Kernels::paged_attention(params, plan, pool);
 }
 
-bool context_attention_avx512(ContextAttentionParams const& params) {
-  return avx512::Kernels::context_attention(params);
+bool context_attention_avx512(ContextAttentionParams const& params, ThreadPool& pool) {
+  return avx512::Kernels::context_attention(params, pool);
 }
 
 }  // namespace inflight::kernels::cpu

@@ -10,7 +10,7 @@
 //   zero, set1, load, store, add, sub, mul, fmadd, max, hsum, hmax, exp2
 //   reduce_lanes(Reg const* v)  -> Reg whose lane i is the sum of v[i]'s lanes (i < kWidth)
 //   transpose(Reg* v)           in place, a kWidth x kWidth block
-//   load_cvt(T const*)          kWidth elements of T (float, BF16, F16) widened to fp32
+//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16) widened to fp32
 //   store_cvt(T*, Reg)          rounded to T (round to nearest even)
 #pragma once
 
@@ -31,25 +31,6 @@
 
 namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA {
 
-// Element types, bit-compatible with torch.bfloat16 / torch.float16.
-struct BF16 {
-  uint16_t bits;
-};
-struct F16 {
-  uint16_t bits;
-};
-
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows (query tokens x heads of one KV group) per context work item: enough rows to amortise
@@ -60,7 +41,7 @@ constexpr int kMaxContextRows = std::max(kContextRows, kMaxGroupSize);
 constexpr int kPrefetchTiles = 2;
 
 // kHeadDim: the head dim this instantiation is unrolled for; 0 = read it from the params at run
-// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BF16, F16).
+// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BFloat16, Float16).
 template <class V, int kHeadDim, class T>
 struct AttentionKernels {
   using Reg = typename V::Reg;
@@ -81,8 +62,7 @@ struct AttentionKernels {
 
   // o[r, c] += sum_i p[r, i] * vrows[i][c] for R rows and NC vectors of columns starting at vector c0.
   template <int R, int NC>
-  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
-                       int n, int c0) {
+  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int c0) {
     Reg acc[R][NC];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < NC; ++c) acc[r][c] = V::load(o + r * o_stride + (c0 + c) * W);
@@ -99,8 +79,8 @@ struct AttentionKernels {
   }
 
   template <int R>
-  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows,
-                            int n, int nvec_rt) {
+  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
+                            int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int NC = V::kPvChunk;
     int c0 = 0;
@@ -111,8 +91,8 @@ struct AttentionKernels {
   }
 
   // All `rows` rows: blocks of kPvRows, then the remainder (2 or 3 rows in one pass over V).
-  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
-                      int rows, int nvec_rt) {
+  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int rows,
+                      int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int R = V::kPvRows;
     int r = 0;
@@ -293,7 +273,7 @@ struct AttentionKernels {
     T const* q = static_cast<T const*>(p.q);
     T const* k_cache = static_cast<T const*>(p.kv_cache);
     T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
-    int32_t const* table = p.block_tables + int64_t(b) * p.max_blocks_per_seq;
+    int32_t const* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
     alignas(64) float qf[kMaxGroupSize * kBufHd];
     alignas(64) float acc[kMaxGroupSize * kBufHd];
@@ -310,7 +290,7 @@ struct AttentionKernels {
     float m[kMaxGroupSize], l[kMaxGroupSize];
 
     for (int h = 0; h < heads; ++h) {
-      load_query_rows(qf + h * hd, q + b * p.q_stride_token + int64_t(h0 + h) * p.q_stride_head, p.scale * kLog2e,
+      load_query_rows(qf + h * hd, q + b * p.q_token_stride + int64_t(h0 + h) * p.q_head_stride, p.scale * kLog2e,
                       nvec);
       std::fill(acc + h * hd, acc + (h + 1) * hd, 0.0f);
       m[h] = kNegInf;
@@ -361,7 +341,8 @@ struct AttentionKernels {
       for (int h = 0; h < heads; ++h) store_output_row(out + h * hd, acc + h * hd, 1.0f / l[h], nvec);
     } else {
       for (int h = 0; h < heads; ++h) {
-        float* ws = p.workspace + ((int64_t(b) * p.num_heads + h0 + h) * plan.max_partitions + part) * (hd + 2);
+        float* ws = static_cast<float*>(p.workspace) +
+                    ((int64_t(b) * p.num_heads + h0 + h) * plan.max_partitions + part) * (hd + 2);
         ws[0] = m[h];
         ws[1] = l[h];
         std::memcpy(ws + 2, acc + h * hd, sizeof(float) * hd);
@@ -375,7 +356,8 @@ struct AttentionKernels {
     if (kv_len <= plan.partition_size) return;
     int const hd = head_dim(p.head_dim), nvec = hd / W;
     int const num_parts = (kv_len + plan.partition_size - 1) / plan.partition_size;
-    float const* ws = p.workspace + (int64_t(b) * p.num_heads + h) * plan.max_partitions * (hd + 2);
+    float const* ws =
+        static_cast<float const*>(p.workspace) + (int64_t(b) * p.num_heads + h) * plan.max_partitions * (hd + 2);
     float m_max = kNegInf;
     for (int i = 0; i < num_parts; ++i) m_max = std::max(m_max, ws[i * (hd + 2)]);
     alignas(64) float acc[kBufHd];
@@ -392,12 +374,12 @@ struct AttentionKernels {
     store_output_row(static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h) * hd, acc, 1.0f / l_sum, nvec);
   }
 
-  static void paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
+  static void paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan, ThreadPool& pool) {
     int const kv_per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
     int const kv_chunks = (p.num_kv_heads + kv_per_item - 1) / kv_per_item;
-    int64_t const num_items = int64_t(p.batch) * kv_chunks * plan.max_partitions;
-    int64_t const num_rows = int64_t(p.batch) * p.num_heads;
-    pool_detail::parallel_for(num_items, plan.num_threads, true, [&](int64_t item, int) {
+    int64_t const num_items = int64_t(p.batch_size) * kv_chunks * plan.max_partitions;
+    int64_t const num_rows = int64_t(p.batch_size) * p.num_heads;
+    pool_detail::parallel_for(pool, num_items, plan.num_threads, true, [&](int64_t item, int) {
       int64_t const bc = item / plan.max_partitions;
       int const g0 = int(bc % kv_chunks) * kv_per_item;
       decode_item(p, plan, int(bc / kv_chunks), g0, std::min(kv_per_item, p.num_kv_heads - g0),
@@ -405,7 +387,7 @@ struct AttentionKernels {
     });
     // parallel_for returns when every partition is written: merge them.
     if (plan.max_partitions > 1) {
-      pool_detail::parallel_for(num_rows, plan.num_threads, false, [&](int64_t bh, int) {
+      pool_detail::parallel_for(pool, num_rows, plan.num_threads, false, [&](int64_t bh, int) {
         merge_partitions(p, plan, int(bh / p.num_heads), int(bh % p.num_heads));
       });
     }
@@ -428,7 +410,7 @@ struct AttentionKernels {
     T const* q = static_cast<T const*>(p.q);
     T const* k_cache = static_cast<T const*>(p.kv_cache);
     T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
-    int32_t const* table = p.block_tables + int64_t(b) * p.max_blocks_per_seq;
+    int32_t const* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
     alignas(64) float qf[kMaxContextRows * kBufHd];
     alignas(64) float o[kMaxContextRows * kBufHd];
@@ -443,7 +425,7 @@ struct AttentionKernels {
     for (int r = 0; r < nq; ++r)
       for (int h = 0; h < group; ++h)
         load_query_rows(qf + (r * group + h) * hd,
-                        q + int64_t(tok0 + r0 + r) * p.q_stride_token + (int64_t(g) * group + h) * p.q_stride_head,
+                        q + int64_t(tok0 + r0 + r) * p.q_token_stride + (int64_t(g) * group + h) * p.q_head_stride,
                         p.scale * kLog2e, nvec);
     std::fill(o, o + rows * hd, 0.0f);
     std::fill(m, m + rows, kNegInf);
@@ -488,21 +470,21 @@ struct AttentionKernels {
                          o + (r * group + h) * hd, 1.0f / l[r * group + h], nvec);
   }
 
-  static void context_attention(ContextAttentionParams const& p) {
+  static void context_attention(ContextAttentionParams const& p, ThreadPool& pool) {
     int const group = p.num_heads / p.num_kv_heads;
     int const tile_q = std::max(1, kContextRows / group);
     int max_q_len = 0;
     int64_t macs = 0;
-    for (int b = 0; b < p.batch; ++b) {
+    for (int b = 0; b < p.batch_size; ++b) {
       int const q_len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
       max_q_len = std::max(max_q_len, q_len);
       macs += int64_t(q_len) * (p.kv_lens[b] - q_len / 2) * p.num_heads * p.head_dim * 2;
     }
     int const num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
     int const max_tiles = (max_q_len + tile_q - 1) / tile_q;
-    int64_t const per_tile = int64_t(p.batch) * p.num_kv_heads;
+    int64_t const per_tile = int64_t(p.batch_size) * p.num_kv_heads;
     int64_t const num_items = per_tile * max_tiles;
-    pool_detail::parallel_for(num_items, num_threads, true, [&](int64_t item, int) {
+    pool_detail::parallel_for(pool, num_items, num_threads, true, [&](int64_t item, int) {
       // Last query tiles first: they see the most keys, so the long items start early.
       int const tile = max_tiles - 1 - int(item / per_tile);
       int const b = int(item % per_tile / p.num_kv_heads), g = int(item % p.num_kv_heads);
@@ -534,20 +516,17 @@ struct Dispatch {
     return true;
   }
 
-  static bool run(ElementType dtype, int hd, auto&& fn) {
-    switch (dtype) {
-      case ElementType::kFloat32: return by_head_dim<float>(hd, fn);
-      case ElementType::kBFloat16: return by_head_dim<BF16>(hd, fn);
-      case ElementType::kFloat16: return by_head_dim<F16>(hd, fn);
-    }
-    return false;
+  static bool run(ScalarType dtype, int hd, auto&& fn) {
+    bool done = false;
+    dispatch_float_type(dtype, [&](auto t) { done = by_head_dim<decltype(t)>(hd, fn); });
+    return done;
   }
 
-  static bool paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan) {
-    return run(p.dtype, p.head_dim, [&]<class K>() { K::paged_attention(p, plan); });
+  static bool paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan, ThreadPool& pool) {
+    return run(p.dtype, p.head_dim, [&]<class K>() { K::paged_attention(p, plan, pool); });
   }
-  static bool context_attention(ContextAttentionParams const& p) {
-    return run(p.dtype, p.head_dim, [&]<class K>() { K::context_attention(p); });
+  static bool context_attention(ContextAttentionParams const& p, ThreadPool& pool) {
+    return run(p.dtype, p.head_dim, [&]<class K>() { K::context_attention(p, pool); });
   }
 };
 

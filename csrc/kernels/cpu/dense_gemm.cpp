@@ -55,23 +55,22 @@ struct DensePortable {
     }
     T* out = static_cast<T*>(p.out);
     T const* bias = static_cast<T const*>(p.bias);
-    for (int i = 0; i < MR; ++i) store_out(out + (m0 + i) * (p.ldo > 0 ? p.ldo : p.n), bias, n, acc[i]);
+    for (int i = 0; i < MR; ++i)
+      store_out(out + (m0 + i) * (p.out_row_stride > 0 ? p.out_row_stride : p.n), bias, n, acc[i]);
   }
 };
 
 void check(DenseGemmParams const& p) {
   std::string const where = "dense_gemm: ";
-  int const type = static_cast<int>(p.type);
-  if (type < 0 || type > 2) {
-    throw std::invalid_argument(where + "type must be 0 (float32), 1 (bfloat16) or 2 (float16), got " +
-                                std::to_string(type));
+  if (!is_float_type(p.dtype)) {
+    throw std::invalid_argument(where + "dtype must be float32, bfloat16 or float16, got " + scalar_type_name(p.dtype));
   }
   if (p.m < 0) throw std::invalid_argument(where + "m must be >= 0, got " + std::to_string(p.m));
   if (p.n < 1) throw std::invalid_argument(where + "n must be >= 1, got " + std::to_string(p.n));
   if (p.k < 1) throw std::invalid_argument(where + "k must be >= 1, got " + std::to_string(p.k));
-  if (p.ldo != 0 && p.ldo < p.n) {
-    throw std::invalid_argument(where + "ldo must be 0 or >= n = " + std::to_string(p.n) + ", got " +
-                                std::to_string(p.ldo));
+  if (p.out_row_stride != 0 && p.out_row_stride < p.n) {
+    throw std::invalid_argument(where + "out_row_stride must be 0 or >= n = " + std::to_string(p.n) + ", got " +
+                                std::to_string(p.out_row_stride));
   }
   if (p.num_threads < 1) {
     throw std::invalid_argument(where + "num_threads must be >= 1, got " + std::to_string(p.num_threads));
@@ -83,25 +82,25 @@ void check(DenseGemmParams const& p) {
 
 }  // namespace
 
-void dense_gemm_portable(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+void dense_gemm_portable(DenseGemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto t) {
     using T = decltype(t);
-    run_tiles(DensePortable<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads);
+    run_tiles(DensePortable<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads, pool);
   });
 }
 
-void dense_gemm(DenseGemmParams const& p) {
+void launch_dense_gemm(DenseGemmParams const& p, ThreadPool& pool) {
   check(p);
   if (p.m == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      dense_gemm_avx512(p);
+      dense_gemm_avx512(p, pool);
       break;
     case Isa::kAvx2:
-      dense_gemm_avx2(p);
+      dense_gemm_avx2(p, pool);
       break;
     case Isa::kPortable:
-      dense_gemm_portable(p);
+      dense_gemm_portable(p, pool);
       break;
   }
 }

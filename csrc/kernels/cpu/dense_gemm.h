@@ -10,10 +10,11 @@
 //
 // x, weight, bias and out share one dtype (fp32, bf16 or fp16). Products and sums are fp32 (bf16 pairs
 // through VDPBF16PS on AVX-512); out is rounded once, to nearest even. x is contiguous (row stride k);
-// out's row stride is ldo (default n).
+// out's row stride is out_row_stride (default n).
 //
-// Follows gemm.h's pattern: params struct, a launcher that validates once and picks the ISA
-// (cpu_features.h), per-ISA files instantiating an explicit set of {dtype} x {M tile} micro-kernels.
+// Follows gemm.h's pattern: params struct, a launcher launch_dense_gemm(params, pool) that validates
+// once and picks the ISA (cpu_features.h), per-ISA files instantiating an explicit set of
+// {dtype} x {M tile} micro-kernels.
 #pragma once
 
 #include <cstdint>
@@ -23,25 +24,25 @@
 namespace inflight::kernels::cpu {
 
 struct DenseGemmParams {
-  void const* x = nullptr;       // [m, k], type, row-major contiguous
-  void const* weight = nullptr;  // [n, k], type, row-major contiguous (torch Linear layout)
-  void const* bias = nullptr;    // [n], type; nullptr: none
-  void* out = nullptr;           // [m, n], type, row-major; fully overwritten
+  void const* x = nullptr;          // [m, k], dtype, row-major contiguous
+  void const* weight = nullptr;     // [n, k], dtype, row-major contiguous (torch Linear layout)
+  void const* bias = nullptr;       // [n], dtype; nullptr: none
+  void* out = nullptr;              // [m, n], dtype, rows out_row_stride apart; fully overwritten
+  std::int64_t out_row_stride = 0;  // elements (0: n; else >= n): out may be a column block of a wider one
   std::int64_t m = 0, n = 0, k = 0;
-  std::int64_t ldo = 0;          // row stride of out in elements (0: n; else >= n): a column block of a wider out
-  ScalarType type = ScalarType::kFloat32;  // x, weight, bias, out all share it: fp32, bf16 or fp16
-  int num_threads = 1;
+  ScalarType dtype = ScalarType::kFloat32;  // of x, weight, bias and out: float32, bfloat16 or float16
+  int num_threads = 1;                      // at most this many of the pool's threads
 };
 
 // Launcher: validates the params (std::invalid_argument naming the field, value and allowed range),
-// then runs the path of selected_isa(). Nothing is allocated. Threads split N on the kernels' pool
-// (thread_pool.h, through gemm_detail::run_tiles): one thread when the weights are too small to be
-// worth waking others, and inline when called from inside a pool task.
-void dense_gemm(DenseGemmParams const& p);
+// then runs the path of selected_isa(). Nothing is allocated. Threads split N on `pool` (through
+// gemm_detail::run_tiles): one thread when the weights are too small to be worth waking others, and
+// inline when called from inside a pool task.
+void launch_dense_gemm(DenseGemmParams const& p, ThreadPool& pool);
 
 // Per-ISA paths (dense_gemm.cpp holds the portable one); only the launcher calls them.
-void dense_gemm_portable(DenseGemmParams const& p);
-void dense_gemm_avx2(DenseGemmParams const& p);
-void dense_gemm_avx512(DenseGemmParams const& p);
+void dense_gemm_portable(DenseGemmParams const& p, ThreadPool& pool);
+void dense_gemm_avx2(DenseGemmParams const& p, ThreadPool& pool);
+void dense_gemm_avx512(DenseGemmParams const& p, ThreadPool& pool);
 
 }  // namespace inflight::kernels::cpu

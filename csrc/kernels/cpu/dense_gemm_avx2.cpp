@@ -85,7 +85,8 @@ struct DenseTile {
       alignas(16) float sums[4];
       _mm_store_ps(sums, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
       for (int r = 0; r < kNR; ++r) {
-        if (n0 + r < p.n) store_out(out + (m0 + i) * (p.ldo > 0 ? p.ldo : p.n), bias, n0 + r, sums[r]);
+        if (n0 + r < p.n)
+          store_out(out + (m0 + i) * (p.out_row_stride > 0 ? p.out_row_stride : p.n), bias, n0 + r, sums[r]);
       }
     }
   }
@@ -93,10 +94,10 @@ struct DenseTile {
 
 }  // namespace
 
-void dense_gemm_avx2(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+void dense_gemm_avx2(DenseGemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto t) {
     using T = decltype(t);
-    run_tiles(DenseTile<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads);
+    run_tiles(DenseTile<T>{p}, p.m, p.n, p.k * static_cast<std::int64_t>(sizeof(T)), p.num_threads, pool);
   });
 }
 

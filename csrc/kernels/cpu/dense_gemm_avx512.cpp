@@ -160,7 +160,7 @@ struct DenseTile {
 
   template <int MR>
   [[gnu::always_inline]] inline void store(__m512 const (&acc)[MR][kNR], std::int64_t m0, std::int64_t n0) const {
-    std::int64_t const ldo = p.ldo > 0 ? p.ldo : p.n;
+    std::int64_t const ldo = p.out_row_stride > 0 ? p.out_row_stride : p.n;
     T* out = static_cast<T*>(p.out) + m0 * ldo + n0;
     T const* bias = static_cast<T const*>(p.bias);
 #pragma GCC unroll 4
@@ -181,17 +181,17 @@ struct DenseTile {
 
 }  // namespace
 
-void dense_gemm_avx512(DenseGemmParams const& p) {
-  dispatch_type(p.type, [&](auto t) {
+void dense_gemm_avx512(DenseGemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto t) {
     using T = decltype(t);
     std::int64_t const row_bytes = p.k * static_cast<std::int64_t>(sizeof(T));
     // One x row is bound by memory alone: 8 weight rows streamed at a time keep more loads in flight
     // (up to ~10% faster from DRAM than 4, one thread). More rows are also bound by the multiply-adds
     // and by the re-reads of each L2 chunk per M tile: 6 x rows per tile make the fewest passes.
     if (p.m == 1) {
-      run_tiles(DenseTile<T, 8, 1>{p}, p.m, p.n, row_bytes, p.num_threads);
+      run_tiles(DenseTile<T, 8, 1>{p}, p.m, p.n, row_bytes, p.num_threads, pool);
     } else {
-      run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads);
+      run_tiles(DenseTile<T, 4, 6>{p}, p.m, p.n, row_bytes, p.num_threads, pool);
     }
   });
 }

@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cpu_features.h"
 
@@ -10,16 +11,22 @@ namespace inflight::kernels::cpu {
 namespace {
 
 void check_common(char const* op, void const* x, void const* qweight, void const* scales, void const* out,
-                  std::int64_t m, std::int64_t n, std::int64_t k, int group_size, int num_threads) {
+                  std::int64_t m, std::int64_t n, std::int64_t k, int group_size, ScalarType dtype,
+                  ScalarType scale_type, int num_threads) {
   std::string const where = std::string(op) + ": ";
+  for (auto [name, t] : {std::pair{"dtype", dtype}, std::pair{"scale_type", scale_type}}) {
+    if (!is_float_type(t)) {
+      throw std::invalid_argument(where + name + " must be float32, bfloat16 or float16, got " + scalar_type_name(t));
+    }
+  }
   if (m < 0) throw std::invalid_argument(where + "m must be >= 0, got " + std::to_string(m));
   if (n < 1) throw std::invalid_argument(where + "n must be >= 1, got " + std::to_string(n));
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(where + "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   }
   if (k < group_size || k % group_size != 0) {
-    throw std::invalid_argument(where + "k must be a positive multiple of group_size (" +
-                                std::to_string(group_size) + "), got " + std::to_string(k));
+    throw std::invalid_argument(where + "k must be a positive multiple of group_size (" + std::to_string(group_size) +
+                                "), got " + std::to_string(k));
   }
   if (num_threads < 1) {
     throw std::invalid_argument(where + "num_threads must be >= 1, got " + std::to_string(num_threads));
@@ -31,46 +38,36 @@ void check_common(char const* op, void const* x, void const* qweight, void const
 
 }  // namespace
 
-char const* scalar_type_name(ScalarType t) {
-  switch (t) {
-    case ScalarType::kFloat32:
-      return "float32";
-    case ScalarType::kBFloat16:
-      return "bfloat16";
-    case ScalarType::kFloat16:
-      return "float16";
-  }
-  return "?";
-}
-
-void w4a16_gemm(W4A16GemmParams const& p) {
-  check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.num_threads);
+void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool) {
+  check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
+               p.num_threads);
   if (p.m == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      w4a16_gemm_avx512(p);
+      w4a16_gemm_avx512(p, pool);
       break;
     case Isa::kAvx2:
-      w4a16_gemm_avx2(p);
+      w4a16_gemm_avx2(p, pool);
       break;
     case Isa::kPortable:
-      w4a16_gemm_portable(p);
+      w4a16_gemm_portable(p, pool);
       break;
   }
 }
 
-void w8a16_gemm(W8A16GemmParams const& p) {
-  check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.num_threads);
+void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool) {
+  check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
+               p.num_threads);
   if (p.m == 0) return;
   switch (selected_isa()) {
     case Isa::kAvx512:
-      w8a16_gemm_avx512(p);
+      w8a16_gemm_avx512(p, pool);
       break;
     case Isa::kAvx2:
-      w8a16_gemm_avx2(p);
+      w8a16_gemm_avx2(p, pool);
       break;
     case Isa::kPortable:
-      w8a16_gemm_portable(p);
+      w8a16_gemm_portable(p, pool);
       break;
   }
 }

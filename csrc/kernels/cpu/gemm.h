@@ -11,168 +11,75 @@
 //          w = scale * q + offset (a value-space offset: GGUF Q4_1 stores its minimum that way).
 //          Symmetric (offsets == nullptr): w = scale * (q - 8) (GGUF Q4_0).
 //   int8:  qweight [N, K] int8, scales [N, K/group_size], w = scale * q (GGUF Q8_0: group 32).
-// x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another (fp32, bf16,
-// fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is 32, 64 or 128.
+// x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another, scale_type
+// (fp32, bf16, fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is
+// 32, 64 or 128.
 //
-// Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher validates
-// the struct and picks the ISA (cpu_features.h); each ISA file instantiates its micro-kernels for the
-// explicit set {x: f32, bf16, f16} x {scales: f32, bf16, f16} x {symmetric, asymmetric} x {M tile}.
+// Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher,
+// launch_<op>(params, pool), validates the struct and picks the ISA (cpu_features.h); the pool is a
+// parameter, as the stream of the CUDA launchers; each ISA file instantiates its micro-kernels for the
+// explicit set {dtype: f32, bf16, f16} x {scale_type: f32, bf16, f16} x {symmetric, asymmetric} x
+// {M tile}.
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 
+#include "inflight/kernels/scalar_type.h"
 #include "thread_pool.h"
 
 namespace inflight::kernels::cpu {
 
-enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-char const* scalar_type_name(ScalarType t);
-
-// Storage types of the 16-bit floats (bit patterns; arithmetic happens in fp32).
-struct BFloat16 {
-  std::uint16_t bits;
-};
-struct Float16 {
-  std::uint16_t bits;
-};
-
+// The fields and names of the CUDA op's params (kernels/cuda/w4a16_gemm.h, w8a16_gemm.h); the CPU reads
+// x and out contiguous (the CUDA op takes row strides) and has num_threads.
 struct W4A16GemmParams {
-  void const* x = nullptr;               // [m, k], x_type, row-major contiguous
+  void const* x = nullptr;                // [m, k], dtype, row-major contiguous
   std::uint8_t const* qweight = nullptr;  // [n, k / 2]
-  void const* scales = nullptr;          // [n, k / group_size], scale_type
-  void const* offsets = nullptr;         // [n, k / group_size], scale_type; nullptr: symmetric
-  void const* bias = nullptr;            // [n], x_type; nullptr: none
-  void* out = nullptr;                   // [m, n], x_type
+  void const* scales = nullptr;           // [n, k / group_size], scale_type
+  void const* offsets = nullptr;          // [n, k / group_size], scale_type; nullptr: symmetric
+  ScalarType scale_type = ScalarType::kFloat32;
+  void const* bias = nullptr;  // [n], dtype; nullptr: none
+  void* out = nullptr;         // [m, n], dtype, row-major contiguous
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
-  ScalarType x_type = ScalarType::kFloat32;
-  ScalarType scale_type = ScalarType::kFloat32;
-  int num_threads = 1;
+  ScalarType dtype = ScalarType::kFloat32;  // of x, bias and out
+  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
 };
 
 struct W8A16GemmParams {
-  void const* x = nullptr;              // [m, k], x_type
+  void const* x = nullptr;               // [m, k], dtype, row-major contiguous
   std::int8_t const* qweight = nullptr;  // [n, k]
-  void const* scales = nullptr;         // [n, k / group_size], scale_type
-  void const* bias = nullptr;           // [n], x_type; nullptr: none
-  void* out = nullptr;                  // [m, n], x_type
+  void const* scales = nullptr;          // [n, k / group_size], scale_type
+  ScalarType scale_type = ScalarType::kFloat32;
+  void const* bias = nullptr;  // [n], dtype; nullptr: none
+  void* out = nullptr;         // [m, n], dtype, row-major contiguous
   std::int64_t m = 0, n = 0, k = 0;
   int group_size = 0;
-  ScalarType x_type = ScalarType::kFloat32;
-  ScalarType scale_type = ScalarType::kFloat32;
-  int num_threads = 1;
+  ScalarType dtype = ScalarType::kFloat32;  // of x, bias and out
+  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
 };
 
 // Launchers: validate the params (std::invalid_argument naming the field, value and allowed range),
-// then run the path of selected_isa(). Nothing is allocated; `out` is fully overwritten.
-void w4a16_gemm(W4A16GemmParams const& p);
-void w8a16_gemm(W8A16GemmParams const& p);
+// then run the path of selected_isa() on up to p.num_threads threads of `pool`. Nothing is
+// allocated; `out` is fully overwritten.
+void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool);
+void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool);
 
 // Per-ISA paths (gemm_portable.cpp, gemm_avx2.cpp, gemm_avx512.cpp); only the launchers call them.
-void w4a16_gemm_portable(W4A16GemmParams const& p);
-void w8a16_gemm_portable(W8A16GemmParams const& p);
-void w4a16_gemm_avx2(W4A16GemmParams const& p);
-void w8a16_gemm_avx2(W8A16GemmParams const& p);
-void w4a16_gemm_avx512(W4A16GemmParams const& p);
-void w8a16_gemm_avx512(W8A16GemmParams const& p);
+void w4a16_gemm_portable(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_portable(W8A16GemmParams const& p, ThreadPool& pool);
+void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool);
+void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool);
+void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool);
 
 // ------------------------------------------------------------------------------------------------
 // Shared by the ISA files. Everything below has internal linkage (anonymous namespace): each ISA
 // file is compiled with its own -m flags, and a shared inline definition could otherwise be merged by
-// the linker into the AVX-512 copy and then run on a CPU without AVX-512.
+// the linker into the AVX-512 copy and then run on a CPU without AVX-512 (as in scalar_type.h).
 namespace gemm_detail {
 namespace {
-
-inline float bf16_to_float(std::uint16_t h) {
-  std::uint32_t const u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-inline float f16_to_float(std::uint16_t h) {
-  std::uint32_t const sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t const exp = (h >> 10) & 0x1fu;
-  std::uint32_t const mant = h & 0x3ffu;
-  std::uint32_t u;
-  if (exp == 0) {
-    float const v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
-    std::memcpy(&u, &v, sizeof u);
-    u |= sign;
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 112u) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline std::uint16_t float_to_f16(float f) {
-  std::uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  std::uint32_t const sign = (x >> 16) & 0x8000u;
-  std::uint32_t const ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-  if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): a subnormal (or 1024 = the smallest normal)
-    float const scaled = std::fabs(f) * 16777216.0f;  // exact: a power-of-two scaling
-    return static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled)));
-  }
-  std::uint32_t h = (ax - 0x38000000u) >> 13;  // rebias the exponent (127 - 15 = 112)
-  std::uint32_t const rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry correctly bumps the exponent
-  return static_cast<std::uint16_t>(sign | h);
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(BFloat16 v) { return bf16_to_float(v.bits); }
-inline float to_float(Float16 v) { return f16_to_float(v.bits); }
-
-template <class T>
-inline T from_float(float v);
-template <>
-inline float from_float<float>(float v) {
-  return v;
-}
-template <>
-inline BFloat16 from_float<BFloat16>(float v) {
-  return BFloat16{float_to_bf16(v)};
-}
-template <>
-inline Float16 from_float<Float16>(float v) {
-  return Float16{float_to_f16(v)};
-}
-
-// Calls f(T{}) with T the storage type of `t`: the compile-time dispatch over dtypes.
-template <class F>
-inline void dispatch_type(ScalarType t, F&& f) {
-  switch (t) {
-    case ScalarType::kFloat32:
-      f(float{});
-      break;
-    case ScalarType::kBFloat16:
-      f(BFloat16{});
-      break;
-    case ScalarType::kFloat16:
-      f(Float16{});
-      break;
-  }
-}
 
 // Below this many weight bytes per call one thread does it all: the fork/join would cost more.
 constexpr std::int64_t kMinBytesPerThread = 16 * 1024;
@@ -220,8 +127,8 @@ void run_tile_range(Kernel const& kernel, std::int64_t m, int max_mr, std::int64
 }
 
 template <class Kernel>
-void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes,
-               int num_threads) {
+void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_t weight_row_bytes, int num_threads,
+               ThreadPool& pool) {
   constexpr int kNR = Kernel::kNR;
   int max_mr = Kernel::kMaxMR;
   if constexpr (requires { kernel.max_mr(); }) max_mr = kernel.max_mr();
@@ -237,7 +144,7 @@ void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_
   auto task = [&](int i, int count) {
     run_tile_range(kernel, m, max_mr, num_tiles * i / count, num_tiles * (i + 1) / count, chunk);
   };
-  parallel_run(threads, TaskRef(task));
+  pool.run(threads, TaskRef(task));
 }
 
 // Calls k.template run<MR>(args...) for the runtime mr in [1, kMaxMR]: the compile-time M tile.

@@ -36,8 +36,8 @@ inline void clamp_rows(std::int64_t n0, std::int64_t n, std::int64_t (&rows)[kNR
 }
 
 template <int MR, int kNR, class XT>
-inline void store_tile(__m256 const (&acc)[MR][kNR], void* out_v, void const* bias_v, std::int64_t m0,
-                       std::int64_t n0, std::int64_t n) {
+inline void store_tile(__m256 const (&acc)[MR][kNR], void* out_v, void const* bias_v, std::int64_t m0, std::int64_t n0,
+                       std::int64_t n) {
   XT* out = static_cast<XT*>(out_v);
   XT const* bias = static_cast<XT const*>(bias_v);
   for (int i = 0; i < MR; ++i) {
@@ -137,8 +137,7 @@ struct W8Fma {
         __m256 xv[MR];
         for (int i = 0; i < MR; ++i) xv[i] = load8(x + i * k_dim + kb);
         for (int r = 0; r < kNR; ++r) {
-          __m256 const wv =
-              _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(w[r] + kb))), sc[r]);
+          __m256 const wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(w[r] + kb))), sc[r]);
           for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
         }
       }
@@ -149,24 +148,24 @@ struct W8Fma {
 
 }  // namespace
 
-void w4a16_gemm_avx2(W4A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if (p.offsets != nullptr) {
-        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       } else {
-        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       }
     });
   });
 }
 
-void w8a16_gemm_avx2(W8A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
-      run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads);
+void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
+      run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads, pool);
     });
   });
 }

@@ -154,7 +154,7 @@ inline __m512 bf16_hi_to_ps(__m512i v) {  // words 16..31 -> fp32
 template <class XT, class ST, bool kAsym>
 struct W4Dot {
   static constexpr int kParts = std::is_same_v<XT, BFloat16> ? 1 : 2;  // bf16 x, or hi + lo
-  static constexpr int kNR = 4;  // weight rows per tile
+  static constexpr int kNR = 4;                                        // weight rows per tile
   // x rows per tile: MR x kNR accumulators + MR x 4 x kParts x vectors (reused by the kNR rows) + 4
   // weight vectors must fit the 32 registers.
   static constexpr int kMaxMR = kParts == 1 ? 3 : 2;
@@ -174,9 +174,7 @@ struct W4Dot {
 
   // Whether one x row fits the scratch buffer (otherwise the caller uses W4Fma / W4Bf16Dot).
   bool fits() const { return static_cast<std::size_t>(row_elems) * 2 <= kScratchBytes; }
-  int max_mr() const {
-    return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / 2 / row_elems));
-  }
+  int max_mr() const { return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / 2 / row_elems)); }
 
   void prepare(int mr, std::int64_t m0, void* scratch) const {
     for (int i = 0; i < mr; ++i) {
@@ -266,8 +264,7 @@ struct W4Dot {
     for (std::int64_t c = 0; c < kpad; c += kChunk, g0 += groups_per_chunk) {
       std::int64_t const left = k_dim - c;  // weights of this chunk that exist (< 128 only in the last)
       __mmask64 const bmask = left >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (left / 2)) - 1;
-      __mmask8 const smask =
-          static_cast<__mmask8>((1u << std::min<std::int64_t>(groups_per_chunk, groups - g0)) - 1u);
+      __mmask8 const smask = static_cast<__mmask8>((1u << std::min<std::int64_t>(groups_per_chunk, groups - g0)) - 1u);
 #pragma GCC unroll 4
       for (int r = 0; r < kNR; ++r) {
         __m512i const b = _mm512_maskz_loadu_epi8(bmask, w[r] + c / 2);
@@ -279,8 +276,7 @@ struct W4Dot {
         __m512bh const q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nib, bias, 0xea);
         __m512bh const q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), nib, bias, 0xea);
         __m512bh const q3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 12), bias);
-        __m512 const sv =
-            _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(load_scales4(s[r] + g0, smask)));
+        __m512 const sv = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(load_scales4(s[r] + g0, smask)));
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
           std::uint16_t const* xp = xw + i * row_elems + c;
@@ -309,8 +305,7 @@ struct W4Dot {
       for (std::int64_t g = 0; g < groups; g += 16) {
         __mmask16 const gm = mask16(groups - g);
         __m512 const sv = load16_masked(s[r] + g, gm);
-        __m512 const cv = kAsym ? _mm512_fmadd_ps(sv, minus128, load16_masked(o + g, gm))
-                                : _mm512_mul_ps(sv, minus136);
+        __m512 const cv = kAsym ? _mm512_fmadd_ps(sv, minus128, load16_masked(o + g, gm)) : _mm512_mul_ps(sv, minus136);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
           float const* xs = reinterpret_cast<float const*>(xw + i * row_elems + kParts * kpad);
@@ -439,7 +434,7 @@ struct TiledBase {
   // acc[i][r] += wv[r] * x row i (16 fp32 at x + i * k): each x vector loaded once, used kNR times.
   template <int MR>
   [[gnu::always_inline]] static void madd_rows(__m512 (&acc)[MR][kNR], __m512 const (&wv)[kNR], float const* x,
-                                              std::int64_t k) {
+                                               std::int64_t k) {
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       __m512 xv = _mm512_load_ps(x + i * k);
@@ -449,9 +444,7 @@ struct TiledBase {
     }
   }
   // The whole fp32 M tile must fit; below 2 rows per tile the untiled kernels do as well.
-  int max_mr() const {
-    return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / (4 * p.k)));
-  }
+  int max_mr() const { return static_cast<int>(std::min<std::int64_t>(kMaxMR, kScratchBytes / (4 * p.k))); }
   bool fits() const { return max_mr() >= 2 && p.k / p.group_size <= kTiledMaxGroups; }
 
   // Rows m0 .. m0 + MR - 1, columns n0 .. n0 + 2 (those < n).
@@ -604,7 +597,7 @@ constexpr std::int64_t kPanelBytes = 96 * 1024;
 // Runs a panel dequantiser D (D::dequantise(n0, rows, bf16 panel), D::p with the GEMM's m, n, k, x,
 // bias, out and num_threads) over all of N: panels of near-equal size, a multiple of the thread count.
 template <class D>
-void run_panels(D const& deq) {
+void run_panels(D const& deq, ThreadPool& pool) {
   auto const& p = deq.p;
   std::int64_t const cap = kPanelBytes / (2 * p.k) / 4 * 4;
   int const threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.num_threads, (p.n + 7) / 8)));
@@ -626,17 +619,17 @@ void run_panels(D const& deq) {
       d.m = p.m;
       d.n = nr;
       d.k = p.k;
-      d.ldo = p.n;
-      d.type = ScalarType::kBFloat16;
+      d.out_row_stride = p.n;
+      d.dtype = ScalarType::kBFloat16;
       d.num_threads = 1;
-      dense_gemm_avx512(d);
+      dense_gemm_avx512(d, pool);
     }
   };
   int const used = static_cast<int>(std::min<std::int64_t>(threads, count));
   if (used <= 1) {
     task(0, 1);
   } else {
-    parallel_run(used, TaskRef(task));
+    pool.run(used, TaskRef(task));
   }
 }
 
@@ -826,8 +819,7 @@ struct W8Fma {
           for (int i = 0; i < MR; ++i) xv[i] = load16(x + i * k_dim + kb);
 #pragma GCC unroll 4
           for (int r = 0; r < kNR; ++r) {
-            __m512 const wv =
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w[r] + kb))), sc[r]);
+            __m512 const wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(w[r] + kb))), sc[r]);
 #pragma GCC unroll 4
             for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_fmadd_ps(wv, xv[i], acc[i][r]);
           }
@@ -840,24 +832,24 @@ struct W8Fma {
 
 }  // namespace
 
-void w4a16_gemm_avx512(W4A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       bool const asym = p.offsets != nullptr;
       // Runs a scratch-buffer kernel when one x row (or M tile) fits its scratch.
       auto run_if_fits = [&](auto const& kernel) {
         if (!kernel.fits()) return false;
-        run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(kernel, p.m, p.n, p.k / 2, p.num_threads, pool);
         return true;
       };
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (p.m >= kPanelMinM && panel_fits(p.k)) {
           if (asym) {
-            run_panels(W4Bf16Panel<ST, true>{p});
+            run_panels(W4Bf16Panel<ST, true>{p}, pool);
           } else {
-            run_panels(W4Bf16Panel<ST, false>{p});
+            run_panels(W4Bf16Panel<ST, false>{p}, pool);
           }
           return;
         }
@@ -868,37 +860,37 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p) {
       // Rows too long for the scratch buffer (k beyond ~16K): the in-register kernels, no reordering.
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (asym) {
-          run_tiles(W4Bf16Dot<ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+          run_tiles(W4Bf16Dot<ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
         } else {
-          run_tiles(W4Bf16Dot<ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+          run_tiles(W4Bf16Dot<ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
         }
       } else if (asym) {
-        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       } else {
-        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       }
     });
   });
 }
 
-void w8a16_gemm_avx512(W8A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if constexpr (std::is_same_v<XT, BFloat16>) {
         if (p.m >= kPanelMinM && panel_fits(p.k)) {
-          run_panels(W8Bf16Panel<ST>{p});
+          run_panels(W8Bf16Panel<ST>{p}, pool);
           return;
         }
       }
       // fp32 / fp16 x, and bf16 x below kPanelMinM rows (widened to fp32 exactly; W8Fma's bf16 path is slower).
       W8Tiled<XT, ST> const tiled(p);
       if (p.m >= kTiledMinM && tiled.fits()) {
-        run_tiles(tiled, p.m, p.n, p.k, p.num_threads);
+        run_tiles(tiled, p.m, p.n, p.k, p.num_threads, pool);
         return;
       }
-      run_tiles(W8Fma<XT, ST>{p}, p.m, p.n, p.k, p.num_threads);
+      run_tiles(W8Fma<XT, ST>{p}, p.m, p.n, p.k, p.num_threads, pool);
     });
   });
 }

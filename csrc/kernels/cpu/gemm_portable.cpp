@@ -92,24 +92,24 @@ struct W8Portable {
 
 }  // namespace
 
-void w4a16_gemm_portable(W4A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
+void w4a16_gemm_portable(W4A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
       using XT = decltype(xt);
       using ST = decltype(st);
       if (p.offsets != nullptr) {
-        run_tiles(W4Portable<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Portable<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       } else {
-        run_tiles(W4Portable<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads);
+        run_tiles(W4Portable<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
       }
     });
   });
 }
 
-void w8a16_gemm_portable(W8A16GemmParams const& p) {
-  dispatch_type(p.x_type, [&](auto xt) {
-    dispatch_type(p.scale_type, [&](auto st) {
-      run_tiles(W8Portable<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads);
+void w8a16_gemm_portable(W8A16GemmParams const& p, ThreadPool& pool) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
+      run_tiles(W8Portable<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads, pool);
     });
   });
 }

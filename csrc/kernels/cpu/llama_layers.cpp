@@ -8,20 +8,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace inflight::kernels::cpu {
 namespace {
 
-using gemm_detail::from_float;
-using gemm_detail::to_float;
-
 constexpr std::size_t kAlign = 64;
 
 std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-std::size_t element_bytes(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
-
-ScalarType scalar_type(ElementType t) { return static_cast<ScalarType>(static_cast<int>(t)); }
 
 // Rounds an fp32 value to the storage type and back: the value torch would hold after an op.
 template <class T>
@@ -36,17 +31,23 @@ inline float rnd(float v) {
 // Tokens per thread below which the elementwise glue stays on one thread.
 constexpr int kMinTokensPerThread = 16;
 
+// The step's threads: at most `num` of the pool's.
+struct Threads {
+  ThreadPool& pool;
+  int num;
+};
+
 template <class F>
-void for_tokens(int num_tokens, int num_threads, F&& f) {
-  int const threads = std::max(1, std::min(num_threads, num_tokens / kMinTokensPerThread));
-  pool_detail::parallel_for(num_tokens, threads, false, [&](std::int64_t t, int) { f(int(t)); });
+void for_tokens(int num_tokens, Threads t, F&& f) {
+  int const threads = std::max(1, std::min(t.num, num_tokens / kMinTokensPerThread));
+  pool_detail::parallel_for(t.pool, num_tokens, threads, false, [&](std::int64_t i, int) { f(int(i)); });
 }
 
 // out = weight * rms_norm(x): normalised in fp32, rounded to T, then scaled (one more rounding), as
 // inflight.layers.norm.rms_norm.
 template <class T>
-void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float eps, int num_threads) {
-  for_tokens(num_tokens, num_threads, [&](int t) {
+void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float eps, Threads threads) {
+  for_tokens(num_tokens, threads, [&](int t) {
     T const* row = x + std::int64_t(t) * d;
     T* dst = out + std::int64_t(t) * d;
     constexpr int kLanes = 16;
@@ -72,9 +73,9 @@ void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float 
 // each product and the sum rounded to T (three torch ops in the Python layer).
 template <class T>
 void rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int num_rot_heads, int head_dim,
-          int num_threads) {
+          Threads threads) {
   int const half = head_dim / 2;
-  for_tokens(num_tokens, num_threads, [&](int t) {
+  for_tokens(num_tokens, threads, [&](int t) {
     T const* cs = cos_sin + std::int64_t(t) * 2 * head_dim;
     float cosv[kMaxHeadDim], sinv[kMaxHeadDim], x[kMaxHeadDim];
     for (int i = 0; i < head_dim; ++i) {
@@ -94,8 +95,8 @@ void rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int
 }
 
 template <class T>
-void add_into(T* hidden, T const* y, int num_tokens, int d, int num_threads) {
-  for_tokens(num_tokens, num_threads, [&](int t) {
+void add_into(T* hidden, T const* y, int num_tokens, int d, Threads threads) {
+  for_tokens(num_tokens, threads, [&](int t) {
     T* h = hidden + std::int64_t(t) * d;
     T const* src = y + std::int64_t(t) * d;
     for (int i = 0; i < d; ++i) h[i] = from_float<T>(to_float(h[i]) + to_float(src[i]));
@@ -105,8 +106,8 @@ void add_into(T* hidden, T const* y, int num_tokens, int d, int num_threads) {
 // inter = silu(gate) * up, gate and up the two halves of each gate_up row (F.silu then a multiply:
 // two roundings to T).
 template <class T>
-void silu_mul(T const* gate_up, T* inter, int num_tokens, int n, int num_threads) {
-  for_tokens(num_tokens, num_threads, [&](int t) {
+void silu_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads) {
+  for_tokens(num_tokens, threads, [&](int t) {
     T const* g = gate_up + std::int64_t(t) * 2 * n;
     T const* u = g + n;
     T* out = inter + std::int64_t(t) * n;
@@ -117,16 +118,16 @@ void silu_mul(T const* gate_up, T* inter, int num_tokens, int n, int num_threads
   });
 }
 
-void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType x_type, int num_threads) {
+void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType dtype, Threads threads) {
   switch (op.kind) {
     case LinearOp::Kind::kW4A16: {
       W4A16GemmParams p = op.w4;
       p.x = x;
       p.out = out;
       p.m = m;
-      p.x_type = x_type;
-      p.num_threads = num_threads;
-      w4a16_gemm(p);
+      p.dtype = dtype;
+      p.num_threads = threads.num;
+      launch_w4a16_gemm(p, threads.pool);
       return;
     }
     case LinearOp::Kind::kW8A16: {
@@ -134,9 +135,9 @@ void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, Scalar
       p.x = x;
       p.out = out;
       p.m = m;
-      p.x_type = x_type;
-      p.num_threads = num_threads;
-      w8a16_gemm(p);
+      p.dtype = dtype;
+      p.num_threads = threads.num;
+      launch_w8a16_gemm(p, threads.pool);
       return;
     }
     case LinearOp::Kind::kDense: {
@@ -144,70 +145,75 @@ void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, Scalar
       p.x = x;
       p.out = out;
       p.m = m;
-      p.num_threads = num_threads;
-      dense_gemm(p);
+      p.num_threads = threads.num;
+      launch_dense_gemm(p, threads.pool);
       return;
     }
   }
 }
 
-struct Buffers {
-  void* normed;  // [T, hidden]
-  void* qkv;     // [T, q + 2kv]
-  void* attn;    // [T, q]
-  void* gate_up;  // [T, 2 * intermediate]
-  void* inter;   // [T, intermediate]
-  void* tmp;     // [T, hidden]
-  float* paged_ws;
-};
-
-PagedAttentionParams decode_params(LlamaShape const& s, LlamaStep const& step) {
-  PagedAttentionParams p;
-  p.q_stride_token = s.q_size() + 2 * s.kv_size();
-  p.q_stride_head = s.head_dim;
-  p.block_tables = step.dec_block_tables;
-  p.kv_lens = step.dec_kv_lens;
-  p.batch = step.dec_batch;
+// The fields paged and context attention share (the same names in both params), for q read out of
+// the fused qkv rows.
+template <class P>
+P attention_params(LlamaShape const& s, std::int32_t const* block_tables, int max_blocks, std::int32_t const* kv_lens,
+                   int batch_size, int num_threads) {
+  P p;
+  p.q_token_stride = s.q_size() + 2 * s.kv_size();
+  p.q_head_stride = s.head_dim;
+  p.num_blocks = s.num_blocks;
+  p.tokens_per_block = s.tokens_per_block;
+  p.block_tables = block_tables;
+  p.block_table_stride = max_blocks;
+  p.max_blocks_per_seq = max_blocks;
+  p.kv_lens = kv_lens;
+  p.batch_size = batch_size;
   p.num_heads = s.num_heads;
   p.num_kv_heads = s.num_kv_heads;
   p.head_dim = s.head_dim;
-  p.num_blocks = s.num_blocks;
-  p.tokens_per_block = s.tokens_per_block;
-  p.max_blocks_per_seq = step.dec_max_blocks;
   p.scale = s.scale;
   p.dtype = s.dtype;
-  p.num_threads = step.num_threads;
+  p.num_threads = num_threads;
   return p;
 }
 
-// (bytes of the activation buffers, floats of the paged-attention workspace, the decode plan)
+// The decode sequences' params, without q, out, the cache and the workspace.
+PagedAttentionParams decode_params(LlamaShape const& s, LlamaStep const& step, int num_threads) {
+  return attention_params<PagedAttentionParams>(s, step.dec_block_tables, step.dec_max_blocks, step.dec_kv_lens,
+                                                step.dec_batch, num_threads);
+}
+
+// Bytes of the activation buffers and of the paged-attention workspace.
 struct Layout {
   std::size_t sizes[6];
-  std::size_t paged_floats = 0;
-  PagedAttentionPlan plan;
+  std::size_t paged_bytes = 0;
+  std::size_t total() const {
+    std::size_t sum = aligned(paged_bytes);
+    for (std::size_t b : sizes) sum += b;
+    return sum;
+  }
 };
 
-Layout layout(LlamaShape const& s, LlamaStep const& step) {
+Layout layout(LlamaShape const& s, LlamaStep const& step, int num_threads) {
   Layout l;
-  std::size_t const e = element_bytes(s.dtype);
+  std::size_t const e = scalar_type_size(s.dtype);
   std::size_t const t = std::size_t(step.num_tokens);
   std::size_t const widths[6] = {std::size_t(s.hidden),       std::size_t(s.q_size() + 2 * s.kv_size()),
                                  std::size_t(s.q_size()),     std::size_t(2 * s.intermediate),
                                  std::size_t(s.intermediate), std::size_t(s.hidden)};
   for (int i = 0; i < 6; ++i) l.sizes[i] = aligned(t * widths[i] * e);
   if (step.dec_batch > 0) {
-    PagedAttentionParams const p = decode_params(s, step);
-    l.plan = plan_paged_attention(p);
-    l.paged_floats = paged_attention_workspace_floats(p, l.plan);
+    l.paged_bytes = std::size_t(paged_attention_workspace_size(decode_params(s, step, num_threads)));
   }
   return l;
 }
 
 template <class T>
-void forward_t(LlamaShape const& s, LlamaLayerWeights const* layers, int num_layers, LlamaStep const& step,
-               void* workspace) {
-  Layout const l = layout(s, step);
-  auto* base = static_cast<unsigned char*>(workspace);
+void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
+  LlamaShape const& s = params.shape;
+  LlamaStep const& step = params.step;
+  Threads const threads{pool, params.num_threads};
+  Layout const l = layout(s, step, params.num_threads);
+  auto* base = static_cast<unsigned char*>(params.workspace);
   void* bufs[6];
   for (int i = 0; i < 6; ++i) {
     bufs[i] = base;
@@ -219,102 +225,78 @@ void forward_t(LlamaShape const& s, LlamaLayerWeights const* layers, int num_lay
   T* gate_up = static_cast<T*>(bufs[3]);
   T* inter = static_cast<T*>(bufs[4]);
   T* tmp = static_cast<T*>(bufs[5]);
-  float* paged_ws = l.paged_floats ? reinterpret_cast<float*>(base) : nullptr;
 
   int const nt = step.num_tokens;
-  int const threads = step.num_threads;
   int const d = s.hidden;
   int const qkv_n = s.q_size() + 2 * s.kv_size();
-  ScalarType const xt = scalar_type(s.dtype);
   T* hidden = static_cast<T*>(step.hidden);
   auto const* cos_sin = static_cast<T const*>(step.cos_sin);
 
   StoreKvParams store;
   store.k = qkv + s.q_size();
   store.v = qkv + s.q_size() + s.kv_size();
-  store.k_stride_token = store.v_stride_token = qkv_n;
-  store.k_stride_head = store.v_stride_head = s.head_dim;
+  store.k_token_stride = store.v_token_stride = qkv_n;
+  store.k_head_stride = store.v_head_stride = s.head_dim;
   store.slot_mapping = step.slot_mapping;
   store.num_slots = std::int64_t(s.num_blocks) * s.tokens_per_block;
   store.num_tokens = nt;
   store.num_kv_heads = s.num_kv_heads;
   store.head_dim = s.head_dim;
   store.dtype = s.dtype;
-  store.num_threads = threads;
+  store.num_threads = params.num_threads;
 
-  ContextAttentionParams ctx;
+  auto ctx = attention_params<ContextAttentionParams>(s, step.ctx_block_tables, step.ctx_max_blocks, step.ctx_kv_lens,
+                                                      step.ctx_batch, params.num_threads);
   ctx.q = qkv;
-  ctx.q_stride_token = qkv_n;
-  ctx.q_stride_head = s.head_dim;
-  ctx.block_tables = step.ctx_block_tables;
   ctx.cu_seqlens = step.ctx_cu_seqlens;
-  ctx.kv_lens = step.ctx_kv_lens;
   ctx.out = attn;
-  ctx.batch = step.ctx_batch;
   ctx.num_tokens = step.num_ctx_tokens;
-  ctx.num_heads = s.num_heads;
-  ctx.num_kv_heads = s.num_kv_heads;
-  ctx.head_dim = s.head_dim;
-  ctx.num_blocks = s.num_blocks;
-  ctx.tokens_per_block = s.tokens_per_block;
-  ctx.max_blocks_per_seq = step.ctx_max_blocks;
-  ctx.scale = s.scale;
-  ctx.dtype = s.dtype;
-  ctx.num_threads = threads;
 
-  PagedAttentionParams dec = decode_params(s, step);
+  PagedAttentionParams dec = decode_params(s, step, params.num_threads);
   dec.q = qkv + std::int64_t(step.num_ctx_tokens) * qkv_n;
   dec.out = attn + std::int64_t(step.num_ctx_tokens) * s.q_size();
-  dec.workspace = paged_ws;
+  dec.workspace = l.paged_bytes ? base : nullptr;
+  dec.workspace_bytes = std::int64_t(l.paged_bytes);
 
-  for (int li = 0; li < num_layers; ++li) {
-    LlamaLayerWeights const& L = layers[li];
+  for (int li = 0; li < params.num_layers; ++li) {
+    LlamaLayerWeights const& L = params.layers[li];
     rms_norm<T>(hidden, static_cast<T const*>(L.input_norm), normed, nt, d, s.eps, threads);
-    linear(L.qkv, normed, qkv, nt, xt, threads);
+    linear(L.qkv, normed, qkv, nt, s.dtype, threads);
     rope<T>(qkv, qkv_n, cos_sin, nt, s.num_heads + s.num_kv_heads, s.head_dim, threads);
     store.kv_cache = L.kv_cache;
-    store_kv(store);
+    launch_store_kv(store, pool);
     if (step.ctx_batch > 0) {
       ctx.kv_cache = L.kv_cache;
-      context_attention(ctx);
+      launch_context_attention(ctx, pool);
     }
     if (step.dec_batch > 0) {
       dec.kv_cache = L.kv_cache;
-      paged_attention(dec, l.plan);
+      launch_paged_attention(dec, pool);
     }
-    linear(L.o, attn, tmp, nt, xt, threads);
+    linear(L.o, attn, tmp, nt, s.dtype, threads);
     add_into<T>(hidden, tmp, nt, d, threads);
     rms_norm<T>(hidden, static_cast<T const*>(L.post_norm), normed, nt, d, s.eps, threads);
-    linear(L.gate_up, normed, gate_up, nt, xt, threads);
+    linear(L.gate_up, normed, gate_up, nt, s.dtype, threads);
     silu_mul<T>(gate_up, inter, nt, s.intermediate, threads);
-    linear(L.down, inter, tmp, nt, xt, threads);
+    linear(L.down, inter, tmp, nt, s.dtype, threads);
     add_into<T>(hidden, tmp, nt, d, threads);
   }
 }
 
 }  // namespace
 
-std::size_t llama_layers_workspace_bytes(LlamaShape const& shape, LlamaStep const& step) {
-  Layout const l = layout(shape, step);
-  std::size_t total = 0;
-  for (std::size_t s : l.sizes) total += s;
-  return total + aligned(l.paged_floats * sizeof(float));
+std::int64_t llama_layers_workspace_size(LlamaLayersParams const& params) {
+  return std::int64_t(layout(params.shape, params.step, params.num_threads).total());
 }
 
-void llama_layers_forward(LlamaShape const& shape, LlamaLayerWeights const* layers, int num_layers,
-                          LlamaStep const& step, void* workspace) {
-  if (step.num_tokens == 0 || num_layers == 0) return;
-  switch (shape.dtype) {
-    case ElementType::kFloat32:
-      forward_t<float>(shape, layers, num_layers, step, workspace);
-      break;
-    case ElementType::kBFloat16:
-      forward_t<BFloat16>(shape, layers, num_layers, step, workspace);
-      break;
-    case ElementType::kFloat16:
-      forward_t<Float16>(shape, layers, num_layers, step, workspace);
-      break;
+void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool) {
+  if (params.step.num_tokens == 0 || params.num_layers == 0) return;
+  std::int64_t const need = llama_layers_workspace_size(params);
+  if (params.workspace == nullptr || params.workspace_bytes < need) {
+    throw std::invalid_argument("llama_layers: workspace must be >= " + std::to_string(need) + " bytes, got " +
+                                std::to_string(params.workspace_bytes));
   }
+  dispatch_float_type(params.shape.dtype, [&](auto t) { forward_t<decltype(t)>(params, pool); });
 }
 
 }  // namespace inflight::kernels::cpu

@@ -10,6 +10,10 @@
 // Numerics follow the Python layer (inflight/models/llama.py) rounding point for rounding point:
 // every intermediate the torch ops would materialise in the model dtype is rounded to it here too
 // (for fp32 models rounding is the identity); arithmetic inside an op is fp32.
+//
+// Like every kernel: a params struct (LlamaLayersParams) and a launcher, launch_llama_layers(params,
+// pool), that allocates nothing (the workspace comes in) and runs the other ops' launchers on the same
+// pool.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +26,7 @@
 
 namespace inflight::kernels::cpu {
 
-// One linear projection: which kernel, and its weight-side params (x, out, m, x_type and num_threads
+// One linear projection: which kernel, and its weight-side params (x, out, m, dtype and num_threads
 // are filled per call).
 struct LinearOp {
   enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2 };
@@ -46,8 +50,8 @@ struct LlamaLayerWeights {
 struct LlamaShape {
   int hidden = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate = 0;
   float eps = 1e-6f;
-  float scale = 1.0f;  // attention softmax scale
-  ElementType dtype = ElementType::kFloat32;
+  float scale = 1.0f;                        // attention softmax scale
+  ScalarType dtype = ScalarType::kFloat32;   // the model dtype: float32, bfloat16 or float16
   int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
@@ -59,7 +63,7 @@ struct LlamaShape {
 struct LlamaStep {
   void* hidden = nullptr;  // [num_tokens, hidden], model dtype, in/out
   int num_tokens = 0;
-  void const* cos_sin = nullptr;           // [num_tokens, 2, head_dim]: cos, then sign-folded sin
+  void const* cos_sin = nullptr;               // [num_tokens, 2, head_dim]: cos, then sign-folded sin
   std::int64_t const* slot_mapping = nullptr;  // [num_tokens]; negative: not stored
   int num_ctx_tokens = 0;
   int ctx_batch = 0, ctx_max_blocks = 0;
@@ -69,16 +73,26 @@ struct LlamaStep {
   int dec_batch = 0, dec_max_blocks = 0;
   std::int32_t const* dec_block_tables = nullptr;  // [dec_batch, dec_max_blocks]
   std::int32_t const* dec_kv_lens = nullptr;       // [dec_batch]
-  int num_threads = 1;
 };
 
-// Bytes of scratch llama_layers_forward needs for this step (activations of one layer + the paged
-// attention partials).
-std::size_t llama_layers_workspace_bytes(LlamaShape const& shape, LlamaStep const& step);
+// The op's params: layers[0 .. num_layers) run over the step, in place on step.hidden.
+struct LlamaLayersParams {
+  LlamaShape shape;
+  LlamaLayerWeights const* layers = nullptr;  // [num_layers]
+  int num_layers = 0;
+  LlamaStep step;
+  // llama_layers_workspace_size(params) bytes, 64-byte aligned: the activations of one layer and the
+  // paged-attention partials (their split depends on num_threads).
+  void* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
+  int num_threads = 1;  // at most this many of the pool's threads, for every op of the step
+};
 
-// Runs layers[0 .. n) over the step, in place on step.hidden. `workspace` holds at least
-// llama_layers_workspace_bytes(shape, step) bytes, 64-byte aligned. Callers validate.
-void llama_layers_forward(LlamaShape const& shape, LlamaLayerWeights const* layers, int num_layers,
-                          LlamaStep const& step, void* workspace);
+// The workspace launch_llama_layers needs for these params (their workspace fields are not read).
+std::int64_t llama_layers_workspace_size(LlamaLayersParams const& params);
+
+// Runs the step on the pool's threads. Callers validate (the binding does); throws
+// std::invalid_argument only for a workspace smaller than llama_layers_workspace_size(params).
+void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool);
 
 }  // namespace inflight::kernels::cpu

@@ -3,7 +3,6 @@
 #include "sampling.h"
 #include "thread_pool.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,39 +21,6 @@ namespace {
 // Float16); M, what block_stats accumulates (StatsMode). Each is instantiated for all of them.
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-float to_float(float v) { return v; }
-
-float to_float(BFloat16 v) {
-  std::uint32_t const bits = static_cast<std::uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-float to_float(Float16 v) {
-  std::uint32_t const sign = static_cast<std::uint32_t>(v.bits & 0x8000u) << 16;
-  std::uint32_t exp = (v.bits >> 10) & 0x1fu;
-  std::uint32_t mant = v.bits & 0x3ffu;
-  std::uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf, NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal half: normalize
-    exp = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 template <typename T>
 void block_max(void const* src, std::int64_t n, float* max, std::int64_t* argmax) {
@@ -127,7 +93,7 @@ SamplingBlockKernels make_kernels() {
 
 }  // namespace
 
-SamplingBlockKernels const& sampling_kernels_portable(SamplingDtype dtype) {
+SamplingBlockKernels const& sampling_kernels_portable(ScalarType dtype) {
   static SamplingBlockKernels const table[3] = {make_kernels<float>(), make_kernels<BFloat16>(),
                                                 make_kernels<Float16>()};
   return table[static_cast<int>(dtype)];
@@ -334,8 +300,8 @@ std::int64_t mass_select(Cand* sel, std::int64_t n, double target) {
 
 class RowSampler {
  public:
-  RowSampler(SamplingKernelParams const& p, SamplingBlockKernels const& k, Layout const& lay, std::byte* ws)
-      : p_(p), k_(k), lay_(lay), ws_(ws), elem_(p.dtype == SamplingDtype::kFloat32 ? 4 : 2) {}
+  RowSampler(SamplingParams const& p, SamplingBlockKernels const& k, Layout const& lay, std::byte* ws)
+      : p_(p), k_(k), lay_(lay), ws_(ws), elem_(static_cast<std::int64_t>(scalar_type_size(p.dtype))) {}
 
   std::int64_t num_blocks() const { return lay_.num_blocks; }
 
@@ -518,11 +484,13 @@ class RowSampler {
 
   float load_logit(void const* src, std::int64_t i) const {
     switch (p_.dtype) {
-      case SamplingDtype::kBFloat16: return detail::to_float(static_cast<detail::BFloat16 const*>(src)[i]);
-      case SamplingDtype::kFloat16: return detail::to_float(static_cast<detail::Float16 const*>(src)[i]);
-      case SamplingDtype::kFloat32: break;
+      case ScalarType::kBFloat16:
+        return to_float(static_cast<BFloat16 const*>(src)[i]);
+      case ScalarType::kFloat16:
+        return to_float(static_cast<Float16 const*>(src)[i]);
+      default:
+        return static_cast<float const*>(src)[i];
     }
-    return static_cast<float>(static_cast<float const*>(src)[i]);
   }
 
   // A threshold with, by the sample, about 2k + 2 strides of tokens above it (k of them needed).
@@ -720,47 +688,54 @@ class RowSampler {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
 
-  SamplingKernelParams const& p_;
+  SamplingParams const& p_;
   SamplingBlockKernels const& k_;
   Layout const& lay_;
   std::byte* ws_;
   std::int64_t elem_;
 };
-SamplingBlockKernels const& kernels_for(Isa isa, SamplingDtype dtype) {
+SamplingBlockKernels const& kernels_for(Isa isa, ScalarType dtype) {
   switch (isa) {
-    case Isa::kAvx512: return detail::sampling_kernels_avx512(dtype);
-    case Isa::kAvx2: return detail::sampling_kernels_avx2(dtype);
-    case Isa::kPortable: break;
+    case Isa::kAvx512:
+      return detail::sampling_kernels_avx512(dtype);
+    case Isa::kAvx2:
+      return detail::sampling_kernels_avx2(dtype);
+    case Isa::kPortable:
+      break;
   }
   return detail::sampling_kernels_portable(dtype);
 }
 
 }  // namespace
 
-std::size_t sampling_workspace_bytes(std::int64_t num_rows, std::int64_t vocab_size, int num_threads) {
-  return make_layout(num_rows, vocab_size, num_threads).total;
+std::int64_t sampling_workspace_size(std::int64_t num_rows, std::int64_t vocab_size, int num_threads) {
+  return static_cast<std::int64_t>(make_layout(num_rows, vocab_size, num_threads).total);
 }
 
-void launch_sampling(SamplingKernelParams const& p, Isa isa) {
+void launch_sampling(SamplingParams const& p, ThreadPool& pool) {
   if (p.num_rows <= 0) return;
   if (p.vocab_size <= 0 || p.vocab_size > std::numeric_limits<std::int32_t>::max()) {
     throw std::invalid_argument("vocab_size must be in [1, 2**31), got " + std::to_string(p.vocab_size));
   }
+  if (!is_float_type(p.dtype)) {
+    throw std::invalid_argument(std::string("dtype must be float32, bfloat16 or float16, got ") +
+                                scalar_type_name(p.dtype));
+  }
   Layout const lay = make_layout(p.num_rows, p.vocab_size, p.num_threads);
-  if (p.workspace == nullptr || p.workspace_bytes < lay.total) {
+  if (p.workspace == nullptr || p.workspace_bytes < static_cast<std::int64_t>(lay.total)) {
     throw std::invalid_argument("sampling workspace must be >= " + std::to_string(lay.total) + " bytes, got " +
                                 std::to_string(p.workspace_bytes));
   }
   auto const addr = reinterpret_cast<std::uintptr_t>(p.workspace);
   auto* ws = static_cast<std::byte*>(p.workspace) + ((64 - addr % 64) % 64);
-  RowSampler const rs(p, kernels_for(isa, p.dtype), lay, ws);
+  RowSampler const rs(p, kernels_for(selected_isa(), p.dtype), lay, ws);
   std::int64_t const nb = rs.num_blocks();
   std::int64_t const rows = p.num_rows;
   int const nt = lay.threads;
 
   if (!lay.staged) {
     // Many rows: each thread owns whole rows (they stay in its cache across the passes).
-    pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+    pool_detail::parallel_for(pool, rows, nt, true, [&](std::int64_t r, int thread) {
       ThreadArea const area = rs.area(thread);
       for (std::int64_t b = 0; b < nb; ++b) rs.max_pass(r, b, &area.maxes[b]);
       RowPlan pl;
@@ -777,14 +752,14 @@ void launch_sampling(SamplingKernelParams const& p, Isa isa) {
   // which reads few candidates, is per row. Same blocks, same combine order as above.
   RowPlan* plans = rs.plans();
   // Four phases, each complete (parallel_for returns) before the next reads its results.
-  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+  pool_detail::parallel_for(pool, rows * nb, nt, false, [&](std::int64_t t, int) {
     rs.max_pass(t / nb, t % nb, rs.shared_maxes(t / nb) + t % nb);
   });
   for (std::int64_t r = 0; r < rows; ++r) rs.plan(r, rs.shared_maxes(r), &plans[r]);
-  pool_detail::parallel_for(rows * nb, nt, false, [&](std::int64_t t, int) {
+  pool_detail::parallel_for(pool, rows * nb, nt, false, [&](std::int64_t t, int) {
     if (!plans[t / nb].greedy) rs.stats_pass(t / nb, t % nb, plans[t / nb], rs.shared_stats(t / nb) + t % nb);
   });
-  pool_detail::parallel_for(rows, nt, true, [&](std::int64_t r, int thread) {
+  pool_detail::parallel_for(pool, rows, nt, true, [&](std::int64_t r, int thread) {
     p.out[r] = rs.finish(r, plans[r], rs.shared_stats(r), rs.area(thread));
   });
 }

@@ -31,38 +31,44 @@
 #include <cstdint>
 
 #include "cpu_features.h"
+#include "inflight/kernels/scalar_type.h"
+#include "thread_pool.h"
 
 namespace inflight::kernels::cpu {
-
-enum class SamplingDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Logits per block: fixed, not derived from the thread count (see "Determinism" above).
 inline constexpr std::int64_t kSamplingBlock = 4096;
 
-struct SamplingKernelParams {
+// The fields and names of the CUDA op's params (kernels/cuda/sampling.h); the CPU-only ones are marked.
+struct SamplingParams {
   void const* logits = nullptr;  // [num_rows, vocab_size], unit stride along the vocabulary
-  SamplingDtype dtype = SamplingDtype::kFloat32;
+  std::int64_t row_stride = 0;   // elements between rows; 0 broadcasts one row to all rows
   std::int64_t num_rows = 0;
-  std::int64_t vocab_size = 0;
-  std::int64_t row_stride = 0;           // in elements; 0 broadcasts one row to all rows
-  float const* temperature = nullptr;    // [num_rows]; <= 0: greedy
-  std::int32_t const* top_k = nullptr;   // [num_rows]; <= 0 or >= vocab_size: all tokens
-  float const* top_p = nullptr;          // [num_rows]; in (0, 1], 1: all tokens
-  float const* min_p = nullptr;          // [num_rows]; in [0, 1], 0: all tokens
-  std::uint64_t const* seeds = nullptr;  // [num_rows], the RNG key
-  std::int64_t const* steps = nullptr;   // [num_rows], >= 0 (the RNG counter)
-  std::int64_t* out = nullptr;           // [num_rows], the sampled token ids
-  void* workspace = nullptr;             // sampling_workspace_bytes(num_rows, vocab_size, num_threads)
-  std::size_t workspace_bytes = 0;
+  std::int64_t vocab_size = 0;              // in [1, 2^31)
+  float const* temperature = nullptr;       // [num_rows]; <= 0: greedy
+  std::int32_t const* top_k = nullptr;      // [num_rows]; <= 0 or >= vocab_size: all tokens
+  float const* top_p = nullptr;             // [num_rows]; in (0, 1], 1: all tokens
+  float const* min_p = nullptr;             // [num_rows]; in [0, 1], 0: all tokens
+  std::uint64_t const* seeds = nullptr;     // [num_rows], the RNG key
+  std::int64_t const* steps = nullptr;      // [num_rows], >= 0 (the RNG counter)
+  std::int64_t* out = nullptr;              // [num_rows], the sampled token ids
+  ScalarType dtype = ScalarType::kFloat32;  // of the logits: float32, bfloat16 or float16
+  // CPU only: sampling_workspace_size(num_rows, vocab_size, num_threads) bytes of scratch (the caller
+  // allocates it; the kernel allocates nothing), and at most num_threads of the pool's threads.
+  void* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
   int num_threads = 1;
 };
 
-// The workspace the launcher needs (the caller allocates it; the kernel allocates nothing).
-std::size_t sampling_workspace_bytes(std::int64_t num_rows, std::int64_t vocab_size, int num_threads);
+// The workspace launch_sampling needs.
+std::int64_t sampling_workspace_size(std::int64_t num_rows, std::int64_t vocab_size, int num_threads);
 
-// Samples every row into params.out with the kernels of `isa`. Throws std::invalid_argument when
-// the workspace is too small.
-void launch_sampling(SamplingKernelParams const& params, Isa isa);
+// Samples every row into params.out with the kernels of selected_isa(), on the pool's threads. Throws
+// std::invalid_argument for a vocab_size or dtype out of range or a workspace that is too small.
+void launch_sampling(SamplingParams const& params, ThreadPool& pool);
+
+// Internal linkage: the per-ISA files include this header with their own -m flags (see scalar_type.h).
+namespace {
 
 // splitmix64's finalizer (Steele, Lea, Flood 2014): a bijective 64-bit mix with full avalanche.
 constexpr std::uint64_t splitmix64(std::uint64_t z) {
@@ -78,15 +84,9 @@ constexpr double sampling_uniform(std::uint64_t seed, std::uint64_t step) {
   return static_cast<double>(splitmix64(splitmix64(seed) ^ step) >> 11) * 0x1.0p-53;
 }
 
-namespace detail {
+}  // namespace
 
-// Storage tags for the 16-bit logit types (raw bits).
-struct BFloat16 {
-  std::uint16_t bits;
-};
-struct Float16 {
-  std::uint16_t bits;
-};
+namespace detail {
 
 // What the stats pass accumulates besides Z.
 enum class StatsMode : int {
@@ -123,9 +123,9 @@ struct SamplingBlockKernels {
   void (*divide_exp)(float* x, std::int64_t n, float t, float m, float* e);
 };
 
-SamplingBlockKernels const& sampling_kernels_portable(SamplingDtype dtype);
-SamplingBlockKernels const& sampling_kernels_avx2(SamplingDtype dtype);
-SamplingBlockKernels const& sampling_kernels_avx512(SamplingDtype dtype);
+SamplingBlockKernels const& sampling_kernels_portable(ScalarType dtype);
+SamplingBlockKernels const& sampling_kernels_avx2(ScalarType dtype);
+SamplingBlockKernels const& sampling_kernels_avx512(ScalarType dtype);
 
 }  // namespace detail
 }  // namespace inflight::kernels::cpu

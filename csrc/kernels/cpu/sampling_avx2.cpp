@@ -3,7 +3,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 #include "sampling.h"
@@ -17,14 +16,10 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr std::int64_t kLanes = 8;
 
-inline float to_float(float v) { return v; }
-inline float to_float(BFloat16 v) {
-  std::uint32_t const bits = static_cast<std::uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(Float16 v) { return _cvtsh_ss(v.bits); }
+// The scalar loads of the vector tails (fp16 through F16C, as the vector loads).
+inline float load_scalar(float v) { return v; }
+inline float load_scalar(BFloat16 v) { return bf16_to_float(v.bits); }
+inline float load_scalar(Float16 v) { return _cvtsh_ss(v.bits); }
 
 inline __m256 load_full(float const* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_full(BFloat16 const* p) {
@@ -40,7 +35,7 @@ template <typename T>
 inline __m256 load(T const* p, std::int64_t i, std::int64_t n) {
   if (n - i >= kLanes) return load_full(p + i);
   alignas(32) float tmp[kLanes];
-  for (std::int64_t j = 0; j < kLanes; ++j) tmp[j] = i + j < n ? to_float(p[i + j]) : -kInf;
+  for (std::int64_t j = 0; j < kLanes; ++j) tmp[j] = i + j < n ? load_scalar(p[i + j]) : -kInf;
   return _mm256_load_ps(tmp);
 }
 
@@ -223,7 +218,7 @@ SamplingBlockKernels make_kernels() {
 
 }  // namespace
 
-SamplingBlockKernels const& sampling_kernels_avx2(SamplingDtype dtype) {
+SamplingBlockKernels const& sampling_kernels_avx2(ScalarType dtype) {
   static SamplingBlockKernels const table[3] = {make_kernels<float>(), make_kernels<BFloat16>(),
                                                 make_kernels<Float16>()};
   return table[static_cast<int>(dtype)];

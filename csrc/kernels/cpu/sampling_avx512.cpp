@@ -193,7 +193,7 @@ SamplingBlockKernels make_kernels() {
 
 }  // namespace
 
-SamplingBlockKernels const& sampling_kernels_avx512(SamplingDtype dtype) {
+SamplingBlockKernels const& sampling_kernels_avx512(ScalarType dtype) {
   static SamplingBlockKernels const table[3] = {make_kernels<float>(), make_kernels<BFloat16>(),
                                                 make_kernels<Float16>()};
   return table[static_cast<int>(dtype)];

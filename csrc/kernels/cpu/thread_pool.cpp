@@ -40,7 +40,9 @@ struct alignas(64) Mailbox {
   std::atomic<std::uint64_t> job{0};
 };
 
-class Pool {
+}  // namespace
+
+class ThreadPool::Workers {
  public:
   void run(int n, TaskRef task) {
     std::unique_lock<std::mutex> lock(use_, std::try_to_lock);
@@ -120,7 +122,8 @@ class Pool {
         if ((spins & 63u) == 0 && std::chrono::steady_clock::now() - start > kSpin) {
           box.sleeping.store(true, std::memory_order_seq_cst);
           // Re-check after announcing: a dispatcher that read sleeping == false bumped generation first.
-          if (box.generation.load(std::memory_order_seq_cst) == seen) box.generation.wait(seen, std::memory_order_acquire);
+          if (box.generation.load(std::memory_order_seq_cst) == seen)
+            box.generation.wait(seen, std::memory_order_acquire);
           box.sleeping.store(false, std::memory_order_relaxed);
           start = std::chrono::steady_clock::now();
         }
@@ -143,33 +146,32 @@ class Pool {
   std::mutex use_;  // held by the caller for the duration of a job
   std::deque<std::unique_ptr<Mailbox>> boxes_;
   std::atomic<int> remaining_{0};
-  std::uint64_t job_ = 0;                 // jobs posted so far (under use_)
+  std::uint64_t job_ = 0;                // jobs posted so far (under use_)
   std::atomic<std::uint64_t> claim_{0};  // (job << 32) | next unclaimed share
 };
 
-Pool* g_pool = nullptr;
-std::once_flag g_pool_once;
+ThreadPool::ThreadPool() : workers_(new Workers()) {}
 
-Pool& pool() {
+ThreadPool& ThreadPool::global() {
+  static ThreadPool* pool = nullptr;
+  static std::once_flag once;
   // Never destroyed: the workers are detached and park in their mailboxes until the process exits.
   // A forked child has none of the parent's threads: it starts over with an empty pool.
-  std::call_once(g_pool_once, [] {
-    g_pool = new Pool();
-    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  std::call_once(once, [] {
+    pool = new ThreadPool();
+    pthread_atfork(nullptr, nullptr, [] { pool = new ThreadPool(); });
   });
-  return *g_pool;
+  return *pool;
 }
 
-}  // namespace
-
-void parallel_run(int num_threads, TaskRef task) {
+void ThreadPool::run(int num_threads, TaskRef task) {
   if (num_threads <= 1) {
     task(0, 1);
     return;
   }
-  pool().run(num_threads, task);
+  workers_->run(num_threads, task);
 }
 
-int thread_pool_size() { return pool().size(); }
+int ThreadPool::size() { return workers_->size(); }
 
 }  // namespace inflight::kernels::cpu

@@ -93,12 +93,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
 
 }  // namespace
 
-cudaError_t launch_attention_simt(ContextAttentionParams const& params, ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_attention_simt(ContextAttentionParams const& params, cudaStream_t stream) {
   if (params.num_tokens == 0 || params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   std::int64_t const blocks = (params.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks > 0x7fffffff || params.num_heads > 65535) return cudaErrorInvalidValue;
-  return SCALAR_TYPE_SWITCH(dtype, T, [&] {
+  return SCALAR_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
       dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(params.num_heads));
       attention_simt_kernel<T, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);

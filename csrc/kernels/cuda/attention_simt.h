@@ -7,12 +7,12 @@
 #include <cuda_runtime_api.h>
 
 #include "context_attention.h"
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
 // params.cu_seqlens == nullptr selects the decode layout (token i is sequence i's only query, at
 // position kv_lens[i] - 1); otherwise the context layout of context_attention.h.
-cudaError_t launch_attention_simt(ContextAttentionParams const& params, ScalarType dtype, cudaStream_t stream);
+cudaError_t launch_attention_simt(ContextAttentionParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

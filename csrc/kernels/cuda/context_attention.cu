@@ -17,8 +17,8 @@ template <typename T, int kHeadDim>
 struct PrefillConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = 16 * kWarps;  // query rows per CTA; warp w owns rows 16w .. 16w+15
-  static constexpr int kBlockN = 64;           // keys per pipeline stage
+  static constexpr int kBlockM = 16 * kWarps;   // query rows per CTA; warp w owns rows 16w .. 16w+15
+  static constexpr int kBlockN = 64;            // keys per pipeline stage
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   // 16 bytes of padding per row keep ldmatrix and the 32-bit output staging stores conflict-free.
   static constexpr int kRowElems = kHeadDim + 8;
@@ -144,8 +144,7 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
     if (n == 0) {
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        ldmatrix_x4(q_frag[kk],
-                    s_q + (warp * 16 + (mi & 1) * 8 + (lane & 7)) * C::kRowElems + kk * 16 + (mi >> 1) * 8);
+        ldmatrix_x4(q_frag[kk], s_q + (warp * 16 + (mi & 1) * 8 + (lane & 7)) * C::kRowElems + kk * 16 + (mi >> 1) * 8);
       }
     }
     T const* s_k = s_kv + (2 * (n & 1)) * C::kTileElems;
@@ -265,20 +264,19 @@ cudaError_t launch_prefill(ContextAttentionParams const& p, cudaStream_t stream)
 
 }  // namespace
 
-cudaError_t launch_context_attention(ContextAttentionParams const& params, ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_context_attention(ContextAttentionParams const& params, cudaStream_t stream) {
   if (params.num_tokens == 0 || params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (params.cu_seqlens == nullptr) return cudaErrorInvalidValue;
-  if (dtype == ScalarType::kFloat32) return launch_attention_simt(params, dtype, stream);
-  return HALF_TYPE_SWITCH(dtype, T, [&] {
+  if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(params, stream);
+  return HALF_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] { return launch_prefill<T, kHeadDim>(params, stream); });
   });
 }
 
-cudaError_t launch_context_attention_simt(ContextAttentionParams const& params, ScalarType dtype,
-                                          cudaStream_t stream) {
+cudaError_t launch_context_attention_simt(ContextAttentionParams const& params, cudaStream_t stream) {
   if (params.cu_seqlens == nullptr) return cudaErrorInvalidValue;
-  return launch_attention_simt(params, dtype, stream);
+  return launch_attention_simt(params, stream);
 }
 
 }  // namespace inflight::kernels::cuda

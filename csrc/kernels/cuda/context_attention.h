@@ -15,37 +15,24 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/attention_params.h"
 
 namespace inflight::kernels::cuda {
 
-struct ContextAttentionParams {
-  void const* q;                   // [num_tokens, num_heads, head_dim], token rows q_token_stride apart
-  std::int64_t q_token_stride;     // elements
-  void const* kv_cache;            // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
-  std::int64_t num_blocks;
-  int tokens_per_block;
-  int const* block_tables;         // [batch_size, max_blocks_per_seq], rows block_table_stride apart
-  std::int64_t block_table_stride;
-  int max_blocks_per_seq;          // kv_lens are clamped to max_blocks_per_seq * tokens_per_block
-  int const* cu_seqlens;           // [batch_size + 1], non-decreasing; null: token i is sequence i's only
-                                   // query (the decode layout, used by the CUDA-core kernel)
-  int const* kv_lens;              // [batch_size]
-  void* out;                       // [num_tokens, num_heads, head_dim], contiguous; rows of tokens that
-                                   // no sequence owns are left untouched
-  std::int64_t num_tokens;
-  int batch_size;
-  int num_heads;
-  int num_kv_heads;
-  int head_dim;                    // 64 or 128
-  float scale;
+// The fields shared with paged attention and with the CPU op are AttentionParams'; a token's heads
+// are contiguous here (the CPU also takes a head stride and a thread count). out's rows of tokens that
+// no sequence owns are left untouched.
+struct ContextAttentionParams : AttentionParams {
+  // [batch_size + 1], non-decreasing; null: token i is sequence i's only query (the decode layout, used
+  // by the CUDA-core kernel)
+  std::int32_t const* cu_seqlens;
+  std::int64_t num_tokens;  // rows of q and out
 };
 
 // Tensor cores for float16/bfloat16, the CUDA-core kernel for float32.
-cudaError_t launch_context_attention(ContextAttentionParams const& params, ScalarType dtype, cudaStream_t stream);
+cudaError_t launch_context_attention(ContextAttentionParams const& params, cudaStream_t stream);
 
 // The CUDA-core kernel (attention_simt.h) for every dtype: a slow, simple twin for tests and fallback.
-cudaError_t launch_context_attention_simt(ContextAttentionParams const& params, ScalarType dtype,
-                                          cudaStream_t stream);
+cudaError_t launch_context_attention_simt(ContextAttentionParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

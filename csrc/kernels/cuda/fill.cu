@@ -21,18 +21,21 @@ cudaError_t launch(FillParams const& p, cudaStream_t stream) {
   // Enough blocks to fill any current GPU; the stride loop covers the rest.
   if (blocks > 65535) blocks = 65535;
   fill_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<T*>(p.out), p.num_elements,
-                                                                           static_cast<T>(p.value));
+                                                                         static_cast<T>(p.value));
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_fill(FillParams const& params, FillDtype dtype, cudaStream_t stream) {
-  switch (dtype) {
-    case FillDtype::kInt32: return launch<std::int32_t>(params, stream);
-    case FillDtype::kFloat32: return launch<float>(params, stream);
+cudaError_t launch_fill(FillParams const& params, cudaStream_t stream) {
+  switch (params.dtype) {
+    case ScalarType::kInt32:
+      return launch<std::int32_t>(params, stream);
+    case ScalarType::kFloat32:
+      return launch<float>(params, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace inflight::kernels::cuda

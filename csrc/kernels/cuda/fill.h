@@ -2,21 +2,23 @@
 // exercises the build (nvcc, static cudart, the lazily imported module) until the real kernels land.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 
-#include <cuda_runtime_api.h>
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
 struct FillParams {
-  void* out;                  // device pointer, num_elements elements of the dtype below
+  void* out;  // device pointer, num_elements elements of dtype
   std::int64_t num_elements;
-  double value;
+  double value;      // converted to dtype
+  ScalarType dtype;  // int32 or float32
 };
 
-enum class FillDtype : int { kInt32 = 0, kFloat32 = 1 };
-
-// Launches on `stream`; allocates nothing. Returns the launch status.
-cudaError_t launch_fill(FillParams const& params, FillDtype dtype, cudaStream_t stream);
+// Launches on `stream`; allocates nothing. Returns the launch status (cudaErrorInvalidValue for a
+// dtype other than int32 or float32).
+cudaError_t launch_fill(FillParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

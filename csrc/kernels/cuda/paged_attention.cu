@@ -17,10 +17,10 @@ template <typename T, int kHeadDim>
 struct DecodeConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRows = 16;                      // query heads per CTA: one MMA M tile
-  static constexpr int kTileKeys = 16 * kWarps;         // keys per pipeline stage; warp w owns 16 of them
+  static constexpr int kRows = 16;               // query heads per CTA: one MMA M tile
+  static constexpr int kTileKeys = 16 * kWarps;  // keys per pipeline stage; warp w owns 16 of them
   static constexpr int kStages = 2;
-  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   // 16 bytes of padding per shared-memory row: the 8 rows one ldmatrix phase reads then start in 8
   // different 4-bank groups (row pitch 4 words mod 32), so the loads are conflict-free.
   static constexpr int kRowElems = kHeadDim + 8;
@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float const tile_max =
-          quad_max(fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1])));
+      float const tile_max = quad_max(fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1])));
       float const m_new = fmaxf(m[r], tile_max);
       float const m_use = m_new == -INFINITY ? 0.f : m_new;  // no keys yet: avoid (-inf) - (-inf)
       float const alpha = exp2f(m[r] - m_use);
@@ -280,8 +279,7 @@ cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partit
   status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
   int const by_occupancy = ceil_div(4LL * num_sms, ctas_per_partition);
-  int const by_length =
-      max_partitions_for(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.tokens_per_block);
+  int const by_length = max_partitions_for(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.tokens_per_block);
   std::int64_t n = by_occupancy < by_length ? by_occupancy : by_length;
   if (n > by_workspace) n = by_workspace;
   num_partitions = n < 1 ? 1 : static_cast<int>(n);
@@ -306,29 +304,16 @@ cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, num_partitions);
   status = cudaGetLastError();
   if (status != cudaSuccess || num_partitions == 1) return status;
-  paged_decode_merge_kernel<T><<<static_cast<unsigned>(p.batch_size * p.num_heads), 128, 0, stream>>>(p, num_partitions);
+  paged_decode_merge_kernel<T>
+      <<<static_cast<unsigned>(p.batch_size * p.num_heads), 128, 0, stream>>>(p, num_partitions);
   return cudaGetLastError();
 }
 
 ContextAttentionParams as_decode_context(PagedAttentionParams const& p) {
   ContextAttentionParams c{};
-  c.q = p.q;
-  c.q_token_stride = p.q_token_stride;
-  c.kv_cache = p.kv_cache;
-  c.num_blocks = p.num_blocks;
-  c.tokens_per_block = p.tokens_per_block;
-  c.block_tables = p.block_tables;
-  c.block_table_stride = p.block_table_stride;
-  c.max_blocks_per_seq = p.max_blocks_per_seq;
+  static_cast<AttentionParams&>(c) = p;
   c.cu_seqlens = nullptr;
-  c.kv_lens = p.kv_lens;
-  c.out = p.out;
   c.num_tokens = p.batch_size;
-  c.batch_size = p.batch_size;
-  c.num_heads = p.num_heads;
-  c.num_kv_heads = p.num_kv_heads;
-  c.head_dim = p.head_dim;
-  c.scale = p.scale;
   return c;
 }
 
@@ -340,18 +325,18 @@ std::int64_t paged_attention_workspace_size(int batch_size, int num_heads, int m
   return static_cast<std::int64_t>(batch_size) * num_heads * n * (head_dim + 1) * 4;
 }
 
-cudaError_t launch_paged_attention(PagedAttentionParams const& params, ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_paged_attention(PagedAttentionParams const& params, cudaStream_t stream) {
   if (params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
-  if (dtype == ScalarType::kFloat32) return launch_attention_simt(as_decode_context(params), dtype, stream);
-  return HALF_TYPE_SWITCH(dtype, T, [&] {
+  if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(as_decode_context(params), stream);
+  return HALF_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] { return launch_decode<T, kHeadDim>(params, stream); });
   });
 }
 
-cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, cudaStream_t stream) {
   if (params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
-  return launch_attention_simt(as_decode_context(params), dtype, stream);
+  return launch_attention_simt(as_decode_context(params), stream);
 }
 
 }  // namespace inflight::kernels::cuda

@@ -14,28 +14,15 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/attention_params.h"
 
 namespace inflight::kernels::cuda {
 
-struct PagedAttentionParams {
-  void const* q;                   // [batch_size, num_heads, head_dim], token rows q_token_stride apart
-  std::int64_t q_token_stride;     // elements
-  void const* kv_cache;            // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
-  std::int64_t num_blocks;
-  int tokens_per_block;
-  int const* block_tables;         // [batch_size, max_blocks_per_seq], rows block_table_stride apart
-  std::int64_t block_table_stride; // elements
-  int max_blocks_per_seq;          // kv_lens are clamped to max_blocks_per_seq * tokens_per_block
-  int const* kv_lens;              // [batch_size]; 0 gives a zero output row
-  void* out;                       // [batch_size, num_heads, head_dim], contiguous
-  void* workspace;                 // may be null; see paged_attention_workspace_size
+// The fields shared with context attention and with the CPU op are AttentionParams'; a token's heads
+// are contiguous here (the CPU also takes a head stride and a thread count).
+struct PagedAttentionParams : AttentionParams {
+  void* workspace;  // may be null; see paged_attention_workspace_size
   std::int64_t workspace_bytes;
-  int batch_size;
-  int num_heads;
-  int num_kv_heads;                // divides num_heads
-  int head_dim;                    // 64 or 128
-  float scale;
 };
 
 // Keys per partition below which splitting stops paying, and the most partitions ever used.
@@ -47,11 +34,10 @@ constexpr int kPagedAttentionMaxPartitions = 64;
 std::int64_t paged_attention_workspace_size(int batch_size, int num_heads, int max_kv_len, int head_dim);
 
 // Tensor cores for float16/bfloat16, the CUDA-core kernel (attention_simt) for float32.
-cudaError_t launch_paged_attention(PagedAttentionParams const& params, ScalarType dtype, cudaStream_t stream);
+cudaError_t launch_paged_attention(PagedAttentionParams const& params, cudaStream_t stream);
 
 // The CUDA-core kernel for every dtype (no split, workspace unused): a slow, simple twin kept for
 // tests and as a fallback.
-cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, ScalarType dtype,
-                                        cudaStream_t stream);
+cudaError_t launch_paged_attention_simt(PagedAttentionParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

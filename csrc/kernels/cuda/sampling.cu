@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBins = 256;               // radix digits of 8 bits, four passes over a 32-bit key
+constexpr int kBins = 256;                     // radix digits of 8 bits, four passes over a 32-bit key
 constexpr double kFixedOne = 1099511627776.0;  // 2^40: top-p masses as integers (deterministic atomics)
 
 __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t z) {
@@ -91,11 +91,11 @@ __device__ V block_exclusive_scan(V v, V* scratch, V& total) {
 template <typename T>
 struct Row {
   T const* logits;
-  float t;       // temperature
-  float inv_t;   // 1 / t
-  float m;       // l_max * inv_t (unranked rows: e = exp(l * inv_t - m), as the CPU's stats pass)
-  float m_div;   // l_max / t (ranked rows: e = exp(l / t - m_div), as the CPU's candidates)
-  bool ranked;   // top-k or top-p in use
+  float t;      // temperature
+  float inv_t;  // 1 / t
+  float m;      // l_max * inv_t (unranked rows: e = exp(l * inv_t - m), as the CPU's stats pass)
+  float m_div;  // l_max / t (ranked rows: e = exp(l / t - m_div), as the CPU's candidates)
+  bool ranked;  // top-k or top-p in use
 
   __device__ float x(int i) const { return to_float(logits[i]) / t; }
   // Explicit roundings (no fused multiply-add) so that e matches the CPU kernel's bit for bit before exp.
@@ -202,7 +202,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
   __shared__ SharedState sh;
   std::int64_t const row_index = blockIdx.x;
-  int const vocab = p.vocab_size;
+  int const vocab = static_cast<int>(p.vocab_size);  // < 2^31 (the launcher checks)
   int const chunk = (vocab + kThreads - 1) / kThreads;
   int const begin = min(vocab, static_cast<int>(threadIdx.x) * chunk);
   int const end = min(vocab, begin + chunk);
@@ -254,13 +254,13 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
     std::uint32_t found_key = 0;
     unsigned long long above = 0, at_key = 0;
     bool const ok = radix_select_desc(
-        begin, end, valid, key, [](int) { return 1ull; }, static_cast<unsigned long long>(top_k), sh, &found_key, &above,
-        &at_key);
+        begin, end, valid, key, [](int) { return 1ull; }, static_cast<unsigned long long>(top_k), sh, &found_key,
+        &above, &at_key);
     if (ok) {
       unsigned int ties = 0;
       int const idx = nth_in_order(
-          begin, end, [&](int i) { return valid(i) && key(i) == found_key; },
-          static_cast<unsigned int>(top_k - above), sh, &ties);
+          begin, end, [&](int i) { return valid(i) && key(i) == found_key; }, static_cast<unsigned int>(top_k - above),
+          sh, &ties);
       k_cut = true;
       k_key = found_key;
       k_index = idx == INT_MAX ? vocab : idx;
@@ -290,13 +290,12 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
     if (target > z) target = z;
     std::uint32_t found_key = 0;
     unsigned long long above = 0, at_key = 0;
-    bool const ok = z > 0 && radix_select_desc(begin, end, in_top_k, key, fixed_mass, target, sh, &found_key, &above,
-                                               &at_key);
+    bool const ok =
+        z > 0 && radix_select_desc(begin, end, in_top_k, key, fixed_mass, target, sh, &found_key, &above, &at_key);
     if (ok) {
       unsigned int ties = 0;
       // Every tie has the same x, hence the same mass: at_key / ties each. Count them first.
-      nth_in_order(
-          begin, end, [&](int i) { return in_top_k(i) && key(i) == found_key; }, 0u, sh, &ties);
+      nth_in_order(begin, end, [&](int i) { return in_top_k(i) && key(i) == found_key; }, 0u, sh, &ties);
       unsigned long long const each = ties > 0 ? at_key / ties : 0;
       unsigned long long const need = target - above;
       unsigned long long j = each > 0 ? (need + each - 1) / each : ties;
@@ -362,10 +361,12 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(SamplingParams p) {
 
 }  // namespace
 
-cudaError_t launch_sampling(SamplingParams const& params, ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_sampling(SamplingParams const& params, cudaStream_t stream) {
   if (params.num_rows == 0) return cudaSuccess;
-  if (params.vocab_size < 1 || params.num_rows > 0x7fffffffLL) return cudaErrorInvalidValue;
-  return SCALAR_TYPE_SWITCH(dtype, T, [&] {
+  if (params.vocab_size < 1 || params.vocab_size > 0x7fffffffLL || params.num_rows > 0x7fffffffLL) {
+    return cudaErrorInvalidValue;
+  }
+  return SCALAR_TYPE_SWITCH(params.dtype, T, [&] {
     sampling_kernel<T><<<static_cast<unsigned>(params.num_rows), kThreads, 0, stream>>>(params);
     return cudaGetLastError();
   });

@@ -19,25 +19,27 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
+// The fields and names of the CPU op's params (kernels/cpu/sampling.h), which also has a workspace and a
+// thread count.
 struct SamplingParams {
-  void const* logits;           // [num_rows, vocab_size], unit stride along the vocabulary
-  std::int64_t row_stride;      // elements between rows (0 broadcasts one row)
-  std::int64_t num_rows;
-  int vocab_size;               // >= 1
-  float const* temperature;     // [num_rows]
-  int const* top_k;             // [num_rows]; <= 0 or >= vocab_size: all
-  float const* top_p;           // [num_rows]; >= 1: all
-  float const* min_p;           // [num_rows]; <= 0: all
-  std::uint64_t const* seeds;   // [num_rows]
-  std::int64_t const* steps;    // [num_rows]
-  std::int64_t* out;            // [num_rows]
+  void const* logits;          // [num_rows, vocab_size], unit stride along the vocabulary
+  std::int64_t row_stride;     // elements between rows (0 broadcasts one row)
+  std::int64_t num_rows;       // below 2^31
+  std::int64_t vocab_size;     // in [1, 2^31)
+  float const* temperature;    // [num_rows]
+  std::int32_t const* top_k;   // [num_rows]; <= 0 or >= vocab_size: all
+  float const* top_p;          // [num_rows]; >= 1: all
+  float const* min_p;          // [num_rows]; <= 0: all
+  std::uint64_t const* seeds;  // [num_rows]
+  std::int64_t const* steps;   // [num_rows]
+  std::int64_t* out;           // [num_rows]
+  ScalarType dtype;            // of the logits: float32, bfloat16 or float16
 };
 
-// dtype: of the logits (float32, bfloat16 or float16).
-cudaError_t launch_sampling(SamplingParams const& params, ScalarType dtype, cudaStream_t stream);
+cudaError_t launch_sampling(SamplingParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

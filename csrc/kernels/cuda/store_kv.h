@@ -4,25 +4,32 @@
 // flattened [num_blocks * tokens_per_block] axis. Negative slots are padding and are skipped; a slot past
 // the cache is skipped too (the kernel cannot report it without a device sync; the caller's block
 // accounting guarantees it never happens).
+//
+// The params have the fields and names of the CPU op's (kernels/cpu/attention.h), which also takes
+// per-head strides; here a token's heads are contiguous (one row of num_kv_heads * head_dim elements,
+// copied in the widest unit that divides it).
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include <cuda_runtime_api.h>
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
 struct StoreKvParams {
-  void const* k;                   // [num_tokens, num_kv_heads, head_dim], rows k_token_stride apart
-  void const* v;                   // same shape as k, rows v_token_stride apart
-  void* kv_cache;                  // [2, num_slots, row_elems] in effect
-  std::int64_t const* slot_mapping;  // [num_tokens]
-  std::int64_t num_tokens;
-  std::int64_t k_token_stride;     // elements between consecutive tokens of k
+  void const* k;  // [num_tokens, num_kv_heads, head_dim], rows k_token_stride elements apart
+  void const* v;  // like k, rows v_token_stride elements apart
+  std::int64_t k_token_stride;
   std::int64_t v_token_stride;
-  std::int64_t row_elems;          // num_kv_heads * head_dim (contiguous in k, v and the cache)
-  std::int64_t num_slots;          // num_blocks * tokens_per_block
-  int elem_bytes;                  // 2 or 4: the copy is dtype-agnostic
+  void* kv_cache;                    // [2, num_slots, num_kv_heads, head_dim] in effect
+  std::int64_t const* slot_mapping;  // [num_tokens]
+  std::int64_t num_slots;            // num_blocks * tokens_per_block
+  std::int64_t num_tokens;
+  int num_kv_heads;
+  int head_dim;
+  ScalarType dtype;  // of k, v and the cache: float32, bfloat16 or float16 (the copy needs its size only)
 };
 
 cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream);

@@ -7,26 +7,26 @@
 
 #include <cuda_runtime_api.h>
 
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
 
 namespace inflight::kernels::cuda {
 
+// The fields and names of the CPU op's params (kernels/cpu/gemm.h); here x and out may be row-strided,
+// the CPU has a thread count instead.
 struct W8A16GemmParams {
-  void const* x;                 // [m, k], rows x_row_stride elements apart, 16-byte aligned rows
+  void const* x;  // [m, k], rows x_row_stride elements apart, 16-byte aligned rows
   std::int64_t x_row_stride;
-  std::int8_t const* qweight;    // [n, k], contiguous
-  void const* scales;            // [n, k / group_size], contiguous, of scale_type
-  ScalarType scale_type;         // float16, bfloat16 or float32 (rounded to x's dtype when loaded)
-  void const* bias;              // [n] of x's dtype, or null
-  void* out;                     // [m, n], rows out_row_stride elements apart
+  std::int8_t const* qweight;  // [n, k], contiguous
+  void const* scales;          // [n, k / group_size], contiguous, of scale_type
+  ScalarType scale_type;       // float16, bfloat16 or float32 (rounded to dtype when loaded)
+  void const* bias;            // [n] of dtype, or null
+  void* out;                   // [m, n], rows out_row_stride elements apart
   std::int64_t out_row_stride;
-  int m;
-  int n;
-  int k;                         // a multiple of group_size
-  int group_size;                // a multiple of 16
+  std::int64_t m, n, k;  // each below 2^31; k a multiple of group_size
+  int group_size;        // a multiple of 16
+  ScalarType dtype;      // of x, bias and out: float16 or bfloat16
 };
 
-// dtype: float16 or bfloat16 (x, bias and out).
-cudaError_t launch_w8a16_gemm(W8A16GemmParams const& params, ScalarType dtype, cudaStream_t stream);
+cudaError_t launch_w8a16_gemm(W8A16GemmParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

@@ -15,7 +15,8 @@
 #include <type_traits>
 
 #include "device_utils.cuh"
-#include "scalar_type.h"
+#include "inflight/kernels/scalar_type.h"
+#include "static_switch.h"
 
 namespace inflight::kernels::cuda {
 
@@ -25,7 +26,7 @@ struct WeightOnlyGemmArgs {
   std::uint8_t const* qweight;
   std::int64_t qweight_row_bytes;
   void const* scales;
-  void const* offsets;  // null: symmetric
+  void const* offsets;    // null: symmetric
   ScalarType scale_type;  // of scales and offsets
   void const* bias;       // [n] of the output type, or null
   void* out;
@@ -55,9 +56,12 @@ struct Half2Ops<__nv_bfloat16> {
 template <typename T>
 __device__ __forceinline__ T load_group_param(void const* base, std::int64_t i, ScalarType type) {
   switch (type) {
-    case ScalarType::kFloat16: return from_float<T>(__half2float(static_cast<half const*>(base)[i]));
-    case ScalarType::kBFloat16: return from_float<T>(__bfloat162float(static_cast<__nv_bfloat16 const*>(base)[i]));
-    case ScalarType::kFloat32: break;
+    case ScalarType::kFloat16:
+      return from_float<T>(__half2float(static_cast<half const*>(base)[i]));
+    case ScalarType::kBFloat16:
+      return from_float<T>(__bfloat162float(static_cast<__nv_bfloat16 const*>(base)[i]));
+    default:
+      break;  // float32
   }
   return from_float<T>(static_cast<float const*>(base)[i]);
 }
@@ -79,11 +83,12 @@ struct Int4Format {
   static constexpr int kKSteps = 8;
   static constexpr int kXVecs = 4;  // 16-byte vectors of x per chunk and batch row
   static constexpr int kMinGroup = 32;
+  static constexpr int kKPerByte = 2;
 
   // Dequantised pairs for k-step `s` of one weight row: lo = A[row][2t,2t+1], hi = A[row][2t+8,2t+9].
   template <typename T, bool kAsym>
-  __device__ static void a_pairs(uint4 const& w, int s, typename Half2Ops<T>::T2 scale,
-                                 typename Half2Ops<T>::T2 offset, std::uint32_t& lo, std::uint32_t& hi) {
+  __device__ static void a_pairs(uint4 const& w, int s, typename Half2Ops<T>::T2 scale, typename Half2Ops<T>::T2 offset,
+                                 std::uint32_t& lo, std::uint32_t& hi) {
     using T2 = typename Half2Ops<T>::T2;
     std::uint32_t const word = (&w.x)[s / 2];
     int const shift = (s % 2) * 8;  // k-step 2w: shifts 0 and 4; 2w+1: shifts 8 and 12
@@ -105,7 +110,7 @@ struct Int4Format {
 
   // B fragment for k-step `s` from the lane's 32 x values (xr[i] = x[2i], x[2i+1]).
   __device__ static void b_frag(std::uint32_t const (&xr)[16], int s, std::uint32_t& b0, std::uint32_t& b1) {
-    int const base = (s / 2) * 4 + (s % 2);  // word w: registers 4w .. 4w+3 hold x[8w .. 8w+7]
+    int const base = (s / 2) * 4 + (s % 2);     // word w: registers 4w .. 4w+3 hold x[8w .. 8w+7]
     b0 = prmt(xr[base], xr[base + 2], 0x5410);  // (x[8w + j], x[8w + 4 + j]), j = 0 or 2
     b1 = prmt(xr[base], xr[base + 2], 0x7632);  // (x[8w + j + 1], x[8w + 5 + j])
   }
@@ -118,6 +123,7 @@ struct Int8Format {
   static constexpr int kKSteps = 4;
   static constexpr int kXVecs = 2;
   static constexpr int kMinGroup = 16;
+  static constexpr int kKPerByte = 1;
 
   template <typename T>
   __device__ static void bytes_to_pairs(std::uint32_t word, std::uint32_t& p02, std::uint32_t& p13) {
@@ -308,11 +314,46 @@ cudaError_t launch_weight_only_gemm(WeightOnlyGemmArgs const& a, cudaStream_t st
   auto launch = [&](auto n_tiles) {
     constexpr int kNTiles = decltype(n_tiles)::value;
     using Shape = WogShape<kNTiles>;
-    dim3 grid(static_cast<unsigned>((a.n + Shape::kRowsPerCta - 1) / Shape::kRowsPerCta), static_cast<unsigned>(grid_y));
+    dim3 grid(static_cast<unsigned>((a.n + Shape::kRowsPerCta - 1) / Shape::kRowsPerCta),
+              static_cast<unsigned>(grid_y));
     weight_only_gemm_kernel<T, Format, kAsym, kNTiles><<<grid, Shape::kThreads, 0, stream>>>(a);
     return cudaGetLastError();
   };
   return a.m <= 8 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
+}
+
+// The launcher of both ops: their params share the field names. kOffsets: Params has offsets (the
+// int4 op); the kernel is then instantiated for both symmetric and asymmetric weights.
+template <typename Format, bool kOffsets, typename Params>
+cudaError_t launch_weight_only_op(Params const& p, cudaStream_t stream) {
+  constexpr std::int64_t kIntMax = 0x7fffffff;
+  if (p.group_size <= 0 || p.group_size % Format::kMinGroup != 0 || p.k % p.group_size != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.m < 0 || p.n < 0 || p.k < 0 || p.m > kIntMax || p.n > kIntMax || p.k > kIntMax) return cudaErrorInvalidValue;
+  WeightOnlyGemmArgs a{};
+  a.x = p.x;
+  a.x_row_stride = p.x_row_stride;
+  a.qweight = reinterpret_cast<std::uint8_t const*>(p.qweight);
+  a.qweight_row_bytes = p.k / Format::kKPerByte;
+  a.scales = p.scales;
+  if constexpr (kOffsets) a.offsets = p.offsets;
+  a.scale_type = p.scale_type;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.out_row_stride = p.out_row_stride;
+  a.m = static_cast<int>(p.m);
+  a.n = static_cast<int>(p.n);
+  a.k = static_cast<int>(p.k);
+  a.group_size = p.group_size;
+  return HALF_TYPE_SWITCH(p.dtype, T, [&] {
+    if constexpr (kOffsets) {
+      return BOOL_SWITCH(a.offsets != nullptr, kAsym,
+                         [&] { return launch_weight_only_gemm<T, Format, kAsym>(a, stream); });
+    } else {
+      return launch_weight_only_gemm<T, Format, false>(a, stream);
+    }
+  });
 }
 
 }  // namespace inflight::kernels::cuda

@@ -1,0 +1,38 @@
+// AttentionParams: what paged attention (decode) and context attention (prefill) share, on the CPU
+// (kernels/cpu/attention.h) and on CUDA (kernels/cuda/paged_attention.h, context_attention.h). Each
+// op's params derive from it and add their own fields (and the device-specific ones), so the same
+// thing has the same name on both devices.
+//
+// The paged KV cache of one layer is [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] (0 = K,
+// 1 = V); key j of sequence i lives in block block_tables[i, j / tokens_per_block], row
+// j % tokens_per_block. Free of CUDA headers and C++17, like scalar_type.h.
+#pragma once
+
+#include <cstdint>
+
+#include "inflight/kernels/scalar_type.h"
+
+namespace inflight::kernels {
+
+struct AttentionParams {
+  void const* q = nullptr;          // [tokens, num_heads, head_dim], token rows q_token_stride elements apart
+  std::int64_t q_token_stride = 0;  // CUDA: a multiple of 16 bytes
+  void const* kv_cache = nullptr;
+  std::int64_t num_blocks = 0;
+  int tokens_per_block = 0;
+  std::int32_t const* block_tables = nullptr;  // [batch_size, max_blocks_per_seq], rows block_table_stride apart
+  std::int64_t block_table_stride = 0;         // elements
+  int max_blocks_per_seq = 0;
+  // [batch_size]: keys per sequence. The CPU kernels need 1 .. max_blocks_per_seq * tokens_per_block (the
+  // bindings check it); the CUDA kernels clamp to that and give a zero output row for 0.
+  std::int32_t const* kv_lens = nullptr;
+  void* out = nullptr;  // [tokens, num_heads, head_dim], contiguous
+  int batch_size = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;                     // divides num_heads
+  int head_dim = 0;                         // CUDA: 64 or 128
+  float scale = 1.0f;                       // of q . k, before the softmax
+  ScalarType dtype = ScalarType::kFloat32;  // of q, out and the cache: a float type
+};
+
+}  // namespace inflight::kernels
