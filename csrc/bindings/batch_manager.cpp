@@ -38,7 +38,8 @@ RequestList const& as_request_list(nb::handle requests, RequestList& storage) {
   for (nb::handle item : requests) {
     bm::LlmRequest* ptr = nullptr;
     if (!nb::try_cast<bm::LlmRequest*>(item, ptr) || ptr == nullptr) {
-      throw nb::type_error(("expected LlmRequest objects, got " + std::string(nb::type_name(item.type()).c_str())).c_str());
+      throw nb::type_error(
+          ("expected LlmRequest objects, got " + std::string(nb::type_name(item.type()).c_str())).c_str());
     }
     storage.push_back(ptr, nb::borrow(item));
   }
@@ -174,8 +175,7 @@ void bind_batch_manager(nb::module_& m) {
           },
           "start"_a = 0, nb::arg("end").none() = nb::none(),
           "Tokens [start, end): the prompt followed by the generated ones.")
-      .def_prop_ro("last_token",
-                   [](bm::LlmRequest const& r) { return r.tokens().back(); })
+      .def_prop_ro("last_token", [](bm::LlmRequest const& r) { return r.tokens().back(); })
       .def_prop_ro("num_tokens", &bm::LlmRequest::num_tokens)
       .def_prop_ro("num_generated_tokens", &bm::LlmRequest::num_generated_tokens)
       .def("add_new_token", &bm::LlmRequest::add_new_token, "token"_a)
@@ -198,8 +198,8 @@ void bind_batch_manager(nb::module_& m) {
       .def("__repr__", [](nb::handle self) {
         auto const& r = nb::cast<bm::LlmRequest const&>(self);
         std::ostringstream os;
-        os << nb::type_name(self.type()).c_str() << "(request_id=" << r.request_id() << ", state="
-           << bm::to_string(r.state()) << ", prompt_len=" << r.prompt_len()
+        os << nb::type_name(self.type()).c_str() << "(request_id=" << r.request_id()
+           << ", state=" << bm::to_string(r.state()) << ", prompt_len=" << r.prompt_len()
            << ", num_generated_tokens=" << r.num_generated_tokens()
            << ", context_current_position=" << r.context_current_position() << ")";
         return os.str();
@@ -211,12 +211,13 @@ void bind_batch_manager(nb::module_& m) {
                           "schedulers accept it (or any iterable of requests) and return RequestLists of "
                           "the same objects.")
       .def(nb::init<>())
-      .def("__init__",
-           [](RequestList* self, nb::iterable requests) {
-             new (self) RequestList();
-             for (nb::handle item : requests) self->push_back(request_ptr(item), nb::borrow(item));
-           },
-           "requests"_a)
+      .def(
+          "__init__",
+          [](RequestList* self, nb::iterable requests) {
+            new (self) RequestList();
+            for (nb::handle item : requests) self->push_back(request_ptr(item), nb::borrow(item));
+          },
+          "requests"_a)
       .def("__len__", &RequestList::size)
       .def("__bool__", [](RequestList const& l) { return l.size() != 0; })
       .def("__getitem__", [](RequestList const& l, std::int64_t i) { return l.objs()[normalize_index(l, i)]; })
@@ -230,80 +231,90 @@ void bind_batch_manager(nb::module_& m) {
            })
       .def("__contains__",
            [](RequestList const& l, nb::handle obj) {
-             for (auto const& o : l.objs()) if (o.is(obj)) return true;
+             for (auto const& o : l.objs())
+               if (o.is(obj)) return true;
              return false;
            })
-      .def("append", [](RequestList& l, nb::handle obj) { l.push_back(request_ptr(obj), nb::borrow(obj)); }, "request"_a)
-      .def("extend",
-           [](RequestList& l, nb::iterable requests) {
-             for (nb::handle item : requests) l.push_back(request_ptr(item), nb::borrow(item));
-           },
-           "requests"_a)
-      .def("insert",
-           [](RequestList& l, std::int64_t index, nb::handle obj) {
-             auto const n = static_cast<std::int64_t>(l.size());
-             if (index < 0) index += n;
-             index = std::clamp<std::int64_t>(index, 0, n);
-             l.insert(static_cast<std::size_t>(index), request_ptr(obj), nb::borrow(obj));
-           },
-           "index"_a, "request"_a)
-      .def("insert_by_priority",
-           [](RequestList& l, nb::handle obj) {
-             // Descending priority, FIFO within equal priority: after the last request whose priority
-             // is >= the new one's.
-             bm::LlmRequest* ptr = request_ptr(obj);
-             std::size_t pos = l.size();
-             while (pos > 0 && l.ptrs()[pos - 1]->priority() < ptr->priority()) --pos;
-             l.insert(pos, ptr, nb::borrow(obj));
-           },
-           "request"_a, "Inserts keeping descending priority, FIFO within equal priority.")
-      .def("remove",
-           [](RequestList& l, nb::handle obj) {
-             for (std::size_t i = 0; i < l.size(); ++i) {
-               if (l.objs()[i].is(obj)) {
-                 l.erase(i);
-                 return;
-               }
-             }
-             throw nb::value_error("RequestList.remove(x): x not in list");
-           },
-           "request"_a)
-      .def("remove_ids",
-           [](RequestList& l, std::unordered_set<bm::RequestIdType> const& ids) {
-             RequestList kept;
-             kept.reserve(l.size());
-             for (std::size_t i = 0; i < l.size(); ++i) {
-               if (ids.count(l.ptrs()[i]->request_id()) == 0) kept.push_back(l.ptrs()[i], l.objs()[i]);
-             }
-             l = std::move(kept);
-           },
-           "request_ids"_a, "Removes every request whose id is in request_ids (one pass).")
-      .def("pop",
-           [](RequestList& l, std::int64_t i) {
-             std::size_t idx = normalize_index(l, i);
-             nb::object obj = l.objs()[idx];
-             l.erase(idx);
-             return obj;
-           },
-           "index"_a = -1)
+      .def(
+          "append", [](RequestList& l, nb::handle obj) { l.push_back(request_ptr(obj), nb::borrow(obj)); }, "request"_a)
+      .def(
+          "extend",
+          [](RequestList& l, nb::iterable requests) {
+            for (nb::handle item : requests) l.push_back(request_ptr(item), nb::borrow(item));
+          },
+          "requests"_a)
+      .def(
+          "insert",
+          [](RequestList& l, std::int64_t index, nb::handle obj) {
+            auto const n = static_cast<std::int64_t>(l.size());
+            if (index < 0) index += n;
+            index = std::clamp<std::int64_t>(index, 0, n);
+            l.insert(static_cast<std::size_t>(index), request_ptr(obj), nb::borrow(obj));
+          },
+          "index"_a, "request"_a)
+      .def(
+          "insert_by_priority",
+          [](RequestList& l, nb::handle obj) {
+            // Descending priority, FIFO within equal priority: after the last request whose priority
+            // is >= the new one's.
+            bm::LlmRequest* ptr = request_ptr(obj);
+            std::size_t pos = l.size();
+            while (pos > 0 && l.ptrs()[pos - 1]->priority() < ptr->priority()) --pos;
+            l.insert(pos, ptr, nb::borrow(obj));
+          },
+          "request"_a, "Inserts keeping descending priority, FIFO within equal priority.")
+      .def(
+          "remove",
+          [](RequestList& l, nb::handle obj) {
+            for (std::size_t i = 0; i < l.size(); ++i) {
+              if (l.objs()[i].is(obj)) {
+                l.erase(i);
+                return;
+              }
+            }
+            throw nb::value_error("RequestList.remove(x): x not in list");
+          },
+          "request"_a)
+      .def(
+          "remove_ids",
+          [](RequestList& l, std::unordered_set<bm::RequestIdType> const& ids) {
+            RequestList kept;
+            kept.reserve(l.size());
+            for (std::size_t i = 0; i < l.size(); ++i) {
+              if (ids.count(l.ptrs()[i]->request_id()) == 0) kept.push_back(l.ptrs()[i], l.objs()[i]);
+            }
+            l = std::move(kept);
+          },
+          "request_ids"_a, "Removes every request whose id is in request_ids (one pass).")
+      .def(
+          "pop",
+          [](RequestList& l, std::int64_t i) {
+            std::size_t idx = normalize_index(l, i);
+            nb::object obj = l.objs()[idx];
+            l.erase(idx);
+            return obj;
+          },
+          "index"_a = -1)
       .def("clear", &RequestList::clear)
-      .def("__add__",
-           [](RequestList const& a, RequestList const& b) {
-             RequestList out;
-             out.reserve(a.size() + b.size());
-             for (std::size_t i = 0; i < a.size(); ++i) out.push_back(a.ptrs()[i], a.objs()[i]);
-             for (std::size_t i = 0; i < b.size(); ++i) out.push_back(b.ptrs()[i], b.objs()[i]);
-             return out;
-           },
-           "other"_a, "Concatenation (e.g. context + generation requests of one batch).")
-      .def("request_ids",
-           [](RequestList const& l) {
-             std::vector<bm::RequestIdType> ids;
-             ids.reserve(l.size());
-             for (auto* p : l.ptrs()) ids.push_back(p->request_id());
-             return ids;
-           },
-           "The request ids, in order.")
+      .def(
+          "__add__",
+          [](RequestList const& a, RequestList const& b) {
+            RequestList out;
+            out.reserve(a.size() + b.size());
+            for (std::size_t i = 0; i < a.size(); ++i) out.push_back(a.ptrs()[i], a.objs()[i]);
+            for (std::size_t i = 0; i < b.size(); ++i) out.push_back(b.ptrs()[i], b.objs()[i]);
+            return out;
+          },
+          "other"_a, "Concatenation (e.g. context + generation requests of one batch).")
+      .def(
+          "request_ids",
+          [](RequestList const& l) {
+            std::vector<bm::RequestIdType> ids;
+            ids.reserve(l.size());
+            for (auto* p : l.ptrs()) ids.push_back(p->request_id());
+            return ids;
+          },
+          "The request ids, in order.")
       .def("__repr__", [](RequestList const& l) {
         std::vector<bm::RequestIdType> ids;
         for (auto* p : l.ptrs()) ids.push_back(p->request_id());
@@ -322,19 +333,20 @@ void bind_batch_manager(nb::module_& m) {
       .def_rw("reused_blocks", &bm::KvCacheStats::reused_blocks)
       .def_rw("missed_blocks", &bm::KvCacheStats::missed_blocks)
       .def_rw("cache_hit_rate", &bm::KvCacheStats::cache_hit_rate)
-      .def("to_dict", [](bm::KvCacheStats const& s) {
-        nb::dict d;
-        d["max_num_blocks"] = s.max_num_blocks;
-        d["free_num_blocks"] = s.free_num_blocks;
-        d["used_num_blocks"] = s.used_num_blocks;
-        d["tokens_per_block"] = s.tokens_per_block;
-        d["alloc_total_blocks"] = s.alloc_total_blocks;
-        d["alloc_new_blocks"] = s.alloc_new_blocks;
-        d["reused_blocks"] = s.reused_blocks;
-        d["missed_blocks"] = s.missed_blocks;
-        d["cache_hit_rate"] = s.cache_hit_rate;
-        return d;
-      })
+      .def("to_dict",
+           [](bm::KvCacheStats const& s) {
+             nb::dict d;
+             d["max_num_blocks"] = s.max_num_blocks;
+             d["free_num_blocks"] = s.free_num_blocks;
+             d["used_num_blocks"] = s.used_num_blocks;
+             d["tokens_per_block"] = s.tokens_per_block;
+             d["alloc_total_blocks"] = s.alloc_total_blocks;
+             d["alloc_new_blocks"] = s.alloc_new_blocks;
+             d["reused_blocks"] = s.reused_blocks;
+             d["missed_blocks"] = s.missed_blocks;
+             d["cache_hit_rate"] = s.cache_hit_rate;
+             return d;
+           })
       .def("__repr__", [](bm::KvCacheStats const& s) {
         std::ostringstream os;
         os << "KvCacheStats(max_num_blocks=" << s.max_num_blocks << ", free_num_blocks=" << s.free_num_blocks

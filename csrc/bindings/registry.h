@@ -28,7 +28,7 @@ inline void bind_registered_ops(nanobind::module_& m) {
 
 }  // namespace inflight::bindings
 
-#define INFLIGHT_REGISTER_OPS(name)                                                                   \
+#define INFLIGHT_REGISTER_OPS(name)                                                                  \
   static void inflight_bind_##name(nanobind::module_& m);                                            \
   static ::inflight::bindings::OpsRegistrar inflight_registrar_##name(#name, &inflight_bind_##name); \
   static void inflight_bind_##name(nanobind::module_& m)

@@ -137,8 +137,8 @@ class SchedulerSimulation {
   // Every request finished with exactly the tokens an unpaused run would have produced.
   void expect_outputs_complete() const {
     for (auto const& spec : specs_) {
-      auto const it = std::find_if(owned_.begin(), owned_.end(),
-                                   [&](auto const& r) { return r->request_id() == spec.id; });
+      auto const it =
+          std::find_if(owned_.begin(), owned_.end(), [&](auto const& r) { return r->request_id() == spec.id; });
       ASSERT_NE(it, owned_.end()) << "request " << spec.id << " never arrived";
       LlmRequest const& request = **it;
       EXPECT_TRUE(request.is_finished()) << "request " << spec.id;

@@ -123,8 +123,7 @@ TEST(CapacitySchedulerTest, StaticBatchWaitsForBatchToDrain) {
                                           {.id = 2, .prompt_len = 10, .max_new_tokens = 2, .arrival = 1}};
   {
     KVCacheManager kv(100, kTokensPerBlock, kMaxSeqLen);
-    run_and_check(CapacityScheduler(4, CapacitySchedulerPolicy::kSTATIC_BATCH), MicroBatchScheduler(), &kv, {},
-                  specs,
+    run_and_check(CapacityScheduler(4, CapacitySchedulerPolicy::kSTATIC_BATCH), MicroBatchScheduler(), &kv, {}, specs,
                   {
                       {0, 0, {0, 1}, {}},
                       {1, 2, {}, {0, 1}},
@@ -172,10 +171,9 @@ TEST(CapacitySchedulerTest, StaticBatchKeepsChunkedContextRunning) {
 //   no victim. R0 finishes at it 49; R1 recomputes at it 50 and generates 28 more (it 51..78).
 TEST(CapacitySchedulerTest, MaxUtilizationPausesAndResumes) {
   KVCacheManager kv(12, kTokensPerBlock, kMaxSeqLen);
-  SchedulerSimulation simulation(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION),
-                                 MicroBatchScheduler(), &kv, {},
-                                 {{.id = 0, .prompt_len = 40, .max_new_tokens = 50},
-                                  {.id = 1, .prompt_len = 40, .max_new_tokens = 50}});
+  SchedulerSimulation simulation(
+      CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION), MicroBatchScheduler(), &kv, {},
+      {{.id = 0, .prompt_len = 40, .max_new_tokens = 50}, {.id = 1, .prompt_len = 40, .max_new_tokens = 50}});
   auto const records = simulation.run();
   testing::expect_steps(records, {
                                      {0, 0, {0, 1}, {}},
@@ -202,10 +200,10 @@ TEST(CapacitySchedulerTest, MaxUtilizationPausesAndResumes) {
 // longer fits the 4 left and waits for R0 to finish. It recomputes at it 50 and runs to it 89.
 TEST(CapacitySchedulerTest, MaxUtilizationPauseCappedByMaxInputLen) {
   KVCacheManager kv(12, kTokensPerBlock, kMaxSeqLen);
-  SchedulerSimulation simulation(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION),
-                                 MicroBatchScheduler(), &kv, {.max_input_len = 50},
-                                 {{.id = 0, .prompt_len = 40, .max_new_tokens = 50},
-                                  {.id = 1, .prompt_len = 40, .max_new_tokens = 50}});
+  SchedulerSimulation simulation(
+      CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION), MicroBatchScheduler(), &kv,
+      {.max_input_len = 50},
+      {{.id = 0, .prompt_len = 40, .max_new_tokens = 50}, {.id = 1, .prompt_len = 40, .max_new_tokens = 50}});
   auto const records = simulation.run();
   testing::expect_steps(records, {
                                      {0, 0, {0, 1}, {}},
@@ -284,8 +282,8 @@ TEST(CapacitySchedulerTest, MaxUtilizationTwoStepsLookahead) {
                                           {.id = 1, .prompt_len = 5, .max_new_tokens = 1, .arrival = 1}};
   {
     KVCacheManager kv(2, kTokensPerBlock, kMaxSeqLen);
-    run_and_check(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION,
-                                    LlmRequestState::kCONTEXT_INIT, LlmRequestState::kGENERATION_COMPLETE, true),
+    run_and_check(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION, LlmRequestState::kCONTEXT_INIT,
+                                    LlmRequestState::kGENERATION_COMPLETE, true),
                   MicroBatchScheduler(), &kv, {}, specs,
                   {
                       {0, 0, {0}, {}},
@@ -294,8 +292,7 @@ TEST(CapacitySchedulerTest, MaxUtilizationTwoStepsLookahead) {
                   });
   }
   KVCacheManager kv(2, kTokensPerBlock, kMaxSeqLen);
-  run_and_check(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION), MicroBatchScheduler(), &kv, {},
-                specs,
+  run_and_check(CapacityScheduler(10, CapacitySchedulerPolicy::kMAX_UTILIZATION), MicroBatchScheduler(), &kv, {}, specs,
                 {
                     {0, 0, {0}, {}},
                     {1, 1, {1}, {0}},
@@ -389,8 +386,8 @@ TEST(CapacitySchedulerTest, Validation) {
   EXPECT_THROW(CapacityScheduler(4, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT,
                                  LlmRequestState::kGENERATION_COMPLETE, LlmRequestState::kCONTEXT_INIT),
                std::invalid_argument);
-  EXPECT_THROW(CapacityScheduler(4, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT,
-                                 LlmRequestState::kCONTEXT_INIT, LlmRequestState::kCONTEXT_INIT),
+  EXPECT_THROW(CapacityScheduler(4, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT, LlmRequestState::kCONTEXT_INIT,
+                                 LlmRequestState::kCONTEXT_INIT),
                std::invalid_argument);
   CapacityScheduler const scheduler(4, CapacitySchedulerPolicy::kSTATIC_BATCH);
   EXPECT_EQ(scheduler.max_num_requests(), 4);
@@ -429,14 +426,14 @@ TEST(CapacitySchedulerTest, StateWindowAndIdentity) {
     EXPECT_EQ(out.fitting_requests, expected) << to_string(policy);
     EXPECT_TRUE(out.paused_requests.empty());
   }
-  auto const generation_only = CapacityScheduler(8, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT,
-                                                 LlmRequestState::kGENERATION_IN_PROGRESS,
-                                                 LlmRequestState::kGENERATION_TO_COMPLETE)
-                                   .schedule(active, nullptr);
+  auto const generation_only =
+      CapacityScheduler(8, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT, LlmRequestState::kGENERATION_IN_PROGRESS,
+                        LlmRequestState::kGENERATION_TO_COMPLETE)
+          .schedule(active, nullptr);
   EXPECT_EQ(generation_only.fitting_requests, RequestVector{&generating});
-  auto const with_encoder = CapacityScheduler(2, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT,
-                                              LlmRequestState::kENCODER_INIT)
-                                .schedule(active, nullptr);
+  auto const with_encoder =
+      CapacityScheduler(2, CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT, LlmRequestState::kENCODER_INIT)
+          .schedule(active, nullptr);
   EXPECT_EQ(with_encoder.fitting_requests, (RequestVector{&encoder, &context}));
 }
 

@@ -378,7 +378,7 @@ TEST(KVCacheManager, FreeCachedBlocksAreHitAndLeaveTheQueue) {
   LlmRequest a = make_request(1, prompt);
   kv.add_sequence(1, 8, 1, &a);
   finish_context(a);
-  kv.remove_sequence(1, &a);  // queue 2, 3, 4, 5, 1, 0 (0 and 1 keyed)
+  kv.remove_sequence(1, &a);           // queue 2, 3, 4, 5, 1, 0 (0 and 1 keyed)
   EXPECT_EQ(kv.num_free_blocks(), 6);  // cached blocks count as free
   kv.check_integrity();
 
@@ -512,9 +512,9 @@ TEST(KVCacheManager, EvictionDropsTheKeysChainedBelow) {
   kv.add_sequence(1, 12, 1, &a);
   kv.add_sequence(2, 12, 1, &b);
   EXPECT_EQ(kv.get_block_ids(2), (Ids{3, 4, 5}));
-  kv.store_context_blocks(a);   // 0 -> 1 -> 2
-  kv.remove_sequence(1);        // queue 2, 1, 0; keys kept
-  kv.store_context_blocks(b);   // walks 0 -> 1, keys 5 under 1
+  kv.store_context_blocks(a);  // 0 -> 1 -> 2
+  kv.remove_sequence(1);       // queue 2, 1, 0; keys kept
+  kv.store_context_blocks(b);  // walks 0 -> 1, keys 5 under 1
   kv.check_integrity();
 
   LlmRequest d = make_request(4, join(prompt_b, {9}));  // looks up 3 blocks: 0, 1, 5
@@ -698,7 +698,7 @@ TEST(KVCacheManager, NeededBlocksOneStepForGeneration) {
   crossing.add_new_token(1);
   crossing.add_new_token(1);
   crossing.add_new_token(1);
-  crossing.add_new_token(1);  // t = 10
+  crossing.add_new_token(1);                                     // t = 10
   EXPECT_EQ(kv.get_needed_blocks_one_step(crossing, false), 0);  // ceil(11/4) - ceil(10/4)
   crossing.add_new_token(1);                                     // t = 11
   EXPECT_EQ(kv.get_needed_blocks_one_step(crossing, false), 0);  // 12 fits in block 3
@@ -709,7 +709,7 @@ TEST(KVCacheManager, NeededBlocksOneStepForGeneration) {
   EXPECT_EQ(kv.get_needed_blocks_one_step(step, true), 0);
   LlmRequest two = make_request(7, iota_tokens(7));
   two.set_state(LlmRequestState::kGENERATION_IN_PROGRESS);
-  two.add_new_token(1);  // t = 7
+  two.add_new_token(1);                                     // t = 7
   EXPECT_EQ(kv.get_needed_blocks_one_step(two, false), 0);  // token 8 in block 2
   EXPECT_EQ(kv.get_needed_blocks_one_step(two, true), 1);   // token 9 starts block 3
 
@@ -734,7 +734,7 @@ TEST(KVCacheManager, RemainingBlocksToCompletion) {
   EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide), 4);  // (5 - 3) * 2
 
   LlmRequest partial = make_request(3, iota_tokens(10), kDefaultRetentionPriority, 7);
-  kv.add_sequence(3, 4, 1);  // h = 1 < c
+  kv.add_sequence(3, 4, 1);                                      // h = 1 < c
   EXPECT_EQ(kv.get_remaining_blocks_to_completion(partial), 4);  // 2 - 1 + 3
 
   LlmRequest exact = make_request(4, iota_tokens(8), kDefaultRetentionPriority, 0);
@@ -753,7 +753,7 @@ TEST(KVCacheManager, SchedulingSimulationChangesNoRealState) {
   kv.add_sequence(1, 10, 1, &a);  // 0, 1, 2
   kv.store_context_blocks(a);
   LlmRequest b = make_request(2, join(head(prompt, 8), {7, 7, 7, 7}));
-  kv.add_sequence(2, 12, 1, &b);  // 0, 1 shared; 3
+  kv.add_sequence(2, 12, 1, &b);                   // 0, 1 shared; 3
   EXPECT_EQ(kv.scheduling_num_free_blocks(), 16);  // not started yet: the initial count
   kv.start_scheduling();
   EXPECT_EQ(kv.scheduling_num_free_blocks(), 12);
@@ -788,7 +788,7 @@ TEST(KVCacheManager, FindNewContextBlock) {
 
   kv.add_sequence(1, 13, 1, &a);
   EXPECT_EQ(kv.find_new_context_block(twin), reference_key(prompt, 1, 4));  // not stored yet
-  kv.store_context_blocks(a);                                             // 3 full blocks
+  kv.store_context_blocks(a);                                               // 3 full blocks
   EXPECT_EQ(kv.find_new_context_block(twin), std::nullopt);
   LlmRequest shorter = make_request(5, head(prompt, 9));
   EXPECT_EQ(kv.find_new_context_block(shorter), std::nullopt);
@@ -811,14 +811,14 @@ TEST(KVCacheManager, FindNewContextBlock) {
 
 TEST(KVCacheManager, CopyBlockTablesWritesRowsAndPadsWithZero) {
   KVCacheManager kv(10, 4, 20);
-  kv.add_sequence(1, 9, 1);  // 0, 1, 2
-  kv.add_sequence(2, 1, 1);  // 3
+  kv.add_sequence(1, 9, 1);   // 0, 1, 2
+  kv.add_sequence(2, 1, 1);   // 3
   kv.add_sequence(3, 20, 1);  // 4..8
   std::vector<BlockIdType> out(4 * 5, -7);
   kv.copy_block_tables({2, 3, 1}, out.data(), 4, 5);
-  EXPECT_EQ(out, (std::vector<BlockIdType>{3, 0, 0, 0, 0,  //
-                                           4, 5, 6, 7, 8,  //
-                                           0, 1, 2, 0, 0,  //
+  EXPECT_EQ(out, (std::vector<BlockIdType>{3,  0,  0,  0,  0,  //
+                                           4,  5,  6,  7,  8,  //
+                                           0,  1,  2,  0,  0,  //
                                            -7, -7, -7, -7, -7}));
   kv.copy_block_tables({}, nullptr, 0, 5);
 }

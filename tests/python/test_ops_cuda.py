@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+
 from inflight.cuda import cuda_module, require_cuda_module
 
 cuda = pytest.mark.cuda
@@ -524,7 +525,9 @@ def test_boundary_gemm_and_sampling_messages():
         _mod.w4a16_gemm(x.float(), qweight, scales, None, 128, out, None, 0)
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
         _mod.w4a16_gemm(x, qweight, scales, None, 48, out, None, 0)
-    with pytest.raises(ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"
+    ):
         _mod.w4a16_gemm(x, qweight, scales, None, 64, out, None, 0)
     with pytest.raises(TypeError, match="qweight must be int8, got uint8"):
         _mod.w8a16_gemm(x, qweight, scales, 128, out, None, 0)
@@ -573,8 +576,14 @@ def test_boundary_cpu_and_cuda_raise_the_same():
     qweight = torch.zeros(8, 128, dtype=torch.uint8)
     scales = torch.zeros(8, 4, dtype=f16)
     gout = torch.zeros(2, 8, dtype=f16)
-    cols = [torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2),
-            torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)]
+    cols = [
+        torch.ones(2),
+        torch.zeros(2, dtype=torch.int32),
+        torch.ones(2),
+        torch.zeros(2),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+    ]
 
     def paged(*a):
         return (lambda: _C.paged_attention(*a, 1)), (lambda: _mod.paged_attention(*a, None, 0))
@@ -598,7 +607,9 @@ def test_boundary_cpu_and_cuda_raise_the_same():
         "block_tables dtype": paged(q, cache, table.long(), lens, 0.1, out),
         "kv_cache dtype": paged(q, cache.float(), table, lens, 0.1, out),
         "kv_cache ndim": paged(q, cache[0], table, lens, 0.1, out),
-        "num_heads": paged(torch.zeros(2, 3, 64, dtype=f16), cache, table, lens, 0.1, torch.zeros(2, 3, 64, dtype=f16)),
+        "num_heads": paged(
+            torch.zeros(2, 3, 64, dtype=f16), cache, table, lens, 0.1, torch.zeros(2, 3, 64, dtype=f16)
+        ),
         "kv_lens length": paged(q, cache, table, lens[:1], 0.1, out),
         "out layout": paged(q, cache, table, lens, 0.1, torch.zeros(4, 2, 64, dtype=f16).transpose(0, 1)),
         "out dtype": paged(q, cache, table, lens, 0.1, out.float()),
@@ -613,9 +624,15 @@ def test_boundary_cpu_and_cuda_raise_the_same():
         "gemm out dtype": w4(x, qweight, scales, None, 64, gout.bfloat16(), None),
         "bias shape": w4(x, qweight, scales, None, 64, gout, torch.zeros(9, dtype=f16)),
         "k multiple": w8(x[:, :96], torch.zeros(8, 96, dtype=torch.int8), scales[:, :1], 64, gout, None),
-        "logits dtype": sample(torch.zeros(2, 10, dtype=torch.int64), cols, torch.zeros(2, dtype=torch.int64)),
-        "top_k dtype": sample(torch.zeros(2, 10), [cols[0], cols[1].long(), *cols[2:]], torch.zeros(2, dtype=torch.int64)),
-        "temperature length": sample(torch.zeros(2, 10), [torch.ones(3), *cols[1:]], torch.zeros(2, dtype=torch.int64)),
+        "logits dtype": sample(
+            torch.zeros(2, 10, dtype=torch.int64), cols, torch.zeros(2, dtype=torch.int64)
+        ),
+        "top_k dtype": sample(
+            torch.zeros(2, 10), [cols[0], cols[1].long(), *cols[2:]], torch.zeros(2, dtype=torch.int64)
+        ),
+        "temperature length": sample(
+            torch.zeros(2, 10), [torch.ones(3), *cols[1:]], torch.zeros(2, dtype=torch.int64)
+        ),
         "out dtype (sample)": sample(torch.zeros(2, 10), cols, torch.zeros(2, dtype=torch.int32)),
     }
     for what, (cpu, gpu) in cases.items():

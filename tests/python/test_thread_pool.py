@@ -54,14 +54,14 @@ def _child(queue, want) -> None:
     # torch's own OpenMP pool is not fork-safe: keep torch single-threaded here and ask the kernel for
     # two threads directly, so only inflight's pool is exercised.
     torch.set_num_threads(1)
-    w, x, packed = _weights()
+    _w, x, packed = _weights()
     out = torch.empty(16, 1536)
     packed._w.gemm(to_dlpack(x), to_dlpack(out), 2)
     queue.put(bool(torch.equal(out, want)))
 
 
 def test_forked_child_can_run_kernels():
-    w, x, packed = _weights()
+    _w, x, packed = _weights()
     torch.set_num_threads(2)
     want = packed(x)  # the parent's pool has started its workers
     ctx = mp.get_context("fork")

@@ -95,9 +95,12 @@ Isa set_selected_isa(std::string const& name) {
 
 char const* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kPortable: return "portable";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kPortable:
+      return "portable";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }

@@ -21,11 +21,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ half from_float<half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // Two floats as one 32-bit register of two 16-bit elements, `lo` in the low half (the element with
 // the smaller index, as the MMA fragments expect). T: half or __nv_bfloat16.
@@ -137,8 +143,8 @@ __device__ __forceinline__ void mma_16816<half>(float (&d)[4], std::uint32_t con
 }
 
 template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], std::uint32_t const (&a)[4],
-                                                         std::uint32_t b0, std::uint32_t b1) {
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], std::uint32_t const (&a)[4], std::uint32_t b0,
+                                                         std::uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"

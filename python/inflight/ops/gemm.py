@@ -42,8 +42,9 @@ def _cuda_call(name: str, x: torch.Tensor, n: int, out: torch.Tensor | None, *ar
     if out is None:
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     *head, bias = args
-    getattr(require_cuda_module(), name)(x.contiguous(), *head, out, bias,
-                                         torch.cuda.current_stream(x.device).cuda_stream)
+    getattr(require_cuda_module(), name)(
+        x.contiguous(), *head, out, bias, torch.cuda.current_stream(x.device).cuda_stream
+    )
     return out
 
 
@@ -58,7 +59,9 @@ def _out(out: torch.Tensor | None, x: torch.Tensor, n: int):
     if out is None:
         out = torch.empty((x.shape[0], n), dtype=x.dtype)
     elif not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"out must be a contiguous CPU tensor, got device {out.device} and strides {out.stride()}")
+        raise ValueError(
+            f"out must be a contiguous CPU tensor, got device {out.device} and strides {out.stride()}"
+        )
     return out, to_dlpack(out.detach())
 
 
@@ -77,8 +80,16 @@ def w4a16_gemm(
     if x.device.type != "cpu":
         return reference.w4a16_gemm(x, qweight, scales, offsets, group_size, out=out, bias=bias)
     out, out_cap = _out(out, x, qweight.shape[0])
-    _C.w4a16_gemm(_cap(x), _cap(qweight), _cap(scales), None if offsets is None else _cap(offsets), group_size,
-                  out_cap, None if bias is None else _cap(bias), torch.get_num_threads())
+    _C.w4a16_gemm(
+        _cap(x),
+        _cap(qweight),
+        _cap(scales),
+        None if offsets is None else _cap(offsets),
+        group_size,
+        out_cap,
+        None if bias is None else _cap(bias),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -96,8 +107,15 @@ def w8a16_gemm(
     if x.device.type != "cpu":
         return reference.w8a16_gemm(x, qweight, scales, group_size, out=out, bias=bias)
     out, out_cap = _out(out, x, qweight.shape[0])
-    _C.w8a16_gemm(_cap(x), _cap(qweight), _cap(scales), group_size, out_cap, None if bias is None else _cap(bias),
-                  torch.get_num_threads())
+    _C.w8a16_gemm(
+        _cap(x),
+        _cap(qweight),
+        _cap(scales),
+        group_size,
+        out_cap,
+        None if bias is None else _cap(bias),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -108,10 +126,21 @@ class W4A16Weight:
     one after replacing them (e.g. moving them to another device).
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None = None) -> None:
-        self._w = _C.W4A16Weight(_cap(qweight), _cap(scales), None if offsets is None else _cap(offsets), group_size,
-                                 None if bias is None else _cap(bias))
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        self._w = _C.W4A16Weight(
+            _cap(qweight),
+            _cap(scales),
+            None if offsets is None else _cap(offsets),
+            group_size,
+            None if bias is None else _cap(bias),
+        )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,9 +152,12 @@ class W4A16Weight:
 class W8A16Weight:
     """int8 weights validated and imported once (CPU); ``weight(x, out=None)`` is :func:`w8a16_gemm`."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> None:
-        self._w = _C.W8A16Weight(_cap(qweight), _cap(scales), group_size, None if bias is None else _cap(bias))
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+    ) -> None:
+        self._w = _C.W8A16Weight(
+            _cap(qweight), _cap(scales), group_size, None if bias is None else _cap(bias)
+        )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,13 +182,17 @@ def dense_gemm(
     if not x.is_cpu:
         return reference.dense_gemm(x, weight, bias=bias, out=out)
     if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous (row-major [n, k]), got strides {weight.stride()} "
-                         f"for shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be contiguous (row-major [n, k]), got strides {weight.stride()} "
+            f"for shape {tuple(weight.shape)}"
+        )
     if out is None:
         # A non-2-D x gets the binding's message (x must be 2-D), not an IndexError here.
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, weight.shape[0], dtype=x.dtype)
         out_cap = to_dlpack(out)
     else:
         out, out_cap = _out(out, x, weight.shape[0])
-    _C.dense_gemm(_cap(x), _cap(weight), None if bias is None else _cap(bias), out_cap, torch.get_num_threads())
+    _C.dense_gemm(
+        _cap(x), _cap(weight), None if bias is None else _cap(bias), out_cap, torch.get_num_threads()
+    )
     return out

@@ -45,8 +45,9 @@ class MicroBatchScheduler {
   static void set_ctx_requests_chunk_size(RequestVector const& contexts_to_be_chunked, ContextChunkingPolicy policy,
                                           std::optional<SizeType32> ctx_tokens_capacity, SizeType32 chunk_unit_size,
                                           std::optional<SizeType32> max_context_length);
-  static void fit_draft_tokens(RequestVector const& contexts_to_be_chunked, std::optional<SizeType32> ctx_tokens_capacity,
-                               SizeType32 chunk_unit_size, std::optional<SizeType32> max_context_length);
+  static void fit_draft_tokens(RequestVector const& contexts_to_be_chunked,
+                               std::optional<SizeType32> ctx_tokens_capacity, SizeType32 chunk_unit_size,
+                               std::optional<SizeType32> max_context_length);
 
  private:
   std::optional<ContextChunkingConfig> ctx_chunk_config_;

@@ -14,7 +14,9 @@ __all__ = ["dense_gemm", "dequantize_w4", "dequantize_w8", "unpack_int4", "w4a16
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """``[N, K//2] uint8 -> [N, K] uint8`` in 0..15 (low nibble = even k, high nibble = odd k)."""
     if qweight.dtype != torch.uint8 or qweight.dim() != 2:
-        raise ValueError(f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+        raise ValueError(
+            f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}"
+        )
     q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1)
     return q.reshape(qweight.shape[0], qweight.shape[1] * 2)
 
@@ -48,7 +50,9 @@ def dequantize_w4(
 def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp32 ``[N, K]``: ``scale * q`` for int8 ``qweight [N, K]``."""
     if qweight.dtype != torch.int8 or qweight.dim() != 2:
-        raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+        raise ValueError(
+            f"qweight must be a 2-D int8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}"
+        )
     n, k, g = _group_view(qweight, scales, group_size)
     w = qweight.to(torch.float32).view(n, g, group_size) * scales.to(torch.float32).unsqueeze(-1)
     return w.reshape(n, k)
