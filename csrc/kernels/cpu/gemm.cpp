@@ -5,8 +5,6 @@
 #include <string>
 #include <utility>
 
-#include "cpu_features.h"
-
 namespace inflight::kernels::cpu {
 namespace {
 
@@ -42,34 +40,14 @@ void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool) {
   check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
-  switch (selected_isa()) {
-    case Isa::kAvx512:
-      w4a16_gemm_avx512(p, pool);
-      break;
-    case Isa::kAvx2:
-      w4a16_gemm_avx2(p, pool);
-      break;
-    case Isa::kPortable:
-      w4a16_gemm_portable(p, pool);
-      break;
-  }
+  gemm_detail::run_selected_isa(p, pool, w4a16_gemm_portable, w4a16_gemm_avx2, w4a16_gemm_avx512);
 }
 
 void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool) {
   check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
-  switch (selected_isa()) {
-    case Isa::kAvx512:
-      w8a16_gemm_avx512(p, pool);
-      break;
-    case Isa::kAvx2:
-      w8a16_gemm_avx2(p, pool);
-      break;
-    case Isa::kPortable:
-      w8a16_gemm_portable(p, pool);
-      break;
-  }
+  gemm_detail::run_selected_isa(p, pool, w8a16_gemm_portable, w8a16_gemm_avx2, w8a16_gemm_avx512);
 }
 
 }  // namespace inflight::kernels::cpu

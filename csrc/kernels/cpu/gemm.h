@@ -20,12 +20,21 @@
 // parameter, as the stream of the CUDA launchers; each ISA file instantiates its micro-kernels for the
 // explicit set {dtype: f32, bf16, f16} x {scale_type: f32, bf16, f16} x {symmetric, asymmetric} x
 // {M tile}.
+//
+// Where the code is (the dense GEMM, dense_gemm.h, shares all of it):
+//   gemm.h, gemm.cpp       params, launchers, and the ISA-neutral driver (threads, tiles, addressing)
+//   gemm_portable.cpp      the portable path: one row-by-row algorithm for int4, int8 and dense weights
+//   gemm_impl.h            the FMA algorithms written once over vector traits (W4Fma, W8Fma, DenseTile,
+//                          the epilogue), instantiated by gemm_avx2.cpp (Vec256) and the AVX-512 files
+//   gemm_avx512.h          Vec512 and the AVX-512-only strategies, one file each (listed there)
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "cpu_features.h"
 #include "inflight/kernels/scalar_type.h"
 #include "thread_pool.h"
 
@@ -75,9 +84,11 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool);
 void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool);
 
 // ------------------------------------------------------------------------------------------------
-// Shared by the ISA files. Everything below has internal linkage (anonymous namespace): each ISA
-// file is compiled with its own -m flags, and a shared inline definition could otherwise be merged by
-// the linker into the AVX-512 copy and then run on a CPU without AVX-512 (as in scalar_type.h).
+// Shared by the ISA files: the ISA-neutral driver (threads, tiles, M-tile dispatch) and the tile
+// addressing. Everything below has internal linkage (anonymous namespace): each ISA file is compiled
+// with its own -m flags, and a shared inline definition could otherwise be merged by the linker into
+// the AVX-512 copy and then run on a CPU without AVX-512 (as in scalar_type.h). The algorithms written
+// once over a vector-traits class are in gemm_impl.h (per-ISA namespaces, for the same reason).
 namespace gemm_detail {
 namespace {
 
@@ -91,8 +102,9 @@ constexpr std::int64_t kChunkBytes = 512 * 1024;
 //   kNR     rows of N per tile (the last tile may be partial: the kernel clamps and does not store),
 //   kMaxMR  rows of M per tile (the last M tile may be smaller),
 //   tile(int mr, int64_t m0, int64_t n0[, void const* scratch]) const,
-// and optionally (kernels that reorder x once per M tile into a per-thread scratch buffer):
-//   kScratchBytes, max_mr() const (<= kMaxMR, may depend on k), prepare(int mr, int64_t m0, void* scratch) const.
+// and optionally max_mr() const (<= kMaxMR, e.g. depending on k or m), and (kernels that reorder x
+// once per M tile into a per-thread scratch buffer) kScratchBytes and
+// prepare(int mr, int64_t m0, void* scratch) const.
 // Threads get contiguous runs of N tiles (each weight byte is read by one thread). With one M tile a
 // thread prepares once and streams its whole run; with several, its run is cut into chunks small
 // enough to stay in L2 while all M tiles pass over them.
@@ -159,11 +171,74 @@ inline void dispatch_mr(K const& k, int mr, Args... args) {
   }
 }
 
+// Bytes of one quantised weight row: two int4 weights per byte, or one int8.
+inline std::int64_t row_bytes(W4A16GemmParams const& p) { return p.k / 2; }
+inline std::int64_t row_bytes(W8A16GemmParams const& p) { return p.k; }
+
+// Where kNR consecutive rows n0.. of a quantised weight start: the weight bytes, the scales and (kAsym,
+// int4 only) the offsets of each. Rows past n are clamped to the last row: computed, never stored.
+// kNR: rows per tile; ST: scale/offset storage type; kAsym: offsets given; Params: W4A16GemmParams or
+// W8A16GemmParams.
+template <int kNR, class ST, bool kAsym, class Params>
+struct QuantTile {
+  using Byte = std::remove_cv_t<std::remove_pointer_t<decltype(Params::qweight)>>;  // uint8 (int4 pairs) or int8
+  std::int64_t row[kNR];
+  Byte const* w[kNR];
+  ST const* s[kNR];
+  ST const* o[kNR];  // nullptr unless kAsym
+
+  [[gnu::always_inline]] QuantTile(Params const& p, std::int64_t n0) {
+    std::int64_t const groups = p.k / p.group_size;
+    for (int r = 0; r < kNR; ++r) {
+      row[r] = std::min(n0 + r, p.n - 1);
+      w[r] = p.qweight + row[r] * row_bytes(p);
+      s[r] = static_cast<ST const*>(p.scales) + row[r] * groups;
+      if constexpr (kAsym) {
+        o[r] = static_cast<ST const*>(p.offsets) + row[r] * groups;
+      } else {
+        o[r] = nullptr;
+      }
+    }
+  }
+};
+
+// Calls fn(XT{}, ST{}, std::bool_constant<kAsym>{}) for p's x type, scale type and whether it has
+// offsets: the compile-time types of an int4 kernel.
+template <class Fn>
+inline void dispatch_w4(W4A16GemmParams const& p, Fn&& fn) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
+      if (p.offsets != nullptr) {
+        fn(xt, st, std::true_type{});
+      } else {
+        fn(xt, st, std::false_type{});
+      }
+    });
+  });
+}
+
 // Stores one output element: fp32 sum + bias, rounded once to the output type.
 template <class XT>
 inline void store_out(XT* out, XT const* bias, std::int64_t n_idx, float v) {
   if (bias != nullptr) v += to_float(bias[n_idx]);
   out[n_idx] = from_float<XT>(v);
+}
+
+// The launchers' last step: the path of selected_isa(). Params: the op's params struct.
+template <class Params>
+inline void run_selected_isa(Params const& p, ThreadPool& pool, void (*portable)(Params const&, ThreadPool&),
+                             void (*avx2)(Params const&, ThreadPool&), void (*avx512)(Params const&, ThreadPool&)) {
+  switch (selected_isa()) {
+    case Isa::kAvx512:
+      avx512(p, pool);
+      break;
+    case Isa::kAvx2:
+      avx2(p, pool);
+      break;
+    case Isa::kPortable:
+      portable(p, pool);
+      break;
+  }
 }
 
 }  // namespace

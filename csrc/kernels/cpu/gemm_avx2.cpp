@@ -1,173 +1,117 @@
-// AVX2 + FMA + F16C W4A16 and W8A16 paths (CPUs without AVX-512). Compiled with AVX2 flags; called
-// only when selected_isa() is kAvx2. The same register tiles as the AVX-512 fp32 path with 8 lanes;
-// AVX2 has 16 vector registers, hence the smaller tiles. bf16 activations are widened to fp32 on load.
+// AVX2 + FMA + F16C paths of the W4A16, W8A16 and dense GEMMs (CPUs without AVX-512): the algorithms
+// of gemm_impl.h over 8-lane vectors. Compiled with AVX2 flags; called only when selected_isa() is
+// kAvx2. AVX2 has 16 vector registers, hence smaller register tiles than AVX-512's; bf16 and fp16
+// values are widened to fp32 on load (bf16: a shift).
 #include <immintrin.h>
 
-#include "gemm.h"
+#define INFLIGHT_GEMM_ISA gemm_avx2
+#include "gemm_impl.h"
 
-namespace inflight::kernels::cpu {
+namespace inflight::kernels::cpu::gemm_avx2 {
 namespace {
 
-using namespace gemm_detail;
+struct Vec256 {
+  using Reg = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr int kRegs = 16;
+  // Register tiles: W4Fma 3 weight rows x 2 x rows (6 accumulators + 4 split x vectors), W8Fma 4 x 2.
+  static constexpr int kW4Rows = 3, kW4MaxMR = 2;
+  static constexpr int kW8Rows = 4, kW8MaxMR = 2;
+  static constexpr bool kW8GroupSums = false;
 
-inline __m256 bcast(float const* p) { return _mm256_set1_ps(*p); }
-inline __m256 bcast(BFloat16 const* p) { return _mm256_set1_ps(bf16_to_float(p->bits)); }
-inline __m256 bcast(Float16 const* p) { return _mm256_set1_ps(_cvtsh_ss(p->bits)); }
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float v) { return _mm256_set1_ps(v); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
 
-inline __m256 load8(float const* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(Float16 const* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))); }
-inline __m256 load8(BFloat16 const* p) {
-  __m256i const w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
-inline __m128i load_bytes8(void const* p) { return _mm_loadl_epi64(static_cast<__m128i const*>(p)); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <int kNR>
-inline void clamp_rows(std::int64_t n0, std::int64_t n, std::int64_t (&rows)[kNR]) {
-  for (int r = 0; r < kNR; ++r) rows[r] = std::min(n0 + r, n - 1);
-}
-
-template <int MR, int kNR, class XT>
-inline void store_tile(__m256 const (&acc)[MR][kNR], void* out_v, void const* bias_v, std::int64_t m0, std::int64_t n0,
-                       std::int64_t n) {
-  XT* out = static_cast<XT*>(out_v);
-  XT const* bias = static_cast<XT const*>(bias_v);
-  for (int i = 0; i < MR; ++i) {
-    for (int r = 0; r < kNR; ++r) {
-      if (n0 + r < n) store_out(out + (m0 + i) * n, bias, n0 + r, hsum(acc[i][r]));
-    }
+  static Reg load(float const* p) { return _mm256_loadu_ps(p); }
+  static Reg load(Float16 const* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))); }
+  static Reg load(BFloat16 const* p) {
+    __m256i const w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-}
-
-// XT: x/out storage type; ST: scale/offset storage type; kAsym: offsets given.
-template <class XT, class ST, bool kAsym>
-struct W4Fma {
-  static constexpr int kNR = 3;     // weight rows per tile
-  static constexpr int kMaxMR = 2;  // x rows per tile (6 accumulators + 4 split x vectors of 16)
-  W4A16GemmParams const& p;
-
-  void tile(int mr, std::int64_t m0, std::int64_t n0) const { dispatch_mr<kMaxMR>(*this, mr, m0, n0); }
-
-  template <int MR>
-  void run(std::int64_t m0, std::int64_t n0) const {
-    std::int64_t const k_dim = p.k;
-    int const g_size = p.group_size;
-    std::int64_t const groups = k_dim / g_size;
-    std::int64_t rows[kNR];
-    clamp_rows<kNR>(n0, p.n, rows);
-    std::uint8_t const* w[kNR];
-    ST const* s[kNR];
-    ST const* o[kNR];
-    for (int r = 0; r < kNR; ++r) {
-      w[r] = p.qweight + rows[r] * (k_dim / 2);
-      s[r] = static_cast<ST const*>(p.scales) + rows[r] * groups;
-      o[r] = kAsym ? static_cast<ST const*>(p.offsets) + rows[r] * groups : nullptr;
-    }
-    XT const* x = static_cast<XT const*>(p.x) + m0 * k_dim;
-    __m256 acc[MR][kNR];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_ps();
-    __m256i const low4 = _mm256_set1_epi32(0xf);
-    __m256 const minus8 = _mm256_set1_ps(-8.0f);
-    for (std::int64_t g = 0; g < groups; ++g) {
-      for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 16) {
-        // Bytes j = 0..7 hold k = 2j (low nibble) and 2j+1 (high): split x into even and odd k.
-        __m256 xe[MR], xo[MR];
-        for (int i = 0; i < MR; ++i) {
-          __m256 const a = load8(x + i * k_dim + kb);
-          __m256 const b = load8(x + i * k_dim + kb + 8);
-          // shuffle_ps works per 128-bit lane: [a0 a2 b0 b2 | a4 a6 b4 b6]; then 64-bit chunks 0, 2, 1, 3.
-          xe[i] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
-          xo[i] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
-        }
-        for (int r = 0; r < kNR; ++r) {
-          __m256 const sc = bcast(s[r] + g);
-          __m256 const of = kAsym ? bcast(o[r] + g) : _mm256_mul_ps(sc, minus8);
-          __m256i const d = _mm256_cvtepu8_epi32(load_bytes8(w[r] + kb / 2));
-          __m256 const wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d, low4)), sc, of);
-          __m256 const wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4)), sc, of);
-          for (int i = 0; i < MR; ++i) {
-            acc[i][r] = _mm256_fmadd_ps(wl, xe[i], acc[i][r]);
-            acc[i][r] = _mm256_fmadd_ps(wh, xo[i], acc[i][r]);
-          }
-        }
-      }
-    }
-    store_tile<MR, kNR, XT>(acc, p.out, p.bias, m0, n0, p.n);
+  // Through a stack copy: AVX2 has no masked 16-bit loads.
+  template <class T>
+  static Reg load_tail(T const* p, std::int64_t left) {
+    T buf[kWidth] = {};
+    for (std::int64_t j = 0; j < left; ++j) buf[j] = p[j];
+    return load(buf);
   }
-};
+  static Reg bcast(float const* p) { return _mm256_set1_ps(*p); }
+  static Reg bcast(BFloat16 const* p) { return _mm256_set1_ps(bf16_to_float(p->bits)); }
+  static Reg bcast(Float16 const* p) { return _mm256_set1_ps(_cvtsh_ss(p->bits)); }
 
-template <class XT, class ST>
-struct W8Fma {
-  static constexpr int kNR = 4;     // weight rows per tile
-  static constexpr int kMaxMR = 2;  // x rows per tile
-  W8A16GemmParams const& p;
-
-  void tile(int mr, std::int64_t m0, std::int64_t n0) const { dispatch_mr<kMaxMR>(*this, mr, m0, n0); }
-
-  template <int MR>
-  void run(std::int64_t m0, std::int64_t n0) const {
-    std::int64_t const k_dim = p.k;
-    int const g_size = p.group_size;
-    std::int64_t const groups = k_dim / g_size;
-    std::int64_t rows[kNR];
-    clamp_rows<kNR>(n0, p.n, rows);
-    std::int8_t const* w[kNR];
-    ST const* s[kNR];
-    for (int r = 0; r < kNR; ++r) {
-      w[r] = p.qweight + rows[r] * k_dim;
-      s[r] = static_cast<ST const*>(p.scales) + rows[r] * groups;
-    }
-    XT const* x = static_cast<XT const*>(p.x) + m0 * k_dim;
-    __m256 acc[MR][kNR];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_ps();
-    for (std::int64_t g = 0; g < groups; ++g) {
-      __m256 sc[kNR];
-      for (int r = 0; r < kNR; ++r) sc[r] = bcast(s[r] + g);
-      for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 8) {
-        __m256 xv[MR];
-        for (int i = 0; i < MR; ++i) xv[i] = load8(x + i * k_dim + kb);
-        for (int r = 0; r < kNR; ++r) {
-          __m256 const wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(w[r] + kb))), sc[r]);
-          for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
-        }
-      }
-    }
-    store_tile<MR, kNR, XT>(acc, p.out, p.bias, m0, n0, p.n);
+  static __m256i bytes(void const* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<__m128i const*>(p))); }
+  static Reg int8(std::int8_t const* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p))));
   }
+  static void nibbles(std::uint8_t const* p, Reg& lo, Reg& hi) {
+    __m256i const d = bytes(p);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0xf)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+  }
+  static void deinterleave(Reg a, Reg b, Reg& even, Reg& odd) {
+    // shuffle_ps works per 128-bit lane: [a0 a2 b0 b2 | a4 a6 b4 b6]; then 64-bit chunks 0, 2, 1, 3.
+    even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+  }
+
+  // Lane j: the sum of v_j's 8 lanes as ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), the order of
+  // the one-register reduction the W4 / W8 kernels used, so their results stay as they were.
+  static __m128 reduce4(Reg a, Reg b, Reg c, Reg d) {
+    auto const halves = [](Reg v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); };
+    __m128 const ha = halves(a), hb = halves(b), hc = halves(c), hd = halves(d);
+    __m128 const ab = _mm_add_ps(_mm_unpacklo_ps(ha, hb), _mm_unpackhi_ps(ha, hb));  // [a02 b02 a13 b13]
+    __m128 const cd = _mm_add_ps(_mm_unpacklo_ps(hc, hd), _mm_unpackhi_ps(hc, hd));
+    return _mm_add_ps(_mm_movelh_ps(ab, cd), _mm_movehl_ps(cd, ab));
+  }
+  // The dense kernel's order: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), by horizontal adds.
+  static __m128 reduce4_dense(Reg a, Reg b, Reg c, Reg d) {
+    __m256 const abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
+
+  template <class T>
+  static __m128 load4(T const* p, int n) {
+    alignas(16) float v[4] = {-0.0f, -0.0f, -0.0f, -0.0f};
+    for (int j = 0; j < n; ++j) v[j] = to_float(p[j]);
+    return _mm_load_ps(v);
+  }
+  template <class T>
+  static void store4(T* p, int n, __m128 s) {
+    alignas(16) float v[4];
+    _mm_store_ps(v, s);
+    for (int j = 0; j < n; ++j) p[j] = from_float<T>(v[j]);
+  }
+
+  template <class T>
+  using DenseStep = FmaStep<Vec256, T>;
 };
 
 }  // namespace
+}  // namespace inflight::kernels::cpu::gemm_avx2
+
+namespace inflight::kernels::cpu {
+
+using gemm_avx2::Vec256;
 
 void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool) {
-  dispatch_float_type(p.dtype, [&](auto xt) {
-    dispatch_float_type(p.scale_type, [&](auto st) {
-      using XT = decltype(xt);
-      using ST = decltype(st);
-      if (p.offsets != nullptr) {
-        run_tiles(W4Fma<XT, ST, true>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
-      } else {
-        run_tiles(W4Fma<XT, ST, false>{p}, p.m, p.n, p.k / 2, p.num_threads, pool);
-      }
-    });
+  gemm_detail::dispatch_w4(p, [&](auto xt, auto st, auto asym) {
+    gemm_detail::run_tiles(gemm_avx2::W4Fma<Vec256, decltype(xt), decltype(st), asym>{p}, p.m, p.n, p.k / 2,
+                           p.num_threads, pool);
   });
 }
 
 void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool) {
   dispatch_float_type(p.dtype, [&](auto xt) {
     dispatch_float_type(p.scale_type, [&](auto st) {
-      run_tiles(W8Fma<decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads, pool);
+      gemm_detail::run_tiles(gemm_avx2::W8Fma<Vec256, decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads,
+                             pool);
     });
   });
 }
+
+// 4 weight rows x 2 x rows: 8 accumulators + 2 x vectors + 1 weight vector of the 16 registers.
+void dense_gemm_avx2(DenseGemmParams const& p, ThreadPool& pool) { gemm_avx2::run_dense<Vec256, 4, 2>(p, pool); }
 
 }  // namespace inflight::kernels::cpu
