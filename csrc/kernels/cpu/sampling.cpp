@@ -1,5 +1,5 @@
-// The sampling launcher (threading, selection, the draw) and the portable block kernels. The
-// vectorised block kernels are in sampling_avx2.cpp and sampling_avx512.cpp; see sampling.h.
+// The sampling launcher (workspace, threading) and the row algorithm (thresholds, selection, the
+// draw). The block kernels it calls are in sampling_impl.h; see sampling.h.
 #include "sampling.h"
 #include "thread_pool.h"
 
@@ -14,93 +14,6 @@
 #include <utility>
 
 namespace inflight::kernels::cpu {
-namespace detail {
-namespace {
-
-// Template parameters of the block kernels: T, the logits' storage type (float, BFloat16,
-// Float16); M, what block_stats accumulates (StatsMode). Each is instantiated for all of them.
-
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-template <typename T>
-void block_max(void const* src, std::int64_t n, float* max, std::int64_t* argmax) {
-  T const* l = static_cast<T const*>(src);
-  float best = -kInf;
-  std::int64_t at = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const v = to_float(l[i]);
-    if (v > best) {
-      best = v;
-      at = i;
-    }
-  }
-  *max = best;
-  *argmax = at;
-}
-
-template <typename T, StatsMode M>
-void block_stats(void const* src, std::int64_t n, StatsArgs const& a, BlockStats* out) {
-  T const* l = static_cast<T const*>(src);
-  double sum = 0.0, kept = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const e = std::exp(to_float(l[i]) * a.inv_t - a.m);
-    sum += e;
-    if constexpr (M == StatsMode::kMinP) {
-      if (e >= a.min_p) kept += e;
-    }
-  }
-  out->sum = sum;
-  out->sum_kept = kept;
-}
-
-template <typename T>
-void block_exp(void const* src, std::int64_t n, float inv_t, float m, float* e) {
-  T const* l = static_cast<T const*>(src);
-  for (std::int64_t i = 0; i < n; ++i) e[i] = std::exp(to_float(l[i]) * inv_t - m);
-}
-
-template <typename T>
-std::int64_t block_collect(void const* src, std::int64_t n, float threshold, std::int32_t base, float* l_out,
-                           std::int32_t* idx_out) {
-  T const* l = static_cast<T const*>(src);
-  std::int64_t c = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const v = to_float(l[i]);
-    if (v >= threshold) {
-      l_out[c] = v;
-      idx_out[c] = base + static_cast<std::int32_t>(i);
-      ++c;
-    }
-  }
-  return c;
-}
-
-void divide_exp(float* x, std::int64_t n, float t, float m, float* e) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    x[i] /= t;
-    e[i] = std::exp(x[i] - m);
-  }
-}
-
-template <typename T>
-SamplingBlockKernels make_kernels() {
-  return {&block_max<T>,
-          {&block_stats<T, StatsMode::kSum>, &block_stats<T, StatsMode::kMinP>},
-          &block_exp<T>,
-          &block_collect<T>,
-          &divide_exp};
-}
-
-}  // namespace
-
-SamplingBlockKernels const& sampling_kernels_portable(ScalarType dtype) {
-  static SamplingBlockKernels const table[3] = {make_kernels<float>(), make_kernels<BFloat16>(),
-                                                make_kernels<Float16>()};
-  return table[static_cast<int>(dtype)];
-}
-
-}  // namespace detail
-
 namespace {
 
 using detail::BlockStats;

@@ -97,7 +97,8 @@ inline constexpr int kStatsModes = 2;
 
 struct StatsArgs {
   float inv_t;  // 1 / T: the streaming passes multiply (the candidates divide, as the reference)
-  float m;      // l_max * inv_t, so that the max token has e = 1 exactly
+  float m;      // l_max * inv_t, so that the max token has e = 1: exactly in the portable path; the vector
+                // paths fuse l * inv_t - m (one rounding), so there e = exp(the rounding error of m)
   float min_p;  // kMinP
 };
 
