@@ -14,7 +14,7 @@ namespace {
 struct Vec256 {
   using Reg = __m256;
   using Mask = __m256;  // a compare result: all-ones lanes
-  using Acc = __m256;   // float lanes, summed into a double once per block (hsum)
+  using Acc = __m256;   // float lanes, summed into a double once per block (acc_total)
   static constexpr int kWidth = 8;
   static constexpr int kUnroll = 4;
   static constexpr bool kNoMaxAtZero = false;
@@ -34,23 +34,15 @@ struct Vec256 {
   // has always made of this path's mul-then-sub.
   static Reg scale_shift(Reg x, Reg s, Reg m) { return _mm256_fmsub_ps(x, s, m); }
 
-  // e^x for x <= 0 (Cephes expf, as the AVX-512 path, with 2^n built in the exponent field);
-  // e^0 is exactly 1; x < -87 and NaN give 0.
-  static Reg exp(Reg x) {
-    __m256 const live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    __m256 const n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 const y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-    // n >= -126 here, so 2^n is a normal float.
+  // The exp's pieces (exp_cephes).
+  static Reg exp(Reg x) { return exp_cephes<Vec256>(x); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg fnmadd(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static Reg round(Reg v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n built in the exponent field (n >= -126, so it is a normal float); dead lanes cleared.
+  static Reg pow2_live(Reg y, Reg n, Mask live) {
     __m256i const pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
   }

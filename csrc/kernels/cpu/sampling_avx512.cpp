@@ -36,25 +36,15 @@ struct Vec512 {
   // has always made of this path's mul-then-sub.
   static Reg scale_shift(Reg x, Reg s, Reg m) { return _mm512_fmsub_ps(x, s, m); }
 
-  // e^x for x <= 0 (Cephes expf: x = n ln2 + r, e^r = 1 + r + r^2 P(r) with P of degree 5, 2^n by
-  // scalef); e^0 is exactly 1. x < -87 (e^x < 2^-125) and NaN give 0, so masked (-inf) tokens weigh
-  // nothing.
-  static Reg exp(Reg x) {
-    __mmask16 const live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    __m512 const n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 const y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(live, y, n);
-  }
+  // The exp's pieces (exp_cephes).
+  static Reg exp(Reg x) { return exp_cephes<Vec512>(x); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg fnmadd(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static Reg round(Reg v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // VSCALEF, zeroing the dead lanes.
+  static Reg pow2_live(Reg y, Reg n, Mask live) { return _mm512_maskz_scalef_ps(live, y, n); }
 
   static Mask lanes(std::int64_t left) {
     return left >= kWidth ? static_cast<Mask>(0xffff) : static_cast<Mask>((1u << left) - 1u);

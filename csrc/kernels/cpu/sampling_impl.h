@@ -18,7 +18,7 @@
 //   kNoMaxAtZero                  see block_max
 //   set1, sub, div, max(a, b) (b where a is NaN, as VMAXPS), hmax(Reg) -> float
 //   scale_shift(x, s, m)          x * s - m, rounded as the ISA has always rounded it
-//   exp(x)                        e^x for x <= 0; -inf and NaN give 0
+//   exp(x)                        e^x for x <= 0; -inf and NaN give 0 (the vector ISAs: exp_cephes)
 //   load(T const*)                kWidth elements of T (float, BFloat16, Float16) widened to fp32
 //   load_part(T const*, left)     the same, lanes >= left read as -inf
 //   store(float*, Reg), store_part(float*, Reg, left)   (the lanes < left only)
@@ -40,6 +40,29 @@
 #include "sampling.h"
 
 namespace inflight::kernels::cpu::INFLIGHT_SAMPLING_ISA {
+
+// e^x for x <= 0, for the vector ISAs' V::exp (Cephes expf: x = n ln2 + r, ln2 in two parts so that
+// r is exact, e^r = 1 + r + r^2 P(r) with P of degree 5); e^0 is exactly 1. x < -87 (e^x < 2^-125)
+// and NaN give 0, so masked (-inf) lanes weigh nothing. V: vector traits with mul, add, fmadd(a, b,
+// c) = a * b + c, fnmadd(a, b, c) = c - a * b, round (to nearest), cmp_ge, max (as above) and
+// pow2_live(y, n, live) = y * 2^n in the lanes of live, 0 elsewhere (n integral, >= -126).
+template <class V>
+inline typename V::Reg exp_cephes(typename V::Reg x) {
+  auto const c = [](float v) { return V::set1(v); };
+  typename V::Mask const live = V::cmp_ge(x, c(-87.f));
+  x = V::max(x, c(-87.f));
+  typename V::Reg const n = V::round(V::mul(x, c(1.44269504088896341f)));
+  typename V::Reg r = V::fnmadd(n, c(0.693359375f), x);
+  r = V::fnmadd(n, c(-2.12194440e-4f), r);
+  typename V::Reg p = c(1.9875691500e-4f);
+  p = V::fmadd(p, r, c(1.3981999507e-3f));
+  p = V::fmadd(p, r, c(8.3334519073e-3f));
+  p = V::fmadd(p, r, c(4.1665795894e-2f));
+  p = V::fmadd(p, r, c(1.6666665459e-1f));
+  p = V::fmadd(p, r, c(5.0000001201e-1f));
+  typename V::Reg const y = V::add(V::fmadd(p, V::mul(r, r), r), c(1.f));
+  return V::pow2_live(y, n, live);
+}
 
 // V: the vector traits above.
 template <class V>
