@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #define INFLIGHT_SAMPLING_ISA avx2
 #include "sampling_impl.h"
@@ -17,7 +18,6 @@ struct Vec256 {
   using Acc = __m256;   // float lanes, summed into a double once per block (acc_total)
   static constexpr int kWidth = 8;
   static constexpr int kUnroll = 4;
-  static constexpr bool kNoMaxAtZero = false;
   static constexpr float kInf = std::numeric_limits<float>::infinity();
 
   static Reg set1(float x) { return _mm256_set1_ps(x); }
@@ -59,20 +59,28 @@ struct Vec256 {
   static float load_scalar(BFloat16 v) { return bf16_to_float(v.bits); }
   static float load_scalar(Float16 v) { return _cvtsh_ss(v.bits); }
 
-  // AVX2 has no masked loads of 16-bit elements: a partial vector goes through the stack.
+  // The lanes < left (left < kWidth), as a VMASKMOV mask.
+  static __m256i lane_mask(std::int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // AVX2 masks 32-bit loads (VMASKMOVPS: the masked lanes read 0, and never fault), not 16-bit
+  // ones: a partial bf16 / fp16 vector goes through the stack.
   template <class T>
   static Reg load_part(T const* p, std::int64_t left) {
     if (left >= kWidth) return load(p);
-    alignas(32) float tmp[kWidth];
-    for (std::int64_t j = 0; j < kWidth; ++j) tmp[j] = j < left ? load_scalar(p[j]) : -kInf;
-    return _mm256_load_ps(tmp);
+    if constexpr (std::is_same_v<T, float>) {
+      __m256i const m = lane_mask(left);
+      return _mm256_blendv_ps(_mm256_set1_ps(-kInf), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+    } else {
+      alignas(32) float tmp[kWidth];
+      for (std::int64_t j = 0; j < kWidth; ++j) tmp[j] = j < left ? load_scalar(p[j]) : -kInf;
+      return _mm256_load_ps(tmp);
+    }
   }
   static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static void store_part(float* p, Reg v, std::int64_t left) {
     if (left >= kWidth) return store(p, v);
-    alignas(32) float tmp[kWidth];
-    _mm256_store_ps(tmp, v);
-    for (std::int64_t j = 0; j < left; ++j) p[j] = tmp[j];
+    _mm256_maskstore_ps(p, lane_mask(left), v);
   }
 
   static Mask cmp_ge(Reg a, Reg b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }

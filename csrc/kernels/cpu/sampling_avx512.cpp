@@ -24,7 +24,6 @@ struct Vec512 {
   using Acc = __m512;  // float lanes, summed into a double once per block (acc_total)
   static constexpr int kWidth = 16;
   static constexpr int kUnroll = 4;
-  static constexpr bool kNoMaxAtZero = false;
   static constexpr float kInf = std::numeric_limits<float>::infinity();
 
   static Reg set1(float x) { return _mm512_set1_ps(x); }

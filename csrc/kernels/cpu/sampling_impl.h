@@ -15,7 +15,6 @@
 // V provides (Reg: kWidth floats; Mask: one predicate per lane; Acc: what a block's sums accumulate
 // in; left >= 1 counts the lanes still in the block, all of them when left >= kWidth):
 //   kWidth, kUnroll (a power of two)
-//   kNoMaxAtZero                  see block_max
 //   set1, sub, div, max(a, b) (b where a is NaN, as VMAXPS), hmax(Reg) -> float
 //   scale_shift(x, s, m)          x * s - m, rounded as the ISA has always rounded it
 //   exp(x)                        e^x for x <= 0; -inf and NaN give 0 (the vector ISAs: exp_cephes)
@@ -87,34 +86,60 @@ struct SamplingBlocks {
     }
   }
 
-  // max over [0, n) (NaN ignored) and the first index holding it. One pass for the maximum (U
-  // independent max chains), one for its first index. A block with nothing above -inf reports index
-  // 0 where V::kNoMaxAtZero (portable), else its first -inf (vector ISAs): each ISA's answer since it
-  // was written, kept so that no ISA's tokens change (it reaches the output only as the argmax of a
-  // row whose logits are all -inf or NaN). T: the logits' storage type.
+  // max over [0, n) (NaN ignored) and the first index holding it. One lane (portable): one pass, a
+  // strict > keeping the first index (a branch the predictor learns: the max rarely changes); a
+  // block with nothing above -inf reports index 0. Vectors: U independent max chains, then a scan
+  // for the first lane equal to the max, U vectors per branch; a block with nothing above -inf
+  // reports its first -inf. (Each path's answer for such a block since it was written, kept so that
+  // no ISA's tokens change; it reaches the output only as the argmax of a row of -inf and NaN.) T:
+  // the logits' storage type.
   template <class T>
   static void block_max(void const* src, std::int64_t n, float* max, std::int64_t* argmax) {
     T const* l = static_cast<T const*>(src);
-    Reg acc[U];
-    for (int u = 0; u < U; ++u) acc[u] = V::set1(-kInf);
-    std::int64_t i = 0;
-    for (; i + U * W <= n; i += U * W) {
+    if constexpr (W == 1) {
+      float best = -kInf;
+      std::int64_t at = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        float const v = V::load(l + i);
+        if (v > best) {
+          best = v;
+          at = i;
+        }
+      }
+      *max = best;
+      *argmax = at;
+    } else {
+      Reg acc[U];
+      for (int u = 0; u < U; ++u) acc[u] = V::set1(-kInf);
+      std::int64_t i = 0;
+      for (; i + U * W <= n; i += U * W) {
 #pragma GCC unroll 16
-      for (int u = 0; u < U; ++u) acc[u] = V::max(V::load(l + i + u * W), acc[u]);  // NaN: keeps acc
-    }
-    for (; i < n; i += W) acc[0] = V::max(V::load_part(l + i, n - i), acc[0]);
-    float const best = V::hmax(tree(acc, [](Reg a, Reg b) { return V::max(a, b); }));
-    *max = best;
-    *argmax = 0;
-    if constexpr (V::kNoMaxAtZero) {
-      if (!(best > -kInf)) return;
-    }
-    Reg const b = V::set1(best);
-    for (i = 0; i < n; i += W) {
-      unsigned const hit = V::bits(V::cmp_eq(V::load_part(l + i, n - i), b)) & V::valid_bits(n - i);
-      if (hit != 0) {
-        *argmax = i + __builtin_ctz(hit);
-        return;
+        for (int u = 0; u < U; ++u) acc[u] = V::max(V::load(l + i + u * W), acc[u]);  // NaN: keeps acc
+      }
+      for (; i < n; i += W) acc[0] = V::max(V::load_part(l + i, n - i), acc[0]);
+      float const best = V::hmax(tree(acc, [](Reg a, Reg b) { return V::max(a, b); }));
+      *max = best;
+      *argmax = 0;
+      Reg const b = V::set1(best);
+      for (i = 0; i + U * W <= n; i += U * W) {
+        Mask hit[U];
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) hit[u] = V::cmp_eq(V::load(l + i + u * W), b);
+        if (V::bits(tree(hit, [](Mask x, Mask y) { return V::mask_or(x, y); })) == 0) continue;
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) {
+          if (unsigned const h = V::bits(hit[u]); h != 0) {
+            *argmax = i + u * W + __builtin_ctz(h);
+            return;
+          }
+        }
+      }
+      for (; i < n; i += W) {
+        unsigned const h = V::bits(V::cmp_eq(V::load_part(l + i, n - i), b)) & V::valid_bits(n - i);
+        if (h != 0) {
+          *argmax = i + __builtin_ctz(h);
+          return;
+        }
       }
     }
   }
@@ -179,6 +204,8 @@ struct SamplingBlocks {
         hit[u] = V::cmp_ge(v[u], thr);
       }
       if (V::bits(tree(hit, [](Mask x, Mask y) { return V::mask_or(x, y); })) == 0) continue;
+      // Unrolled, so that v and hit stay in registers.
+#pragma GCC unroll 16
       for (int u = 0; u < U; ++u) {
         unsigned const h = V::bits(hit[u]);
         if (h != 0) c += V::compress(l_out + c, idx_out + c, v[u], h, base + static_cast<std::int32_t>(i + u * W));

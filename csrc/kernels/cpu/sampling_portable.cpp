@@ -17,7 +17,6 @@ struct Scalar {
   using Acc = double;
   static constexpr int kWidth = 1;
   static constexpr int kUnroll = 1;
-  static constexpr bool kNoMaxAtZero = true;
 
   static Reg set1(float x) { return x; }
   static Reg sub(Reg a, Reg b) { return a - b; }
