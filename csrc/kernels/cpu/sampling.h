@@ -108,7 +108,7 @@ struct BlockStats {
 };
 
 // The per-ISA, per-dtype pieces; every loop over logits lives in one of these. Blocks are at most
-// kSamplingBlock long.
+// kSamplingBlock long. Written once, over vector traits, in sampling_impl.h.
 struct SamplingBlockKernels {
   // max over [0, n) (NaN ignored) and the first index holding it; n >= 1.
   void (*block_max)(void const* src, std::int64_t n, float* max, std::int64_t* argmax);
