@@ -74,7 +74,7 @@ struct Vec512 {
 
   static Mask cmp_ge(Reg a, Reg b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   static Mask cmp_eq(Reg a, Reg b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
-  static Mask mask_or(Mask a, Mask b) { return a | b; }
+  static Mask mask_or(Mask a, Mask b) { return _kor_mask16(a, b); }
   static unsigned bits(Mask m) { return m; }
   static unsigned valid_bits(std::int64_t left) { return lanes(left); }
 
