@@ -64,7 +64,7 @@ struct Vec256 {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   // AVX2 masks 32-bit loads (VMASKMOVPS: the masked lanes read 0, and never fault), not 16-bit
-  // ones: a partial bf16 / fp16 vector goes through the stack.
+  // ones: a partial bf16 / fp16 vector goes through the stack. T: float, BFloat16 or Float16.
   template <class T>
   static Reg load_part(T const* p, std::int64_t left) {
     if (left >= kWidth) return load(p);

@@ -65,6 +65,7 @@ struct Vec512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static Reg load(Float16 const* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p))); }
+  // T: float, BFloat16 or Float16.
   template <class T>
   static Reg load_part(T const* p, std::int64_t left) {
     return load(p, lanes(left));

@@ -15,9 +15,11 @@
 // V provides (Reg: kWidth floats; Mask: one predicate per lane; Acc: what a block's sums accumulate
 // in; left >= 1 counts the lanes still in the block, all of them when left >= kWidth):
 //   kWidth, kUnroll (a power of two)
-//   set1, sub, div, max(a, b) (b where a is NaN, as VMAXPS), hmax(Reg) -> float
+//   set1, sub, div, max(a, b) (b where a is NaN, as VMAXPS), hmax(Reg) -> float (max, hmax and cmp_eq:
+//       kWidth > 1 only, see block_max)
 //   scale_shift(x, s, m)          x * s - m, rounded as the ISA has always rounded it
-//   exp(x)                        e^x for x <= 0; -inf and NaN give 0 (the vector ISAs: exp_cephes)
+//   exp(x)                        e^x for x <= 0, e^-inf = 0 (vector ISAs: exp_cephes, NaN -> 0; portable:
+//                                 libm, NaN -> NaN)
 //   load(T const*)                kWidth elements of T (float, BFloat16, Float16) widened to fp32
 //   load_part(T const*, left)     the same, lanes >= left read as -inf
 //   store(float*, Reg), store_part(float*, Reg, left)   (the lanes < left only)

@@ -21,16 +21,17 @@ struct Scalar {
   static Reg set1(float x) { return x; }
   static Reg sub(Reg a, Reg b) { return a - b; }
   static Reg div(Reg a, Reg b) { return a / b; }
-  static Reg max(Reg a, Reg b) { return a > b ? a : b; }
-  static float hmax(Reg v) { return v; }
-  // Multiply, then subtract: two roundings (x86-64 has no FMA), so the max token gets e^0 = 1 exactly.
+  // Multiply, then subtract: two roundings (baseline x86-64 has no FMA), so the max token gets e^0 = 1
+  // exactly.
   static Reg scale_shift(Reg x, Reg s, Reg m) { return x * s - m; }
   static Reg exp(Reg x) { return std::exp(x); }
 
+  // T: float, BFloat16 or Float16.
   template <class T>
   static Reg load(T const* p) {
     return to_float(*p);
   }
+  // T: as load.
   template <class T>
   static Reg load_part(T const* p, std::int64_t) {
     return to_float(*p);  // left >= 1 = kWidth
@@ -39,7 +40,6 @@ struct Scalar {
   static void store_part(float* p, Reg v, std::int64_t) { *p = v; }
 
   static Mask cmp_ge(Reg a, Reg b) { return a >= b; }
-  static Mask cmp_eq(Reg a, Reg b) { return a == b; }
   static Mask mask_or(Mask a, Mask b) { return a || b; }
   static unsigned bits(Mask m) { return m ? 1u : 0u; }
   static unsigned valid_bits(std::int64_t) { return 1u; }
