@@ -1,109 +1,23 @@
-// The sampling launcher (threading, selection, the draw) and the portable block kernels. The
-// vectorised block kernels are in sampling_avx2.cpp and sampling_avx512.cpp; see sampling.h.
+// The sampling launcher (workspace, threading) and the row algorithm (the passes over the blocks, the
+// candidate thresholds, the draw over a whole row); see sampling.h. The selection among candidates is
+// in sampling_select.cpp, the block kernels (every loop over logits) in sampling_impl.h.
 #include "sampling.h"
+#include "sampling_select.h"
 #include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <tuple>
-#include <utility>
 
 namespace inflight::kernels::cpu {
-namespace detail {
-namespace {
-
-// Template parameters of the block kernels: T, the logits' storage type (float, BFloat16,
-// Float16); M, what block_stats accumulates (StatsMode). Each is instantiated for all of them.
-
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-template <typename T>
-void block_max(void const* src, std::int64_t n, float* max, std::int64_t* argmax) {
-  T const* l = static_cast<T const*>(src);
-  float best = -kInf;
-  std::int64_t at = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const v = to_float(l[i]);
-    if (v > best) {
-      best = v;
-      at = i;
-    }
-  }
-  *max = best;
-  *argmax = at;
-}
-
-template <typename T, StatsMode M>
-void block_stats(void const* src, std::int64_t n, StatsArgs const& a, BlockStats* out) {
-  T const* l = static_cast<T const*>(src);
-  double sum = 0.0, kept = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const e = std::exp(to_float(l[i]) * a.inv_t - a.m);
-    sum += e;
-    if constexpr (M == StatsMode::kMinP) {
-      if (e >= a.min_p) kept += e;
-    }
-  }
-  out->sum = sum;
-  out->sum_kept = kept;
-}
-
-template <typename T>
-void block_exp(void const* src, std::int64_t n, float inv_t, float m, float* e) {
-  T const* l = static_cast<T const*>(src);
-  for (std::int64_t i = 0; i < n; ++i) e[i] = std::exp(to_float(l[i]) * inv_t - m);
-}
-
-template <typename T>
-std::int64_t block_collect(void const* src, std::int64_t n, float threshold, std::int32_t base, float* l_out,
-                           std::int32_t* idx_out) {
-  T const* l = static_cast<T const*>(src);
-  std::int64_t c = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float const v = to_float(l[i]);
-    if (v >= threshold) {
-      l_out[c] = v;
-      idx_out[c] = base + static_cast<std::int32_t>(i);
-      ++c;
-    }
-  }
-  return c;
-}
-
-void divide_exp(float* x, std::int64_t n, float t, float m, float* e) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    x[i] /= t;
-    e[i] = std::exp(x[i] - m);
-  }
-}
-
-template <typename T>
-SamplingBlockKernels make_kernels() {
-  return {&block_max<T>,
-          {&block_stats<T, StatsMode::kSum>, &block_stats<T, StatsMode::kMinP>},
-          &block_exp<T>,
-          &block_collect<T>,
-          &divide_exp};
-}
-
-}  // namespace
-
-SamplingBlockKernels const& sampling_kernels_portable(ScalarType dtype) {
-  static SamplingBlockKernels const table[3] = {make_kernels<float>(), make_kernels<BFloat16>(),
-                                                make_kernels<Float16>()};
-  return table[static_cast<int>(dtype)];
-}
-
-}  // namespace detail
-
 namespace {
 
 using detail::BlockStats;
+using detail::Cand;
+using detail::Candidates;
 using detail::SamplingBlockKernels;
 using detail::StatsArgs;
 using detail::StatsMode;
@@ -120,10 +34,6 @@ constexpr std::int64_t kMinLogitsPerThread = 32768;
 constexpr float kMaxGap = 128.f;
 // Logits in the strided sample that candidate thresholds are estimated from.
 constexpr std::int64_t kSampleSize = 512;
-// Selections over more candidates than this are first narrowed to one bin of a histogram of x
-// (radix-select style); smaller ones go straight to nth_element / pivoting.
-constexpr std::int64_t kHistogramMin = 512;
-constexpr int kHistogramBins = 256;
 
 struct BlockMax {
   float max;
@@ -145,27 +55,12 @@ struct RowPlan {
   float m_div;  // l_max / T: the candidates' shift (their x divides, as the reference does)
 };
 
-// A candidate token: x = l / T, e = exp(x - m_div); bin is scratch for histogram narrowing.
-struct Cand {
-  float x;
-  float e;
-  std::int32_t idx;
-  std::int32_t bin;
-};
-
-// Rank order: larger x first, then the lower index (a stable descending sort).
-inline bool ranks_before(Cand const& a, Cand const& b) { return a.x > b.x || (a.x == b.x && a.idx < b.idx); }
-
 // Per-thread scratch.
 struct ThreadArea {
-  BlockMax* maxes;         // [num_blocks] (row mode)
-  BlockStats* stats;       // [num_blocks] (row mode)
-  float* cand_x;           // [V + 16] candidates in index order
-  float* cand_e;           // [V + 16]
-  std::int32_t* cand_idx;  // [V + 16]
-  std::int32_t* cand_bin;  // [V] histogram bin of each candidate
-  Cand* sel;               // [V] the candidates a selection works on
-  float* ebuf;             // [kSamplingBlock]
+  BlockMax* maxes;    // [num_blocks] (row mode)
+  BlockStats* stats;  // [num_blocks] (row mode)
+  Candidates cand;
+  float* ebuf;  // [kSamplingBlock]
 };
 
 struct Layout {
@@ -221,83 +116,6 @@ Layout make_layout(std::int64_t num_rows, std::int64_t vocab, int num_threads) {
   return lay;
 }
 
-// Histogram binning over [x_min, x_max], best first: bin(x) is non-increasing in x, so a bin is a
-// rank interval and ties share a bin.
-struct Binning {
-  float x_max, scale;
-  bool ok;  // false: the range is empty or degenerate (one bin would hold everything)
-  int operator()(float x) const { return std::min(kHistogramBins - 1, static_cast<int>((x_max - x) * scale)); }
-};
-
-Binning make_binning(float x_min, float x_max) {
-  float const scale = static_cast<float>(kHistogramBins) / (x_max - x_min);
-  return {x_max, scale, x_max > x_min && std::isfinite(scale)};
-}
-
-// Partitions sel[0, n) so that sel[pos] is the (pos + 1)-th ranked and sel[0, pos) the ones above
-// it: histogram bins narrow the window while it is large, nth_element finishes.
-void rank_select(Cand* sel, std::int64_t n, std::int64_t pos) {
-  std::int64_t lo = 0, hi = n;
-  while (hi - lo > kHistogramMin) {
-    float x_min = kInf, x_max = -kInf;
-    for (std::int64_t i = lo; i < hi; ++i) {
-      x_min = std::min(x_min, sel[i].x);
-      x_max = std::max(x_max, sel[i].x);
-    }
-    Binning const bin = make_binning(x_min, x_max);
-    if (!bin.ok) break;
-    std::int64_t count[kHistogramBins] = {};
-    for (std::int64_t i = lo; i < hi; ++i) ++count[sel[i].bin = bin(sel[i].x)];
-    std::int64_t before = lo;
-    int b = 0;
-    while (before + count[b] <= pos) before += count[b++];
-    if (count[b] == hi - lo) break;
-    Cand* const first = std::partition(sel + lo, sel + hi, [b](Cand const& c) { return c.bin < b; });
-    Cand* const last = std::partition(first, sel + hi, [b](Cand const& c) { return c.bin == b; });
-    lo = first - sel;
-    hi = last - sel;
-  }
-  std::nth_element(sel + lo, sel + pos, sel + hi, ranks_before);
-}
-
-// The smallest prefix, in rank order, of sel[0, n) whose mass reaches target: returns the position
-// of its lowest-ranked element, with sel partitioned so that the prefix is sel[0, position], or -1
-// if all n fall short. A quickselect on the pivot's rank that keeps the side holding the target.
-std::int64_t mass_select(Cand* sel, std::int64_t n, double target) {
-  std::int64_t lo = 0, hi = n;
-  double acc = 0.0;      // the mass of sel[0, lo), all ranked above sel[lo, hi)
-  bool bounded = false;  // a sum found sel[0, hi) to reach the target: if a rescan in another order
-                         // falls a rounding short, the cut is still the window's last element
-  while (hi - lo > 16) {
-    std::int64_t const mid_at = lo + (hi - lo) / 2;
-    Cand a = sel[lo], b = sel[mid_at], c = sel[hi - 1];
-    if (ranks_before(b, a)) std::swap(a, b);
-    if (ranks_before(c, b)) std::swap(b, c);
-    if (ranks_before(b, a)) std::swap(a, b);
-    Cand const pivot = b;
-    Cand* const mid = std::partition(sel + lo, sel + hi, [&](Cand const& x) { return ranks_before(x, pivot); });
-    std::swap(*mid, *std::find_if(mid, sel + hi, [&](Cand const& x) { return x.idx == pivot.idx; }));
-    double mass = 0.0;
-    for (Cand const* q = sel + lo; q < mid; ++q) mass += q->e;
-    std::int64_t const m = mid - sel;
-    if (acc + mass >= target) {
-      hi = m;
-      bounded = true;
-    } else if (acc + mass + mid->e >= target) {
-      return m;
-    } else {
-      acc += mass + mid->e;
-      lo = m + 1;
-    }
-  }
-  std::sort(sel + lo, sel + hi, ranks_before);
-  for (std::int64_t i = lo; i < hi; ++i) {
-    acc += sel[i].e;
-    if (acc >= target) return i;
-  }
-  return bounded && hi > 0 ? hi - 1 : -1;
-}
-
 class RowSampler {
  public:
   RowSampler(SamplingParams const& p, SamplingBlockKernels const& k, Layout const& lay, std::byte* ws)
@@ -307,10 +125,12 @@ class RowSampler {
 
   ThreadArea area(int thread) const {
     std::byte* base = ws_ + lay_.thread_base + lay_.thread_stride * static_cast<std::size_t>(thread);
-    return {reinterpret_cast<BlockMax*>(base + lay_.t_maxes),   reinterpret_cast<BlockStats*>(base + lay_.t_stats),
-            reinterpret_cast<float*>(base + lay_.t_x),          reinterpret_cast<float*>(base + lay_.t_e),
-            reinterpret_cast<std::int32_t*>(base + lay_.t_idx), reinterpret_cast<std::int32_t*>(base + lay_.t_bin),
-            reinterpret_cast<Cand*>(base + lay_.t_sel),         reinterpret_cast<float*>(base + lay_.t_ebuf)};
+    Candidates const cand{reinterpret_cast<float*>(base + lay_.t_x), reinterpret_cast<float*>(base + lay_.t_e),
+                          reinterpret_cast<std::int32_t*>(base + lay_.t_idx),
+                          reinterpret_cast<std::int32_t*>(base + lay_.t_bin),
+                          reinterpret_cast<Cand*>(base + lay_.t_sel)};
+    return {reinterpret_cast<BlockMax*>(base + lay_.t_maxes), reinterpret_cast<BlockStats*>(base + lay_.t_stats), cand,
+            reinterpret_cast<float*>(base + lay_.t_ebuf)};
   }
   RowPlan* plans() const { return reinterpret_cast<RowPlan*>(ws_ + lay_.plans); }
   BlockMax* shared_maxes(std::int64_t row) const {
@@ -423,37 +243,32 @@ class RowSampler {
       std::int64_t n = 0;
       for (std::int64_t b = 0; b < lay_.num_blocks; ++b) {
         n += k_.block_collect(block(row, b), block_len(b), threshold, static_cast<std::int32_t>(b * kSamplingBlock),
-                              area.cand_x + n, area.cand_idx + n);
+                              area.cand.x + n, area.cand.idx + n);
       }
       if (pl.k != 0 && n < pl.k && !last_level) continue;
-      k_.divide_exp(area.cand_x, n, pl.t, pl.m_div, area.cand_e);
+      k_.divide_exp(area.cand.x, n, pl.t, pl.m_div, area.cand.e);
       // Every token below the threshold has x <= edge, so the candidates with x > edge are a top
       // set: everything that outranks one of them is among them, ties with non-candidates included.
       float const edge = threshold / pl.t;
       float x_min = kInf;
-      for (std::int64_t i = 0; i < n; ++i) x_min = std::min(x_min, area.cand_x[i]);
+      for (std::int64_t i = 0; i < n; ++i) x_min = std::min(x_min, area.cand.x[i]);
       std::int64_t kept = n;
       if (!(x_min > edge)) {  // rare: ties at the edge, or -inf logits at the last level
         kept = 0;
         for (std::int64_t i = 0; i < n; ++i) {
-          if (area.cand_x[i] > edge) {
-            area.cand_x[kept] = area.cand_x[i];
-            area.cand_e[kept] = area.cand_e[i];
-            area.cand_idx[kept] = area.cand_idx[i];
+          if (area.cand.x[i] > edge) {
+            area.cand.x[kept] = area.cand.x[i];
+            area.cand.e[kept] = area.cand.e[i];
+            area.cand.idx[kept] = area.cand.idx[i];
             ++kept;
           }
         }
       }
-      mass = 0.0;
-      if (pl.k == 0) {
-        for (std::int64_t c = 0; c < kept; c += kDrawChunk) {
-          mass += chunk_sum(area.cand_e + c, std::min(kDrawChunk, kept - c));
-        }
-      }
+      mass = pl.k == 0 ? detail::chunked_sum(area.cand.e, kept) : 0.0;
       if (!last_level && (pl.k != 0 ? kept < pl.k : mass < static_cast<double>(pl.p) * z_all)) continue;
       Cand cut{};
-      bool const has_cut = select(pl, area, kept, z_all, &cut);
-      return draw_candidates(pl, area, kept, has_cut ? &cut : nullptr, u);
+      bool const has_cut = detail::select_cut(area.cand, kept, pl.k, pl.p, z_all, &cut);
+      return detail::draw_candidates(area.cand, kept, has_cut ? &cut : nullptr, pl.min_p, u, pl.argmax);
     }
   }
 
@@ -521,171 +336,6 @@ class RowSampler {
       if (mass >= want) return area.ebuf[i];
     }
     return -kInf;
-  }
-
-  // The top-k then top-p cut over n candidates (a top set that holds it): returns true with *cut
-  // the lowest-ranked kept candidate, false when all n are kept.
-  static bool select(RowPlan const& pl, ThreadArea const& area, std::int64_t n, double z_all, Cand* cut) {
-    bool has_cut = false;
-    if (pl.k != 0 && n > pl.k) {
-      Window const w = narrow(area, n, nullptr, pl.k - 1, -1.0);
-      std::int64_t const pos = pl.k - 1 - w.above;
-      rank_select(area.sel, w.size, pos);
-      *cut = area.sel[pos];
-      has_cut = true;
-    }
-    if (pl.p < 1.f) {
-      Cand const limit = *cut;
-      double z = z_all;
-      if (pl.k != 0) {
-        z = 0.0;  // top-p is relative to the top-k mass (the reference renormalizes after top-k)
-        for (std::int64_t i = 0; i < n; ++i) {
-          if (!has_cut || !ranks_before(limit, candidate(area, i))) z += area.cand_e[i];
-        }
-      }
-      double const target = static_cast<double>(pl.p) * z;
-      Window const w = narrow(area, n, has_cut ? &limit : nullptr, 0, target);
-      if (w.size > 0) {
-        std::int64_t at = mass_select(area.sel, w.size, target - w.mass_above);
-        if (at < 0 && w.bounded) {
-          // The histogram put the cut in this window; summed in another order it fell a rounding
-          // short: the window's lowest-ranked candidate.
-          at = 0;
-          for (std::int64_t i = 1; i < w.size; ++i) {
-            if (ranks_before(area.sel[at], area.sel[i])) at = i;
-          }
-        }
-        if (at >= 0) {
-          *cut = area.sel[at];
-          has_cut = true;
-        }
-      }
-    }
-    return has_cut;
-  }
-
-  static Cand candidate(ThreadArea const& area, std::int64_t i) {
-    return {area.cand_x[i], area.cand_e[i], area.cand_idx[i], 0};
-  }
-
-  // A selection's window: area.sel[0, size), everything ranked above it counted in `above` and
-  // `mass_above`. bounded: a histogram placed the cut inside it.
-  struct Window {
-    std::int64_t size;
-    std::int64_t above;
-    double mass_above;
-    bool bounded;
-  };
-
-  // Copies into area.sel the candidates, among those ranked at or above *limit (all if null), of
-  // the histogram bin that holds the cut: the (pos + 1)-th ranked (target < 0) or the first whose
-  // cumulative mass reaches target. Few candidates are copied whole. size 0: they fall short.
-  static Window narrow(ThreadArea const& area, std::int64_t n, Cand const* limit, std::int64_t pos, double target) {
-    float x_min = kInf, x_max = -kInf;
-    std::int64_t m = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      bool const in = limit == nullptr || !ranks_before(*limit, candidate(area, i));
-      area.cand_bin[i] = in ? 0 : -1;
-      if (!in) continue;
-      x_min = std::min(x_min, area.cand_x[i]);
-      x_max = std::max(x_max, area.cand_x[i]);
-      ++m;
-    }
-    Binning const bin = make_binning(x_min, x_max);
-    if (m <= kHistogramMin || !bin.ok) {
-      std::int64_t c = 0;
-      for (std::int64_t i = 0; i < n; ++i) {
-        if (area.cand_bin[i] == 0) area.sel[c++] = candidate(area, i);
-      }
-      return {c, 0, 0.0, false};
-    }
-    // Four interleaved histograms: runs of one bin would otherwise chain every update on the last.
-    std::int64_t count[4][kHistogramBins] = {};
-    double mass[4][kHistogramBins] = {};
-    bool const by_mass = target >= 0.0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (area.cand_bin[i] < 0) continue;
-      int const b = bin(area.cand_x[i]);
-      area.cand_bin[i] = b;
-      ++count[i & 3][b];
-      if (by_mass) mass[i & 3][b] += area.cand_e[i];
-    }
-    for (int b = 0; b < kHistogramBins; ++b) {
-      count[0][b] += count[1][b] + count[2][b] + count[3][b];
-      mass[0][b] = (mass[0][b] + mass[1][b]) + (mass[2][b] + mass[3][b]);
-    }
-    int b = 0;
-    std::int64_t above = 0;
-    double mass_above = 0.0;
-    if (!by_mass) {
-      while (above + count[0][b] <= pos) above += count[0][b++];
-    } else {
-      while (b < kHistogramBins && mass_above + mass[0][b] < target) {
-        mass_above += mass[0][b];
-        above += count[0][b++];
-      }
-      if (b == kHistogramBins) return {0, above, mass_above, false};
-    }
-    std::int64_t c = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (area.cand_bin[i] == b) area.sel[c++] = candidate(area, i);
-    }
-    return {c, above, mass_above, true};
-  }
-
-  // Inverse CDF, in index order, over the candidates ranked at or above *cut with e >= min_p.
-  // Weights (kept: e, else 0) overwrite cand_e without branches (about half the candidates of a
-  // flat row are dropped, in no order a predictor could learn); sums go by chunks of kDrawChunk,
-  // each with independent accumulators, and only the chunk holding the target is scanned.
-  static std::int64_t draw_candidates(RowPlan const& pl, ThreadArea const& area, std::int64_t n, Cand const* cut,
-                                      double u) {
-    float const cut_x = cut != nullptr ? cut->x : -kInf;
-    std::int32_t const cut_idx = cut != nullptr ? cut->idx : std::numeric_limits<std::int32_t>::max();
-    float const min_p = pl.min_p;
-    float* const w = area.cand_e;
-    float const* const x = area.cand_x;
-    std::int32_t const* const idx = area.cand_idx;
-    for (std::int64_t i = 0; i < n; ++i) {
-      bool const ranked = (x[i] > cut_x) | ((x[i] == cut_x) & (idx[i] <= cut_idx));
-      w[i] = (ranked & (w[i] >= min_p)) ? w[i] : 0.f;
-    }
-    double total = 0.0;
-    for (std::int64_t c = 0; c < n; c += kDrawChunk) total += chunk_sum(w + c, std::min(kDrawChunk, n - c));
-    double const target = u * total;
-    double acc = 0.0;
-    std::int64_t last = -1;
-    for (std::int64_t c = 0; c < n; c += kDrawChunk) {
-      std::int64_t const len = std::min(kDrawChunk, n - c);
-      double const s = chunk_sum(w + c, len);
-      if (acc + s <= target) {
-        acc += s;
-        continue;
-      }
-      for (std::int64_t i = c; i < c + len; ++i) {
-        if (!(w[i] > 0.f)) continue;
-        acc += w[i];
-        last = idx[i];
-        if (acc > target) return last;
-      }
-      // The chunk's sum was a rounding above its rescan: carry on with the next.
-    }
-    if (last >= 0) return last;
-    for (std::int64_t i = n - 1; i >= 0; --i) {
-      if (w[i] > 0.f) return idx[i];  // u * total rounded up to the total: the last kept
-    }
-    return pl.argmax;
-  }
-
-  static constexpr std::int64_t kDrawChunk = 256;
-
-  static double chunk_sum(float const* w, std::int64_t len) {
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    std::int64_t i = 0;
-    for (; i + 4 <= len; i += 4) {
-      for (int j = 0; j < 4; ++j) acc[j] += w[i + j];
-    }
-    for (; i < len; ++i) acc[0] += w[i];
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
 
   SamplingParams const& p_;

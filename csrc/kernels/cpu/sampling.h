@@ -97,7 +97,8 @@ inline constexpr int kStatsModes = 2;
 
 struct StatsArgs {
   float inv_t;  // 1 / T: the streaming passes multiply (the candidates divide, as the reference)
-  float m;      // l_max * inv_t, so that the max token has e = 1 exactly
+  float m;      // l_max * inv_t, so that the max token has e = 1: exactly in the portable path; the vector
+                // paths fuse l * inv_t - m (one rounding), so there e = exp(the rounding error of m)
   float min_p;  // kMinP
 };
 
@@ -107,7 +108,7 @@ struct BlockStats {
 };
 
 // The per-ISA, per-dtype pieces; every loop over logits lives in one of these. Blocks are at most
-// kSamplingBlock long.
+// kSamplingBlock long. Written once, over vector traits, in sampling_impl.h.
 struct SamplingBlockKernels {
   // max over [0, n) (NaN ignored) and the first index holding it; n >= 1.
   void (*block_max)(void const* src, std::int64_t n, float* max, std::int64_t* argmax);
