@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
+from torch.utils.dlpack import to_dlpack
+
 from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
-from torch.utils.dlpack import to_dlpack
 
 _ORDER = ["portable", "avx2", "avx512"]
 ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
@@ -97,8 +98,11 @@ def test_long_rows_use_the_fallback_kernel(isa):
         qweight, scales, offsets = _w4(5, k, 128, symmetric, torch.float16, gen)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(2, k, generator=gen).to(dtype)
-            _close(ops.w4a16_gemm(x, qweight, scales, offsets, 128),
-                   ref.w4a16_gemm(x, qweight, scales, offsets, 128), dtype)
+            _close(
+                ops.w4a16_gemm(x, qweight, scales, offsets, 128),
+                ref.w4a16_gemm(x, qweight, scales, offsets, 128),
+                dtype,
+            )
 
 
 @pytest.mark.parametrize("k", [576, 6144])
@@ -113,7 +117,10 @@ def test_batched_fp32_paths_are_exact_fp32_math(isa, k):
         for m in range(4, 18):
             x = torch.randn(m, k, generator=gen)
             for got, want in (
-                (ops.w4a16_gemm(x, qweight, scales, offsets, 32), ref.w4a16_gemm(x, qweight, scales, offsets, 32)),
+                (
+                    ops.w4a16_gemm(x, qweight, scales, offsets, 32),
+                    ref.w4a16_gemm(x, qweight, scales, offsets, 32),
+                ),
                 (ops.w8a16_gemm(x, q8, scales, 32), ref.w8a16_gemm(x, q8, scales, 32)),
             ):
                 torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
@@ -132,10 +139,15 @@ def test_batched_bf16_equals_the_bf16_dequantised_weights(isa):
         w8 = ref.dequantize_w8(q8, scales, 32).float().to(torch.bfloat16).float()
         for m in (12, 16, 37):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-            for got, w in ((ops.w4a16_gemm(x, qweight, scales, offsets, 32), w4), (ops.w8a16_gemm(x, q8, scales, 32), w8)):
+            for got, w in (
+                (ops.w4a16_gemm(x, qweight, scales, offsets, 32), w4),
+                (ops.w8a16_gemm(x, q8, scales, 32), w8),
+            ):
                 want = x.float() @ w.T
                 if isa == "avx512":
-                    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4 * want.abs().max().item())
+                    torch.testing.assert_close(
+                        got.float(), want, rtol=2**-8, atol=1e-4 * want.abs().max().item()
+                    )
                 _close(got, want.to(torch.bfloat16), torch.bfloat16)
 
 
@@ -173,7 +185,9 @@ def test_bad_arguments_name_the_parameter():
     x = torch.randn(2, 128)
     with pytest.raises(ValueError, match="group_size must be 32, 64 or 128, got 48"):
         ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets[:, :2].contiguous(), 48)
-    with pytest.raises(ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"scales must have shape \[n, k // group_size\] = \[8, 4\], got \[8, 2\]"
+    ):
         ops.w4a16_gemm(x, qweight, scales[:, :2].contiguous(), offsets, 32)
     with pytest.raises(TypeError, match=r"offsets must have the dtype of scales \(float16\), got float32"):
         ops.w4a16_gemm(x, qweight, scales, offsets.float(), 32)
@@ -188,10 +202,15 @@ def test_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="out must be a contiguous"):
         ops.w4a16_gemm(x, qweight, scales, offsets, 32, out=torch.empty(8, 2).T)
     with pytest.raises(
-        ValueError, match=r"k \(2 \* qweight.shape\[1\]\) must be a positive multiple of group_size \(64\), got 96"
+        ValueError,
+        match=r"k \(2 \* qweight.shape\[1\]\) must be a positive multiple of group_size \(64\), got 96",
     ):
-        ops.w4a16_gemm(torch.randn(2, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1).half(), None, 64)
-    with pytest.raises(ValueError, match=r"x.shape\[1\] must be k \(2 \* qweight.shape\[1\]\) = 128, got shape \[2, 64\]"):
+        ops.w4a16_gemm(
+            torch.randn(2, 96), torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1).half(), None, 64
+        )
+    with pytest.raises(
+        ValueError, match=r"x.shape\[1\] must be k \(2 \* qweight.shape\[1\]\) = 128, got shape \[2, 64\]"
+    ):
         ops.W4A16Weight(qweight, scales, offsets, 32)(torch.randn(2, 64))
     with pytest.raises(TypeError, match="qweight must be int8, got uint8"):
         ops.w8a16_gemm(x, torch.zeros(8, 128, dtype=torch.uint8), scales, 32)

@@ -15,6 +15,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
 from inflight import _C
 from inflight.ops import sampling as native
 from inflight.ops.reference import sampling as reference
