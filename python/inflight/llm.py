@@ -340,6 +340,11 @@ class LLM:
         return self.executor.get_stats()
 
     @property
+    def stall_seconds(self) -> float:
+        """Seconds the engine has had work pending without finishing an iteration (0 when idle)."""
+        return self.executor.stall_seconds if self.executor is not None else 0.0
+
+    @property
     def is_alive(self) -> bool:
         """Whether the engine accepts and runs requests (not shut down, its loop not dead)."""
         return not self._shutdown and self.executor is not None and self.executor.is_alive

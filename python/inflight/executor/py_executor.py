@@ -103,6 +103,9 @@ class PyExecutor:
         self._prev: _InFlight | None = None
         self._stats: collections.deque[dict] = collections.deque(maxlen=stats_window)
         self._iter = 0
+        # The last time an iteration finished or the loop found nothing to do (stall_seconds).
+        self._last_progress = time.monotonic()
+        self._idle_recorded = False  # the stats already show the engine as it went idle
         self._step_num_tokens = 0
         self._outbox: list[Response] = []
         self._error: BaseException | None = None
@@ -166,6 +169,14 @@ class PyExecutor:
     @property
     def is_alive(self) -> bool:
         return self._error is None and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def stall_seconds(self) -> float:
+        """Seconds since the loop last finished an iteration while work is pending; 0 when idle. A
+        liveness signal: a step that never returns, or a loop that stopped stepping, makes it grow."""
+        if self.is_idle:
+            return 0.0
+        return max(time.monotonic() - self._last_progress, 0.0)
 
     @property
     def is_idle(self) -> bool:
@@ -281,6 +292,13 @@ class PyExecutor:
         # Block only while nothing is running and no shutdown is pending: once the marker has been
         # taken (while requests were still running), nothing else may ever arrive.
         block = block and idle and not self._draining
+        if block and not self._idle_recorded:
+            # What the engine looks like now that it waits (metrics read the last entry): requests
+            # cancelled or finished since the last iteration no longer show as running.
+            self._record_stats(ScheduledRequests(), time.perf_counter())
+            self._idle_recorded = True
+        if block:
+            self._last_progress = time.monotonic()
         stop = False
         while True:
             try:
@@ -288,6 +306,7 @@ class PyExecutor:
             except queue.Empty:
                 break
             block = False
+            self._idle_recorded = False
             if isinstance(item, _Shutdown):
                 stop = True  # drain: keep stepping until everything queued before it is done
             elif isinstance(item, _Cancel):
@@ -517,6 +536,7 @@ class PyExecutor:
             "kv_cache_stats": kv_stats,
         }
         self._stats.append(stat)
+        self._last_progress = time.monotonic()
         if self.log_stats_every and self._iter % self.log_stats_every == 0:
             logger.info(
                 "iter %d: running %d (ctx %d, gen %d), waiting %d, paused %d, tokens %d, KV used %d/%d blocks, "

@@ -35,16 +35,18 @@ def build_app(
     *,
     aliases: tuple[str, ...] = (),
     version: str | None = None,
+    stall_timeout: float = 120.0,
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name`` (and any ``aliases``).
 
     ``max_queue_size``: most requests in flight (accepted, not finished); the next gets 503 at once.
     The app's :class:`ServerState` is ``app.state.server`` (``draining``, ``in_flight``, ``metrics``).
-    ``version`` (``GET /version``): inflight's by default.
+    ``version`` (``GET /version``): inflight's by default. ``stall_timeout``: seconds without engine
+    progress (work pending) after which ``/health`` answers 503.
     """
     if version is None:
         version = __version__
-    state = ServerState(llm, model_name, max_queue_size, tuple(aliases), version=version)
+    state = ServerState(llm, model_name, max_queue_size, tuple(aliases), version=version, stall_timeout=stall_timeout)
     app = FastAPI(title="inflight", version=version, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
