@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inflight import __version__
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
+from inflight.serve.schema import RESPONSES, install_openapi
 from inflight.serve.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -54,7 +55,8 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     for method, path, endpoint in ROUTES:
-        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+        app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
+    install_openapi(app, vocab_size=llm.model_config.vocab_size, max_seq_len=llm.max_seq_len, max_n=llm.args.max_n)
     return app
 
 
