@@ -495,8 +495,13 @@ def _add_field(group, f: dataclasses.Field, flag: str, dest: str, defaults: dict
         else:
             # --flag / --no-flag; absent, the field's own default (None means "decide").
             shown = "" if default is None else f" (default: {'on' if default else 'off'})"
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
-                               help=meta["help"] + shown)
+            group.add_argument(
+                flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=meta["help"] + shown,
+            )
         return
     default = default.name if isinstance(rule, EnumRule) else default
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": meta["help"]}

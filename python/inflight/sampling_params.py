@@ -129,17 +129,32 @@ class SamplingParams:
         put(
             "temperature",
             _check_float(
-                "temperature", self.temperature, lambda v: 0 <= v <= MAX_TEMPERATURE, what=f"in [0, {MAX_TEMPERATURE:.4g}]"
+                "temperature",
+                self.temperature,
+                lambda v: 0 <= v <= MAX_TEMPERATURE,
+                what=f"in [0, {MAX_TEMPERATURE:.4g}]",
             ),
         )
         top_k = _check_int("top_k", self.top_k, what="-1 or 0 (all tokens) or >= 1")
         if top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (all tokens) or >= 1, got {top_k!r}")
         put("top_k", max(top_k, 0))
-        put("top_p", _check_float32("top_p", _check_float("top_p", self.top_p, lambda v: 0 < v <= 1,
-                                                          what="in (0, 1]"), what="in (0, 1]"))
-        put("min_p", _check_float32("min_p", _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1,
-                                                          what="in [0, 1]"), what="in [0, 1]"))
+        put(
+            "top_p",
+            _check_float32(
+                "top_p",
+                _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, what="in (0, 1]"),
+                what="in (0, 1]",
+            ),
+        )
+        put(
+            "min_p",
+            _check_float32(
+                "min_p",
+                _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, what="in [0, 1]"),
+                what="in [0, 1]",
+            ),
+        )
         rep_range = f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
         put(
             "repetition_penalty",

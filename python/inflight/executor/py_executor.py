@@ -372,7 +372,9 @@ class PyExecutor:
             output = self.sampler.sample(logits, states)
         except Exception as exc:  # noqa: BLE001
             output = self.sampler.sample_each(logits, states)
-            logger.warning("sampling failed for the batch (%r); rows %s fail alone", exc, sorted(output.errors))
+            logger.warning(
+                "sampling failed for the batch (%r); rows %s fail alone", exc, sorted(output.errors)
+            )
         if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
             self.model_engine.store_new_tokens(inputs, output.token_ids)
         return output

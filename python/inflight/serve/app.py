@@ -47,7 +47,9 @@ def build_app(
     """
     if version is None:
         version = __version__
-    state = ServerState(llm, model_name, max_queue_size, tuple(aliases), version=version, stall_timeout=stall_timeout)
+    state = ServerState(
+        llm, model_name, max_queue_size, tuple(aliases), version=version, stall_timeout=stall_timeout
+    )
     app = FastAPI(title="inflight", version=version, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -56,7 +58,9 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
-    install_openapi(app, vocab_size=llm.model_config.vocab_size, max_seq_len=llm.max_seq_len, max_n=llm.args.max_n)
+    install_openapi(
+        app, vocab_size=llm.model_config.vocab_size, max_seq_len=llm.max_seq_len, max_n=llm.args.max_n
+    )
     return app
 
 

@@ -94,7 +94,11 @@ MessagesField = Annotated[
             "minItems": 1,
             "items": {
                 "type": "object",
-                "properties": {"role": {"type": "string"}, "content": {"type": "string"}, "name": {"type": "string"}},
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {"type": "string"},
+                    "name": {"type": "string"},
+                },
                 "required": ["role", "content"],
             },
         }
@@ -102,7 +106,9 @@ MessagesField = Annotated[
 ]
 StopField = Annotated[
     Any,
-    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+    ),
 ]
 TokenIdsField = Annotated[Any, WithJsonSchema({"anyOf": [_TOKEN_IDS, {"type": "null"}]})]
 

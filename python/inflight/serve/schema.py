@@ -102,8 +102,12 @@ class VersionResponse(BaseModel):
 
 
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
-    text = {400: "invalid request", 404: "unknown model", 500: "engine failure",
-            503: "draining, engine not running or stalled, or the queue is full"}
+    text = {
+        400: "invalid request",
+        404: "unknown model",
+        500: "engine failure",
+        503: "draining, engine not running or stalled, or the queue is full",
+    }
     return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
 
 
@@ -114,18 +118,28 @@ RESPONSES: dict[str, dict[int, dict[str, Any]]] = {
     "/health": {200: {"model": HealthResponse}, **_errors(503)},
     "/version": {200: {"model": VersionResponse}},
     "/v1/models": {200: {"model": ModelList}},
-    "/metrics": {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                       "description": "Prometheus text format"}},
+    "/metrics": {
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text format",
+        }
+    },
     "/v1/completions": {200: {"model": CompletionResponse, "content": _SSE}, **_errors(400, 404, 500, 503)},
-    "/v1/chat/completions": {200: {"model": ChatCompletionResponse, "content": _SSE},
-                             **_errors(400, 404, 500, 503)},
+    "/v1/chat/completions": {
+        200: {"model": ChatCompletionResponse, "content": _SSE},
+        **_errors(400, 404, 500, 503),
+    },
 }
 
 
 def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str, Any]]:
     """The request fields' allowed ranges (the checks of SamplingParams and of the engine) as JSON
     Schema keywords, with this model's vocabulary, context and n."""
-    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    token_ids = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+    }
     max_new = {"minimum": 1, "maximum": max_seq_len - 1}
     return {
         "n": {"minimum": 1, "maximum": max_n},
@@ -142,9 +156,14 @@ def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str
         "logprobs": {"minimum": 0, "maximum": 20},
         "top_logprobs": {"minimum": 0, "maximum": 20},
         "seed": {"minimum": 0, "maximum": 2**63 - 1},
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, token_ids,
-                             {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-                             {"type": "array", "minItems": 1, "items": token_ids}]},
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                token_ids,
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": token_ids},
+            ]
+        },
         "stop_token_ids": {"anyOf": [token_ids, {"type": "null"}]},
     }
 

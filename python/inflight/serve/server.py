@@ -227,7 +227,9 @@ def run(args) -> int:
     llm = LLM(**LlmArgs.from_cli(args, model=model).to_kwargs())
     try:
         name, aliases = _served_names(model, args.served_model_name)
-        app = build_app(llm, name, args.max_queue_size, aliases=aliases, stall_timeout=args.health_stall_timeout)
+        app = build_app(
+            llm, name, args.max_queue_size, aliases=aliases, stall_timeout=args.health_stall_timeout
+        )
         server = make_server(
             app,
             args.host,

@@ -133,9 +133,14 @@ class ServerState:
 
     # -- requests
     async def tokenize(self, prompt: str) -> list[int]:
-        if len(prompt) > _LONG_TEXT:
-            return await asyncio.to_thread(self.llm.encode, prompt)
-        return self.llm.encode(prompt)
+        """The prompt's token ids; a prompt the engine refuses to tokenize (too large, not valid
+        Unicode) is a 400 naming ``prompt``."""
+        try:
+            if len(prompt) > _LONG_TEXT:
+                return await asyncio.to_thread(self.llm.encode, prompt)
+            return self.llm.encode(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt") from None
 
     async def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool
@@ -193,7 +198,12 @@ class ServerState:
             self.release(None)
             if isinstance(exc, ValueError):
                 msg = str(exc)
-                param = "stop_token_ids" if msg.startswith("stop_token_ids") else prompt_field
+                if msg.startswith("stop_token_ids"):
+                    param = "stop_token_ids"
+                elif msg.startswith("n "):  # max_n, or n x max_tokens over max_request_tokens
+                    param = "n"
+                else:
+                    param = prompt_field
                 raise bad_request(msg, param=param) from None
             if isinstance(exc, RuntimeError):
                 raise APIError(
