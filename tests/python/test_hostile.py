@@ -259,3 +259,23 @@ def slow_engine_module(llm_module, monkeypatch):
 
     monkeypatch.setattr(engine, "forward", slow)
     yield
+
+
+def test_a_long_prefill_does_not_freeze_a_stream(make_llm):
+    """With chunked prefill (inflight serve's default), a long prompt is prefilled one budget-sized
+    chunk per step, and a running stream gets a token in every one of those steps: no step holds
+    more than max_num_tokens, and none runs a chunk without the stream's decode. (The wall-clock
+    stall this bounds is measured in benchmarks/bench_stall.py.)"""
+    budget = 64
+    llm = make_llm(enable_chunked_prefill=True, max_num_tokens=budget, max_batch_size=4)
+    stream = llm.generate_async(LLM_PROMPTS[0], greedy(120), streaming=True)
+    wait_until(lambda: any(s["num_generation_requests"] for s in llm.get_stats()), what="the stream to decode")
+    first = llm.get_stats()[-1]["iter"]
+    long = llm.generate_async([5 + i % 200 for i in range(400)], greedy(1))
+    long.result(TIMEOUT)
+    steps = [s for s in llm.get_stats() if s["iter"] > first and s["num_context_requests"]]
+    assert len(steps) >= 400 // budget, steps  # the prompt took several steps
+    for s in steps:
+        assert s["num_tokens"] <= budget, s
+        assert s["num_generation_requests"] >= 1, f"a prefill step without the stream's decode: {s}"
+    stream.result(TIMEOUT)
