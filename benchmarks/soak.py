@@ -48,10 +48,15 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, vocab: int, counts
     ids = [rng.randrange(100, vocab) for _ in range(rng.randint(8, 64))]
     try:
         if kind == "long":
-            body = {"prompt": [rng.randrange(100, vocab) for _ in range(rng.randint(1500, 3500))], "max_tokens": 8}
+            body = {
+                "prompt": [rng.randrange(100, vocab) for _ in range(rng.randint(1500, 3500))],
+                "max_tokens": 8,
+            }
             await client.post("/v1/completions", json=body)
         elif kind == "large_n":
-            await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "n": 48, "temperature": 1.0})
+            await client.post(
+                "/v1/completions", json={"prompt": ids, "max_tokens": 12, "n": 48, "temperature": 1.0}
+            )
         elif kind in ("stream", "abandon"):
             body = {"prompt": ids, "max_tokens": 64, "stream": True, "ignore_eos": True}
             async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -61,8 +66,13 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, vocab: int, counts
                     if kind == "abandon" and seen >= 3:
                         break  # the client goes away mid-stream
         elif kind == "chat":
-            msgs = [{"role": "user", "content": "Tell me about " + " ".join(rng.choice(["cats", "rain", "maps"])
-                                                                             for _ in range(20))}]
+            msgs = [
+                {
+                    "role": "user",
+                    "content": "Tell me about "
+                    + " ".join(rng.choice(["cats", "rain", "maps"]) for _ in range(20)),
+                }
+            ]
             await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 24})
         else:
             await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 100000})
@@ -102,8 +112,19 @@ def main() -> int:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "inflight.serve.server", args.model, "--port", str(port), "--disable-access-log",
-           "--uvicorn-log-level", "warning", "--kv-cache-max-tokens", str(args.kv_cache_max_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "inflight.serve.server",
+        args.model,
+        "--port",
+        str(port),
+        "--disable-access-log",
+        "--uvicorn-log-level",
+        "warning",
+        "--kv-cache-max-tokens",
+        str(args.kv_cache_max_tokens),
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: list[tuple[float, float, str]] = []
     try:
@@ -154,16 +175,32 @@ def main() -> int:
             server.kill()
     growth = end / base - 1
     with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+        cpu = next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+            platform.processor(),
+        )
     ok = growth <= args.tolerance
-    print(f"CPU: {cpu}; {args.model}, {args.minutes:g} min soak after {args.warmup_minutes:g} min warm-up, "
-          f"concurrency {args.concurrency}")
+    print(
+        f"CPU: {cpu}; {args.model}, {args.minutes:g} min soak after {args.warmup_minutes:g} min warm-up, "
+        f"concurrency {args.concurrency}"
+    )
     print(f"requests: warm-up {warm}, soak {soak}")
-    print(f"RSS after warm-up {base:.0f} MiB, at the end {end:.0f} MiB ({growth:+.1%}; max "
-          f"{max(s[1] for s in samples):.0f} MiB): {'within' if ok else 'OVER'} {args.tolerance:.0%}")
-    report = {"cpu": cpu, "model": args.model, "minutes": args.minutes, "rss_after_warmup_mib": base,
-              "rss_end_mib": end, "growth": growth, "ok": ok, "requests": {"warm-up": warm, "soak": soak},
-              "samples": samples, "pid_env": {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX")}}
+    print(
+        f"RSS after warm-up {base:.0f} MiB, at the end {end:.0f} MiB ({growth:+.1%}; max "
+        f"{max(s[1] for s in samples):.0f} MiB): {'within' if ok else 'OVER'} {args.tolerance:.0%}"
+    )
+    report = {
+        "cpu": cpu,
+        "model": args.model,
+        "minutes": args.minutes,
+        "rss_after_warmup_mib": base,
+        "rss_end_mib": end,
+        "growth": growth,
+        "ok": ok,
+        "requests": {"warm-up": warm, "soak": soak},
+        "samples": samples,
+        "pid_env": {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX")},
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
