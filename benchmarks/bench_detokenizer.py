@@ -85,7 +85,9 @@ def _make_handle(tok, prompt_ids):
     try:
         from inflight.request_handle import RequestHandle
 
-        return RequestHandle([0], None, prompt_ids, params, True, tok, lambda rid: None), "handle.on_response"
+        handle = RequestHandle([0], None, prompt_ids, params, True, tok, lambda ids: None)
+        handle.on_response = lambda resp: handle.on_responses([resp])
+        return handle, "handle.on_responses"
     except ImportError:  # before the split: the handle lived in inflight.llm and took the LLM
         from inflight.llm import RequestHandle
 

@@ -66,7 +66,7 @@ class LLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.executor = None
-        engine = create_py_executor(self.args, self._on_response)
+        engine = create_py_executor(self.args, self._on_responses)
         self.executor = engine.executor
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
@@ -83,7 +83,32 @@ class LLM:
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer files: pass prompts as lists of token ids")
+        self._check_text_size("prompt", [text])
         return list(self.tokenizer.encode(text))
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The most UTF-8 bytes of a text prompt (``LlmArgs.max_prompt_bytes``; 16 x max_seq_len)."""
+        limit = self.args.max_prompt_bytes
+        return limit if limit is not None else 16 * self.max_seq_len
+
+    def _check_text_size(self, field: str, texts: list[str]) -> None:
+        """Bounds the tokenizer's work before it starts: valid Unicode, at most max_prompt_bytes."""
+        limit = self.max_prompt_bytes
+        total = 0
+        for text in texts:
+            if len(text) > limit:  # a character is at least one byte: no need to encode it
+                total = limit + 1
+                break
+            try:
+                total += len(text.encode("utf-8"))
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{field} is not valid Unicode: {exc.reason} at position {exc.start} "
+                    f"({text[exc.start : exc.end]!r}); a lone surrogate cannot be tokenized"
+                ) from None
+        if total > limit:
+            raise ValueError(f"{field} is more than max_prompt_bytes={limit} bytes of UTF-8")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -119,7 +144,17 @@ class LLM:
                 f"prompt length {n} exceeds max_num_tokens={self.args.max_num_tokens}; raise it or "
                 "set enable_chunked_prefill=True"
             )
-        return params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
+        if params.n > self.args.max_n:
+            raise ValueError(f"n must be <= max_n={self.args.max_n}, got {params.n}")
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
+        limit = self.args.max_request_tokens
+        if limit is not None and params.n * max_new > limit:
+            what = "max_tokens" if params.max_tokens is not None else "the tokens that fit in max_seq_len"
+            raise ValueError(
+                f"n x max_tokens = {params.n} x {max_new} ({what}) = {params.n * max_new} exceeds "
+                f"max_request_tokens={limit}"
+            )
+        return max_new
 
     def generate_async(
         self,
@@ -159,7 +194,7 @@ class LLM:
             params,
             streaming,
             self.tokenizer,
-            self.executor.cancel_request,
+            self.executor.cancel_requests,
         )
         with self._lock:
             for c in children:
@@ -174,14 +209,22 @@ class LLM:
             raise
         return handle
 
-    def _on_response(self, resp: Response) -> None:
-        """Executor thread: routes a response to its handle."""
+    def _on_responses(self, responses: list[Response]) -> None:
+        """Executor thread: one iteration's responses, grouped by handle (each handle then builds one
+        output for the iteration, however many of its sequences moved: O(n) per step for n)."""
+        by_handle: dict[int, tuple[RequestHandle, list[Response]]] = {}
         with self._lock:
-            handle = self._handles.get(resp.request_id)
-            if resp.finished:
-                self._handles.pop(resp.request_id, None)
-        if handle is not None:
-            handle.on_response(resp)
+            for resp in responses:
+                handle = self._handles.get(resp.request_id)
+                if resp.finished:
+                    self._handles.pop(resp.request_id, None)
+                if handle is not None:
+                    by_handle.setdefault(id(handle), (handle, []))[1].append(resp)
+        for handle, resps in by_handle.values():
+            try:
+                handle.on_responses(resps)
+            except Exception:  # one broken handle must not keep the others' responses
+                logger.exception("delivering responses to request %d failed", handle.request_id)
 
     def generate(
         self,
@@ -259,6 +302,7 @@ class LLM:
             )
         ):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        self._check_text_size("messages", [m["content"] for m in messages])
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
@@ -294,6 +338,11 @@ class LLM:
         if self.executor is None:
             return []
         return self.executor.get_stats()
+
+    @property
+    def stall_seconds(self) -> float:
+        """Seconds the engine has had work pending without finishing an iteration (0 when idle)."""
+        return self.executor.stall_seconds if self.executor is not None else 0.0
 
     @property
     def is_alive(self) -> bool:

@@ -405,6 +405,20 @@ class LlmArgs(_Args):
         None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device()
     )
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
+    # Bounds on the work one request may ask for (a public server meets hostile input).
+    max_n: int = arg(128, "most sequences (n) one request may ask for", Int(1))
+    max_request_tokens: int | None = arg(
+        None,
+        "most tokens one request may ask to generate in all, n x max_tokens (a request without max_tokens "
+        "counts what fits in max_seq_len; default: no bound beyond max_n and max_seq_len)",
+        Int(1, optional=True),
+    )
+    max_prompt_bytes: int | None = arg(
+        None,
+        "most UTF-8 bytes of a text prompt (or of a conversation's contents), checked before tokenising "
+        "(default: 16 x max_seq_len)",
+        Int(1, optional=True),
+    )
 
     def _validate(self) -> None:
         if not isinstance(self.model, str):
@@ -471,19 +485,25 @@ def _parsed(f: dataclasses.Field, value: Any) -> Any:
     return not value if f.metadata["negate"] else value
 
 
-def _add_field(group, f: dataclasses.Field, flag: str, dest: str) -> None:
+def _add_field(group, f: dataclasses.Field, flag: str, dest: str, defaults: dict[str, Any]) -> None:
     meta = f.metadata
     rule: Rule = meta["rule"]
+    default = defaults.get(f.name, f.default)
     if isinstance(rule, Bool):
         if meta["negate"]:
             group.add_argument(flag, dest=dest, action="store_true", help="turn off " + meta["help"])
         else:
-            # store_const so that an absent flag keeps the field's own default (None means "decide").
+            # --flag / --no-flag; absent, the field's own default (None means "decide").
+            shown = "" if default is None else f" (default: {'on' if default else 'off'})"
             group.add_argument(
-                flag, dest=dest, action="store_const", const=True, default=f.default, help=meta["help"]
+                flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=meta["help"] + shown,
             )
         return
-    default = f.default.name if isinstance(rule, EnumRule) else f.default
+    default = default.name if isinstance(rule, EnumRule) else default
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": meta["help"]}
     if rule.cli_type is not None:
         kwargs["type"] = rule.cli_type
@@ -497,17 +517,22 @@ def _add_field(group, f: dataclasses.Field, flag: str, dest: str) -> None:
 
 
 def add_cli_arguments(
-    parser: argparse.ArgumentParser, title: str = "engine", args_cls: type[LlmArgs] = LlmArgs
+    parser: argparse.ArgumentParser,
+    title: str = "engine",
+    args_cls: type[LlmArgs] = LlmArgs,
+    defaults: dict[str, Any] | None = None,
 ) -> None:
     """Adds one option per :class:`LlmArgs` field (nested configs flattened) to a group named
     ``title``; read back with :meth:`LlmArgs.from_cli`. The model itself is the command's own
     argument (``inflight serve MODEL``, ``inflight generate --model``). ``args_cls``: a subclass with
-    more fields (their options come with them)."""
+    more fields (their options come with them). ``defaults``: field name -> this command's default
+    (``inflight serve`` has a public server's)."""
+    defaults = defaults or {}
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(args_cls):
         rule = f.metadata.get("rule")
         if isinstance(rule, Config):
             for g, flag, dest in _cli_fields(rule.config_cls, rule.config_cls._cli_prefix):
-                _add_field(group, g, flag, dest)
+                _add_field(group, g, flag, dest, defaults)
         elif f.metadata.get("cli"):
-            _add_field(group, f, *_cli_option(f, ""))
+            _add_field(group, f, *_cli_option(f, ""), defaults)

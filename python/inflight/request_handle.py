@@ -1,7 +1,7 @@
 """What ``LLM.generate_async`` returns: a :class:`RequestHandle` over the executor's responses.
 
-The executor thread calls :meth:`RequestHandle.on_response` with each response of each of the
-request's sequences (one per ``n``); callers read the handle as a future (``result()``), an awaitable,
+The executor thread calls :meth:`RequestHandle.on_responses` once per iteration with that iteration's
+responses of the request's sequences (one per ``n``); callers read the handle as a future (``result()``), an awaitable,
 or, when streaming, an async iterator of cumulative :class:`~inflight.outputs.RequestOutput` whose
 ``text_diff`` / ``token_ids_diff`` hold what is new. Each sequence's text comes from an
 :class:`~inflight.detokenizer.IncrementalDetokenizer`, and stop strings are found here, on the text
@@ -31,8 +31,8 @@ class RequestHandle:
     """A submitted prompt: a future (``result()``), awaitable, async-iterable when streaming, and
     abortable. It binds to the event loop that first awaits or iterates it.
 
-    ``request_ids``: the executor requests of its sequences (one per ``n``); ``cancel(request_id)``
-    cancels one of them in the executor.
+    ``request_ids``: the executor requests of its sequences (one per ``n``); ``cancel(request_ids)``
+    cancels some of them in the executor, in one call.
     """
 
     def __init__(
@@ -43,7 +43,7 @@ class RequestHandle:
         params: SamplingParams,
         streaming: bool,
         tokenizer,
-        cancel: Callable[[int], None],
+        cancel: Callable[[list[int]], None],
     ):
         self._ids = list(request_ids)
         self.request_id = self._ids[0]
@@ -62,15 +62,23 @@ class RequestHandle:
         self._metrics: dict[str, float] = {}
 
     # -- executor thread
-    def on_response(self, resp: Response) -> None:
+    def on_responses(self, responses: list[Response]) -> None:
+        """One iteration's responses: every sequence updated, then one output (not one per response,
+        which would cost O(n^2) per step for n sequences)."""
+        stopped = []
         with self._cond:
-            seq = self._by_id[resp.request_id]
-            if seq.finished:
-                return  # e.g. the cancellation that follows a stop string found here
-            if seq.update(resp):
-                self._cancel(resp.request_id)
-            if resp.finished and resp.metrics:
-                self._metrics = resp.metrics
+            changed = False
+            for resp in responses:
+                seq = self._by_id[resp.request_id]
+                if seq.finished:
+                    continue  # e.g. the cancellation that follows a stop string found here
+                changed = True
+                if seq.update(resp):
+                    stopped.append(resp.request_id)
+                if resp.finished and resp.metrics:
+                    self._metrics = resp.metrics
+            if not changed:
+                return
             done = all(s.finished for s in self._seqs)
             if self.streaming:
                 self._stream.append(self._snapshot(done, diff=True))
@@ -78,6 +86,8 @@ class RequestHandle:
                 self._final = self._snapshot(True, diff=False)
             self._cond.notify_all()
             loop, event = self._loop, self._event
+        if stopped:
+            self._cancel(stopped)
         if loop is not None and event is not None:
             try:
                 loop.call_soon_threadsafe(event.set)
@@ -108,9 +118,9 @@ class RequestHandle:
         """Cancels the request; a no-op when it already finished."""
         if self._final is not None:
             return
-        for rid, seq in zip(self._ids, self._seqs):
-            if not seq.finished:
-                self._cancel(rid)
+        running = [rid for rid, seq in zip(self._ids, self._seqs) if not seq.finished]
+        if running:
+            self._cancel(running)
 
     # -- asyncio
     def _bind(self) -> asyncio.Event:

@@ -21,6 +21,17 @@ SAMPLING_EPS = 1e-5
 # vLLM's default `max_logprobs`: top-N beyond this costs a large top-k per step for little use.
 MAX_LOGPROBS = 20
 
+# The sampler and its kernels compute in float32. A value must keep its meaning there: no underflow to
+# zero or into the subnormals (which the kernels may flush to zero: top_p 1e-300 would become 0 and
+# be refused by the kernel mid-step, failing every request batched with it), no overflow to inf.
+FLOAT32_MIN_NORMAL = 2.0**-126  # 1.1754943508222875e-38
+# The largest temperature whose reciprocal (the CPU kernel multiplies by 1 / T) is a normal float32.
+MAX_TEMPERATURE = 2.0**126  # 8.507059173023462e37
+# Penalized logits (logit / penalty, logit * penalty) stay finite in float32 for any logit a model
+# produces (|logit| < 1e30) within this range.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, *, what: str) -> int:
     # bool is an Integral, but `max_tokens=True` is a bug in the caller, not the number 1.
@@ -41,6 +52,16 @@ def _check_float(name: str, value: Any, ok: Any, *, what: str) -> float:
     if not math.isfinite(as_float) or not ok(as_float):
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return as_float
+
+
+def _check_float32(name: str, value: float, *, what: str) -> float:
+    """``value`` (already range-checked) survives the float32 conversion: finite, and 0 or normal."""
+    if value != 0.0 and not FLOAT32_MIN_NORMAL <= abs(value) <= MAX_FLOAT32:
+        raise ValueError(f"{name} must be {what} and representable as a normal float32, got {value!r}")
+    return value
+
+
+MAX_FLOAT32 = 3.4028234663852886e38
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -105,16 +126,44 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             put(name, _check_bool(name, getattr(self, name)))
 
-        put("temperature", _check_float("temperature", self.temperature, lambda v: v >= 0, what=">= 0"))
+        put(
+            "temperature",
+            _check_float(
+                "temperature",
+                self.temperature,
+                lambda v: 0 <= v <= MAX_TEMPERATURE,
+                what=f"in [0, {MAX_TEMPERATURE:.4g}]",
+            ),
+        )
         top_k = _check_int("top_k", self.top_k, what="-1 or 0 (all tokens) or >= 1")
         if top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (all tokens) or >= 1, got {top_k!r}")
         put("top_k", max(top_k, 0))
-        put("top_p", _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, what="in (0, 1]"))
-        put("min_p", _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, what="in [0, 1]"))
+        put(
+            "top_p",
+            _check_float32(
+                "top_p",
+                _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, what="in (0, 1]"),
+                what="in (0, 1]",
+            ),
+        )
+        put(
+            "min_p",
+            _check_float32(
+                "min_p",
+                _check_float("min_p", self.min_p, lambda v: 0 <= v <= 1, what="in [0, 1]"),
+                what="in [0, 1]",
+            ),
+        )
+        rep_range = f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
         put(
             "repetition_penalty",
-            _check_float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, what="> 0"),
+            _check_float(
+                "repetition_penalty",
+                self.repetition_penalty,
+                lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                what=rep_range,
+            ),
         )
         for name in ("presence_penalty", "frequency_penalty"):
             put(name, _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, what="in [-2, 2]"))

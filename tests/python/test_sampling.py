@@ -178,9 +178,9 @@ def test_params_errors_name_the_allowed_range():
     cases = {
         "top_p must be in (0, 1], got 1.5": {"top_p": 1.5},
         "min_p must be in [0, 1], got -0.5": {"min_p": -0.5},
-        "temperature must be >= 0, got -1.0": {"temperature": -1.0},
+        "temperature must be in [0, 8.507e+37], got -1.0": {"temperature": -1.0},
         "presence_penalty must be in [-2, 2], got 2.5": {"presence_penalty": 2.5},
-        "repetition_penalty must be > 0, got 0.0": {"repetition_penalty": 0.0},
+        "repetition_penalty must be in [1e-06, 1e+06], got 0.0": {"repetition_penalty": 0.0},
         "logprobs must be in [0, 20] (or None), got 21": {"logprobs": 21},
         "max_tokens must be an int >= 1 (or None), got 2.5": {"max_tokens": 2.5},
         "min_tokens must be <= max_tokens (3), got 4": {"max_tokens": 3, "min_tokens": 4},
@@ -189,6 +189,26 @@ def test_params_errors_name_the_allowed_range():
         with pytest.raises(ValueError) as err:
             SamplingParams(**kw)
         assert str(err.value) == message
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("top_p", 1e-300),            # becomes 0 in float32: the kernel would refuse it mid-step
+    ("top_p", 1e-40),             # a float32 subnormal, which kernels may flush to zero
+    ("min_p", 1e-42),
+    ("temperature", 3.5e38),      # becomes inf in float32
+    ("temperature", 1e38),        # its reciprocal is a float32 subnormal
+    ("repetition_penalty", 1e-300),
+    ("repetition_penalty", 1e300),
+])
+def test_params_rejects_what_float32_cannot_hold(name, value):
+    """The sampler computes in float32: a value that under- or overflows there is refused here,
+    naming the field, instead of failing the step it lands in."""
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{name: value})
+    msg = str(err.value)
+    assert msg.startswith(f"{name} must be") and msg.endswith(f"got {value!r}"), msg
+    # The smallest normal float32 and the largest allowed temperature still work.
+    SamplingParams(top_p=2.0**-126, min_p=2.0**-126, temperature=2.0**126, repetition_penalty=1e-6)
 
 
 def test_params_rejects_n_with_greedy():

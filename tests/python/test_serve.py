@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -20,64 +18,12 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from llm_utils import assert_kv_idle, wait_until  # noqa: E402  (after the importorskips)
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serve_utils import TIMEOUT, LiveServer  # noqa: E402
 
-TIMEOUT = 60
 MODEL = "tiny"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-class LiveServer:
-    """build_app + uvicorn on a pre-bound 127.0.0.1 socket, run on a daemon thread."""
-
-    def __init__(self, llm, name: str = MODEL, max_queue_size: int = 1024):
-        from inflight.serve.app import build_app
-        from inflight.serve.server import make_server
-
-        self.llm = llm
-        self.app = build_app(llm, name, max_queue_size)
-        self.state = self.app.state.server
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = make_server(self.app, "127.0.0.1", 0, log_level="warning", access_log=False)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started or not self.thread.is_alive(), TIMEOUT, "the server to start")
-        assert self.server.started, "the server did not start"
-        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
-
-    def stop(self) -> None:
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), "the server did not stop"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics as {"name{label=value,...}": value}."""
-        resp = self.http.get("/metrics")
-        assert resp.status_code == 200
-        assert resp.headers["content-type"].startswith("text/plain")
-        out = {}
-        for family in text_string_to_metric_families(resp.text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
-                key = s.name + (f"{{{labels}}}" if labels else "")
-                if "le" in s.labels:
-                    key += f"[le={s.labels['le']}]"
-                out[key] = s.value
-        return out
-
-    def wait_idle(self) -> None:
-        wait_until(lambda: self.state.in_flight == 0, TIMEOUT, "no request in flight")
-        assert_kv_idle(self.llm)
 
 
 @pytest.fixture(scope="module")

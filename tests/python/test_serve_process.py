@@ -219,7 +219,10 @@ def test_serve_engine_options_are_llm_args():
 
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
-    assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m")
+    # serve's defaults are LlmArgs' except where a public server needs others (SERVE_DEFAULTS).
+    assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m", **server.SERVE_DEFAULTS)
+    assert server.SERVE_DEFAULTS["enable_chunked_prefill"] is True
+    assert LlmArgs.from_cli(parser.parse_args(["--no-enable-chunked-prefill"]), model="m").enable_chunked_prefill is False
     args = parser.parse_args(
         [
             "m",

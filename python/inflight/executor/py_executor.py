@@ -45,9 +45,9 @@ logger = logging.getLogger("inflight")
 
 @dataclass(frozen=True)
 class _Cancel:
-    """Queue item: cancel this request (wherever it is)."""
+    """Queue item: cancel these requests (wherever they are), in one pass however many."""
 
-    request_id: int
+    request_ids: frozenset[int]
 
 
 class _Shutdown:
@@ -80,7 +80,7 @@ class PyExecutor:
         max_seq_len: int,
         max_num_active_requests: int,
         disable_overlap_scheduler: bool = True,
-        response_callback: Callable[[Response], None] | None = None,
+        response_callback: Callable[[list[Response]], None] | None = None,
         stats_window: int = 1024,
         log_stats_every: int = 0,
         start_worker: bool = True,
@@ -94,7 +94,8 @@ class PyExecutor:
         self.overlap = not disable_overlap_scheduler
         self.log_stats_every = log_stats_every
         self._responses: queue.Queue[Response] = queue.Queue()
-        self._callback = response_callback or self._responses.put
+        # Called once per iteration with that iteration's responses, in order.
+        self._callback = response_callback or self._put_responses
         self._queue: queue.Queue = queue.Queue()
         self._waiting: collections.deque[ExecutorRequest] = collections.deque()
         self.active = RequestList()
@@ -102,6 +103,9 @@ class PyExecutor:
         self._prev: _InFlight | None = None
         self._stats: collections.deque[dict] = collections.deque(maxlen=stats_window)
         self._iter = 0
+        # The last time an iteration finished or the loop found nothing to do (stall_seconds).
+        self._last_progress = time.monotonic()
+        self._idle_recorded = False  # the stats already show the engine as it went idle
         self._step_num_tokens = 0
         self._outbox: list[Response] = []
         self._error: BaseException | None = None
@@ -131,9 +135,17 @@ class PyExecutor:
         return request.request_id
 
     def cancel_request(self, request_id: int) -> None:
+        self.cancel_requests((request_id,))
+
+    def cancel_requests(self, request_ids) -> None:
+        """Cancels requests wherever they are (queued, waiting, running); unknown ids are ignored."""
         with self._lock:
             if self._error is None and not self._closing:
-                self._queue.put(_Cancel(request_id))
+                self._queue.put(_Cancel(frozenset(request_ids)))
+
+    def _put_responses(self, responses: list[Response]) -> None:
+        for resp in responses:
+            self._responses.put(resp)
 
     def await_responses(self, timeout: float | None = None) -> list[Response]:
         """Responses gathered so far (at least one, unless ``timeout`` passes); only when the
@@ -157,6 +169,14 @@ class PyExecutor:
     @property
     def is_alive(self) -> bool:
         return self._error is None and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def stall_seconds(self) -> float:
+        """Seconds since the loop last finished an iteration while work is pending; 0 when idle. A
+        liveness signal: a step that never returns, or a loop that stopped stepping, makes it grow."""
+        if self.is_idle:
+            return 0.0
+        return max(time.monotonic() - self._last_progress, 0.0)
 
     @property
     def is_idle(self) -> bool:
@@ -272,6 +292,13 @@ class PyExecutor:
         # Block only while nothing is running and no shutdown is pending: once the marker has been
         # taken (while requests were still running), nothing else may ever arrive.
         block = block and idle and not self._draining
+        if block and not self._idle_recorded:
+            # What the engine looks like now that it waits (metrics read the last entry): requests
+            # cancelled or finished since the last iteration no longer show as running.
+            self._record_stats(ScheduledRequests(), time.perf_counter())
+            self._idle_recorded = True
+        if block:
+            self._last_progress = time.monotonic()
         stop = False
         while True:
             try:
@@ -279,10 +306,11 @@ class PyExecutor:
             except queue.Empty:
                 break
             block = False
+            self._idle_recorded = False
             if isinstance(item, _Shutdown):
                 stop = True  # drain: keep stepping until everything queued before it is done
             elif isinstance(item, _Cancel):
-                self._cancel(item.request_id)
+                self._cancel(item.request_ids)
             else:
                 self._waiting.append(item)
         while self._waiting and len(self.active) < self.max_num_active_requests:
@@ -307,21 +335,22 @@ class PyExecutor:
             pos -= 1
         active.insert(pos, req)
 
-    def _cancel(self, request_id: int) -> None:
-        for req in self._waiting:
-            if req.request_id == request_id:
-                self._waiting.remove(req)
-                self._finish(req, FinishReason.CANCELLED)
-                return
-        for req in self.active:
-            if req.request_id == request_id:
-                if not req.py_done:
+    def _cancel(self, request_ids: frozenset[int]) -> None:
+        if any(req.request_id in request_ids for req in self._waiting):
+            kept = collections.deque()
+            for req in self._waiting:
+                if req.request_id in request_ids:
                     self._finish(req, FinishReason.CANCELLED)
-                    # In overlap mode the running step may still use its KV: free after it.
-                    self._deferred_free.append(req)
-                    if self._prev is None:
-                        self._free_finished()
-                return
+                else:
+                    kept.append(req)
+            self._waiting = kept
+        for req in self.active:
+            if req.request_id in request_ids and not req.py_done:
+                self._finish(req, FinishReason.CANCELLED)
+                # In overlap mode the running step may still use its KV: free after it.
+                self._deferred_free.append(req)
+        if self._deferred_free and self._prev is None:
+            self._free_finished()
 
     def _pause(self, paused, prev: _InFlight | None = None) -> None:
         for req in paused:
@@ -336,8 +365,16 @@ class PyExecutor:
             req.py_num_preemptions += 1
 
     def _forward_and_sample(self, inputs: ModelInputs) -> SamplerOutput:
+        """A failure of the forward fails the step; one of sampling is narrowed down to its rows."""
         logits = self.model_engine.forward(inputs)
-        output = self.sampler.sample(logits, [r.py_sampling_state for r in inputs.sampled_requests])
+        states = [r.py_sampling_state for r in inputs.sampled_requests]
+        try:
+            output = self.sampler.sample(logits, states)
+        except Exception as exc:  # noqa: BLE001
+            output = self.sampler.sample_each(logits, states)
+            logger.warning(
+                "sampling failed for the batch (%r); rows %s fail alone", exc, sorted(output.errors)
+            )
         if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
             self.model_engine.store_new_tokens(inputs, output.token_ids)
         return output
@@ -367,6 +404,10 @@ class PyExecutor:
             if req.py_done or req.request_id in step.processed:
                 continue  # finished before this step's token (overlap), or already taken
             step.processed.add(req.request_id)
+            if row in output.errors:
+                self._finish(req, FinishReason.NOT_FINISHED, f"sampling failed: {output.errors[row]}")
+                self._deferred_free.append(req)
+                continue
             req.add_new_token(tok)
             state = req.py_sampling_state
             state.append(tok)
@@ -427,12 +468,13 @@ class PyExecutor:
         self._outbox.append(resp)
 
     def _flush_responses(self) -> None:
+        if not self._outbox:
+            return
         outbox, self._outbox = self._outbox, []
-        for resp in outbox:
-            try:
-                self._callback(resp)
-            except Exception:
-                logger.exception("response callback failed for request %d", resp.request_id)
+        try:
+            self._callback(outbox)
+        except Exception:
+            logger.exception("the response callback failed for requests %s", [r.request_id for r in outbox])
 
     def _finish(self, req: ExecutorRequest, reason: FinishReason, error: str | None = None) -> None:
         """Ends the request: ``reason``, or an engine failure (``error``; reason NOT_FINISHED)."""
@@ -496,6 +538,7 @@ class PyExecutor:
             "kv_cache_stats": kv_stats,
         }
         self._stats.append(stat)
+        self._last_progress = time.monotonic()
         if self.log_stats_every and self._iter % self.log_stats_every == 0:
             logger.info(
                 "iter %d: running %d (ctx %d, gen %d), waiting %d, paused %d, tokens %d, KV used %d/%d blocks, "

@@ -163,6 +163,8 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
     num_top_logprobs: list[int] | None = None
+    # Rows the sampler failed on (row -> message; their token is 0): see Sampler.sample_each.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -198,6 +200,40 @@ class Sampler:
             if k > 0:
                 values, ids = raw_logprobs.topk(k, dim=-1)
                 out.top_logprobs = (values, ids)
+        return out
+
+    def sample_each(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """:meth:`sample`, one row at a time, so that a row it fails on fails alone (``errors`` maps it
+        to the message; its token is 0) and every other row gets the token it would have had in the
+        batch (a row's draw depends only on its logits and its key). The executor's fallback when
+        :meth:`sample` raised for a whole batch."""
+        n = len(states)
+        device = logits.device
+        want = [s.params.logprobs for s in states]
+        any_logprobs = any(k is not None for k in want)
+        k = max((k_i or 0 for k_i in want), default=0)
+        out = SamplerOutput(token_ids=torch.zeros(n, dtype=torch.int64, device=device))
+        if any_logprobs:
+            out.logprobs = torch.zeros(n, dtype=torch.float32, device=device)
+            out.num_top_logprobs = [k_i or 0 for k_i in want]
+            if k > 0:
+                out.top_logprobs = (
+                    torch.full((n, k), float("-inf"), dtype=torch.float32, device=device),
+                    torch.zeros((n, k), dtype=torch.int64, device=device),
+                )
+        for i, state in enumerate(states):
+            try:
+                row = self.sample(logits[i : i + 1], [state])
+            except Exception as exc:  # noqa: BLE001  (this row fails, the others go on)
+                out.errors[i] = f"{type(exc).__name__}: {exc}"
+                continue
+            out.token_ids[i] = row.token_ids[0]
+            if row.logprobs is not None and out.logprobs is not None:
+                out.logprobs[i] = row.logprobs[0]
+            if row.top_logprobs is not None and out.top_logprobs is not None:
+                width = row.top_logprobs[0].shape[1]
+                out.top_logprobs[0][i, :width] = row.top_logprobs[0][0]
+                out.top_logprobs[1][i, :width] = row.top_logprobs[1][0]
         return out
 
     def process_logits(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

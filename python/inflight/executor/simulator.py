@@ -171,7 +171,7 @@ class SchedulingSimulator:
             max_seq_len=max_input_len if max_input_len is not None else kv_cache_manager.max_seq_len,
             max_num_active_requests=max_num_active_requests,
             disable_overlap_scheduler=True,
-            response_callback=self._responses.append,
+            response_callback=self._responses.extend,
             start_worker=False,
         )
         self._params = SamplingParams(temperature=0.0)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inflight import __version__
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
+from inflight.serve.schema import RESPONSES, install_openapi
 from inflight.serve.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -35,16 +36,20 @@ def build_app(
     *,
     aliases: tuple[str, ...] = (),
     version: str | None = None,
+    stall_timeout: float = 120.0,
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name`` (and any ``aliases``).
 
     ``max_queue_size``: most requests in flight (accepted, not finished); the next gets 503 at once.
     The app's :class:`ServerState` is ``app.state.server`` (``draining``, ``in_flight``, ``metrics``).
-    ``version`` (``GET /version``): inflight's by default.
+    ``version`` (``GET /version``): inflight's by default. ``stall_timeout``: seconds without engine
+    progress (work pending) after which ``/health`` answers 503.
     """
     if version is None:
         version = __version__
-    state = ServerState(llm, model_name, max_queue_size, tuple(aliases), version=version)
+    state = ServerState(
+        llm, model_name, max_queue_size, tuple(aliases), version=version, stall_timeout=stall_timeout
+    )
     app = FastAPI(title="inflight", version=version, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -52,7 +57,10 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     for method, path, endpoint in ROUTES:
-        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+        app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
+    install_openapi(
+        app, vocab_size=llm.model_config.vocab_size, max_seq_len=llm.max_seq_len, max_n=llm.args.max_n
+    )
     return app
 
 

@@ -2,7 +2,8 @@
 
 Every problem with a request becomes an :class:`APIError` whose body has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` and whose message names the offending field.
-Types are checked strictly (``"0.5"`` is not a number, ``1`` is not a bool, ``1.0`` is not an int):
+Types are checked strictly (``"0.5"`` is not a number, ``1`` is not a bool, ``1.5`` is not an integer;
+an integral number such as ``2.0`` is an integer, as in JSON Schema and OpenAI's API):
 OpenAI rejects them, and coercing them would hide client bugs. Fields that OpenAI defines but this
 server does not implement are refused by name (unless given their no-op value), and so is any field
 nobody defines — never silently ignored.
@@ -10,9 +11,9 @@ nobody defines — never silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
 
 from inflight.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -58,6 +59,60 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # ---------------------------------------------------------------------------------------------- models
 
 
+def _integral(value: Any) -> Any:
+    """2.0 -> 2 (JSON Schema's "integer" includes integral numbers); everything else is left to the
+    strict int check (1.5, "2" and True stay errors)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: strict, except that an integral float is accepted.
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+# The prompt forms of OpenAI's /v1/completions; parse_prompt checks them (with named errors).
+PromptField = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                _TOKEN_IDS,
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ],
+            "description": "a text, a list of token ids, or a list of either",
+        }
+    ),
+]
+MessagesField = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {"type": "string"},
+                    "name": {"type": "string"},
+                },
+                "required": ["role", "content"],
+            },
+        }
+    ),
+]
+StopField = Annotated[
+    Any,
+    WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+    ),
+]
+TokenIdsField = Annotated[Any, WithJsonSchema({"anyOf": [_TOKEN_IDS, {"type": "null"}]})]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -73,12 +128,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    n: int = 1
+    n: Integer = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # str or list of str: checked by SamplingParams, whose message is clearer than a union error.
-    stop: Any = None
-    seed: int | None = None
+    stop: StopField = None
+    seed: Integer | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -86,28 +141,28 @@ class _Request(BaseModel):
     user: str | None = None  # an end-user id for abuse monitoring: accepted, not used
     # vLLM's extensions
     ignore_eos: bool = False
-    top_k: int | None = None
+    top_k: Integer | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: Any = None
+    min_tokens: Integer = 0
+    stop_token_ids: TokenIdsField = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
 
 class CompletionRequest(_Request):
     # str | list[int] | list[str] | list[list[int]]: checked by parse_prompt (named errors).
-    prompt: Any
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: int | None = None
+    prompt: PromptField
+    max_tokens: Integer | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Integer | None = None
 
 
 class ChatCompletionRequest(_Request):
-    messages: Any
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: MessagesField
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Integer | None = None
     add_generation_prompt: bool = True  # vLLM's extension
 
 

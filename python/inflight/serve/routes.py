@@ -56,6 +56,14 @@ async def health(state: State):
     if not state.engine_alive():
         body = error_body("the inference engine is not running", "service_unavailable", code="engine_dead")
         return JSONResponse(body, status_code=503)
+    if state.engine_stalled():
+        message = (
+            f"the inference engine has made no progress for {state.llm.stall_seconds:.0f} s with work "
+            f"pending (stall timeout {state.stall_timeout:g} s)"
+        )
+        return JSONResponse(
+            error_body(message, "service_unavailable", code="engine_stalled"), status_code=503
+        )
     return {"status": "ok"}
 
 

@@ -30,6 +30,12 @@ from inflight.llm import LLM
 from inflight.llm_args import LlmArgs, add_cli_arguments
 from inflight.serve.extras import SERVE_MODULES, require_extra
 
+# A public server's engine defaults, where they differ from LlmArgs' (which are the offline ones):
+# chunked prefill with vLLM's serving token budget, so that one long prompt is prefilled a chunk per
+# step beside everyone's decodes instead of freezing them for its whole prefill; and a bound on the
+# tokens one request may ask for (n x max_tokens).
+SERVE_DEFAULTS = {"enable_chunked_prefill": True, "max_num_tokens": 2048, "max_request_tokens": 1 << 18}
+
 logger = logging.getLogger("inflight.serve")
 
 _DEFAULT_MODEL = "smollm2"
@@ -70,13 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, seconds to let requests in flight finish before cancelling them (default 30)",
     )
+    net.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="/health answers 503 when the engine has had work pending and finished no step for this long "
+        "(default 120)",
+    )
     net.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     net.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
-    add_cli_arguments(parser, "engine")
+    add_cli_arguments(parser, "engine", defaults=SERVE_DEFAULTS)
     parser.set_defaults(func=run)
 
 
@@ -213,7 +227,9 @@ def run(args) -> int:
     llm = LLM(**LlmArgs.from_cli(args, model=model).to_kwargs())
     try:
         name, aliases = _served_names(model, args.served_model_name)
-        app = build_app(llm, name, args.max_queue_size, aliases=aliases)
+        app = build_app(
+            llm, name, args.max_queue_size, aliases=aliases, stall_timeout=args.health_stall_timeout
+        )
         server = make_server(
             app,
             args.host,

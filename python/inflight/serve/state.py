@@ -34,7 +34,14 @@ class ServerState:
     """
 
     def __init__(
-        self, llm, model_name: str, max_queue_size: int, aliases: tuple[str, ...] = (), *, version: str = ""
+        self,
+        llm,
+        model_name: str,
+        max_queue_size: int,
+        aliases: tuple[str, ...] = (),
+        *,
+        version: str = "",
+        stall_timeout: float = 120.0,
     ):
         if isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int) or max_queue_size < 1:
             raise ValueError(f"max_queue_size must be an integer >= 1, got {max_queue_size!r}")
@@ -43,6 +50,8 @@ class ServerState:
         self.model_names = (model_name, *aliases)
         self.version = version
         self.max_queue_size = max_queue_size
+        # /health turns 503 when the engine had work pending and finished no iteration for this long.
+        self.stall_timeout = stall_timeout
         self.in_flight = 0
         self.draining = False
         self.jobs: set[Job] = set()
@@ -57,6 +66,9 @@ class ServerState:
 
     def engine_alive(self) -> bool:
         return self.llm.is_alive
+
+    def engine_stalled(self) -> bool:
+        return self.llm.stall_seconds > self.stall_timeout
 
     def token_str(self, tid: int) -> str:
         """The text of one token (cached), as the logprobs of the responses show it."""
@@ -121,9 +133,14 @@ class ServerState:
 
     # -- requests
     async def tokenize(self, prompt: str) -> list[int]:
-        if len(prompt) > _LONG_TEXT:
-            return await asyncio.to_thread(self.llm.encode, prompt)
-        return self.llm.encode(prompt)
+        """The prompt's token ids; a prompt the engine refuses to tokenize (too large, not valid
+        Unicode) is a 400 naming ``prompt``."""
+        try:
+            if len(prompt) > _LONG_TEXT:
+                return await asyncio.to_thread(self.llm.encode, prompt)
+            return self.llm.encode(prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt") from None
 
     async def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool
@@ -181,7 +198,12 @@ class ServerState:
             self.release(None)
             if isinstance(exc, ValueError):
                 msg = str(exc)
-                param = "stop_token_ids" if msg.startswith("stop_token_ids") else prompt_field
+                if msg.startswith("stop_token_ids"):
+                    param = "stop_token_ids"
+                elif msg.startswith("n "):  # max_n, or n x max_tokens over max_request_tokens
+                    param = "n"
+                else:
+                    param = prompt_field
                 raise bad_request(msg, param=param) from None
             if isinstance(exc, RuntimeError):
                 raise APIError(

@@ -1,0 +1,195 @@
+"""The published OpenAPI schema: the response bodies and the status codes each endpoint really returns.
+
+The handlers build their bodies as plain dicts (the streams as SSE); the models here describe those
+bodies for ``/openapi.json``, so that schema-driven clients and fuzzers see what the server does:
+200 with the body below (or ``text/event-stream`` when ``stream`` is true), and the errors of
+``docs/api.md`` with OpenAI's error body — 400 for any invalid request (never FastAPI's 422), 404 for
+an unknown model, 500 for an engine failure, 503 while draining, when the engine is dead or stalled,
+or when the queue is full. ``tests/python/test_schema_fuzz.py`` checks real responses against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    vocab_size: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def _errors(*codes: int) -> dict[int, dict[str, Any]]:
+    text = {
+        400: "invalid request",
+        404: "unknown model",
+        500: "engine failure",
+        503: "draining, engine not running or stalled, or the queue is full",
+    }
+    return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
+
+
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+# path -> the route's documented responses (FastAPI's ``responses=``).
+RESPONSES: dict[str, dict[int, dict[str, Any]]] = {
+    "/health": {200: {"model": HealthResponse}, **_errors(503)},
+    "/version": {200: {"model": VersionResponse}},
+    "/v1/models": {200: {"model": ModelList}},
+    "/metrics": {
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text format",
+        }
+    },
+    "/v1/completions": {200: {"model": CompletionResponse, "content": _SSE}, **_errors(400, 404, 500, 503)},
+    "/v1/chat/completions": {
+        200: {"model": ChatCompletionResponse, "content": _SSE},
+        **_errors(400, 404, 500, 503),
+    },
+}
+
+
+def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str, Any]]:
+    """The request fields' allowed ranges (the checks of SamplingParams and of the engine) as JSON
+    Schema keywords, with this model's vocabulary, context and n."""
+    token_ids = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+    }
+    max_new = {"minimum": 1, "maximum": max_seq_len - 1}
+    return {
+        "n": {"minimum": 1, "maximum": max_n},
+        "max_tokens": max_new,
+        "max_completion_tokens": max_new,
+        "min_tokens": {"minimum": 0, "maximum": max_seq_len - 1},
+        "temperature": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "min_p": {"minimum": 0, "maximum": 1},
+        "top_k": {"minimum": -1},
+        "repetition_penalty": {"minimum": 1e-6, "maximum": 1e6},
+        "presence_penalty": {"minimum": -2, "maximum": 2},
+        "frequency_penalty": {"minimum": -2, "maximum": 2},
+        "logprobs": {"minimum": 0, "maximum": 20},
+        "top_logprobs": {"minimum": 0, "maximum": 20},
+        "seed": {"minimum": 0, "maximum": 2**63 - 1},
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                token_ids,
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": token_ids},
+            ]
+        },
+        "stop_token_ids": {"anyOf": [token_ids, {"type": "null"}]},
+    }
+
+
+def install_openapi(app: FastAPI, *, vocab_size: int, max_seq_len: int, max_n: int) -> None:
+    """Replaces FastAPI's generated schema by one without the 422 it never returns, and with the
+    ranges of the request fields (this model's vocabulary, context and ``max_n`` included)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            ranges = _ranges(vocab_size, max_seq_len, max_n)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                for field, prop in components.get(name, {}).get("properties", {}).items():
+                    if field in ranges:
+                        if "anyOf" in ranges[field]:
+                            prop.pop("anyOf", None)
+                            prop.pop("type", None)
+                        prop.update(ranges[field])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
