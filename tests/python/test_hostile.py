@@ -269,7 +269,9 @@ def test_a_long_prefill_does_not_freeze_a_stream(make_llm):
     budget = 64
     llm = make_llm(enable_chunked_prefill=True, max_num_tokens=budget, max_batch_size=4)
     stream = llm.generate_async(LLM_PROMPTS[0], greedy(120), streaming=True)
-    wait_until(lambda: any(s["num_generation_requests"] for s in llm.get_stats()), what="the stream to decode")
+    wait_until(
+        lambda: any(s["num_generation_requests"] for s in llm.get_stats()), what="the stream to decode"
+    )
     first = llm.get_stats()[-1]["iter"]
     long = llm.generate_async([5 + i % 200 for i in range(400)], greedy(1))
     long.result(TIMEOUT)

@@ -191,15 +191,18 @@ def test_params_errors_name_the_allowed_range():
         assert str(err.value) == message
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("top_p", 1e-300),            # becomes 0 in float32: the kernel would refuse it mid-step
-    ("top_p", 1e-40),             # a float32 subnormal, which kernels may flush to zero
-    ("min_p", 1e-42),
-    ("temperature", 3.5e38),      # becomes inf in float32
-    ("temperature", 1e38),        # its reciprocal is a float32 subnormal
-    ("repetition_penalty", 1e-300),
-    ("repetition_penalty", 1e300),
-])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("top_p", 1e-300),  # becomes 0 in float32: the kernel would refuse it mid-step
+        ("top_p", 1e-40),  # a float32 subnormal, which kernels may flush to zero
+        ("min_p", 1e-42),
+        ("temperature", 3.5e38),  # becomes inf in float32
+        ("temperature", 1e38),  # its reciprocal is a float32 subnormal
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
+    ],
+)
 def test_params_rejects_what_float32_cannot_hold(name, value):
     """The sampler computes in float32: a value that under- or overflows there is refused here,
     naming the field, instead of failing the step it lands in."""

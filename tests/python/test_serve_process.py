@@ -222,7 +222,10 @@ def test_serve_engine_options_are_llm_args():
     # serve's defaults are LlmArgs' except where a public server needs others (SERVE_DEFAULTS).
     assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m", **server.SERVE_DEFAULTS)
     assert server.SERVE_DEFAULTS["enable_chunked_prefill"] is True
-    assert LlmArgs.from_cli(parser.parse_args(["--no-enable-chunked-prefill"]), model="m").enable_chunked_prefill is False
+    assert (
+        LlmArgs.from_cli(parser.parse_args(["--no-enable-chunked-prefill"]), model="m").enable_chunked_prefill
+        is False
+    )
     args = parser.parse_args(
         [
             "m",
