@@ -11,7 +11,10 @@ found in `inflight serve` (see docs/api.md, "Errors"), each reported as what the
   schema     /openapi.json: the documented statuses of /v1/completions, whether `prompt` is typed,
              whether max_tokens=2.0 is accepted
 
-    python benchmarks/hostile_probe.py --url http://127.0.0.1:8000 [--json out.json]
+    python benchmarks/hostile_probe.py --url http://127.0.0.1:8000 [--probes NAME ...] [--json out.json]
+
+A server that huge_n wedges fails every probe after it: against such a server, run huge_n last
+(``--probes poison surrogate metrics stall schema huge_n``).
 """
 
 from __future__ import annotations
@@ -150,17 +153,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--json", default=None)
+    probes = {
+        "poison": probe_poison,
+        "huge_n": probe_huge_n,
+        "surrogate": probe_surrogate,
+        "metrics": lambda c: probe_metrics(c, args.url),
+        "stall": probe_stall,
+        "schema": probe_schema,
+    }
+    p.add_argument("--probes", nargs="+", choices=list(probes), default=list(probes), help="in this order")
     args = p.parse_args()
     client = httpx.Client(base_url=args.url, timeout=TIMEOUT)
     report = {}
-    for name, fn in (
-        ("poison", probe_poison),
-        ("huge_n", probe_huge_n),
-        ("surrogate", probe_surrogate),
-        ("metrics", lambda c: probe_metrics(c, args.url)),
-        ("stall", probe_stall),
-        ("schema", probe_schema),
-    ):
+    for name in args.probes:
+        fn = probes[name]
         try:
             report[name] = fn(client)
         except Exception as exc:  # noqa: BLE001  (a probe that breaks the server is a finding too)

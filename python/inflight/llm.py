@@ -146,6 +146,10 @@ class LLM:
             )
         if params.n > self.args.max_n:
             raise ValueError(f"n must be <= max_n={self.args.max_n}, got {params.n}")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(
+                f"logprobs must be <= max_logprobs={self.args.max_logprobs}, got {params.logprobs}"
+            )
         max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
         limit = self.args.max_request_tokens
         if limit is not None and params.n * max_new > limit:

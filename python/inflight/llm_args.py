@@ -407,6 +407,8 @@ class LlmArgs(_Args):
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
     # Bounds on the work one request may ask for (a public server meets hostile input).
     max_n: int = arg(128, "most sequences (n) one request may ask for", Int(1))
+    # vLLM's default: top-N beyond 20 costs a large top-k per step for little use.
+    max_logprobs: int = arg(20, "most top log-probabilities per token one request may ask for", Int(0))
     max_request_tokens: int | None = arg(
         None,
         "most tokens one request may ask to generate in all, n x max_tokens (a request without max_tokens "

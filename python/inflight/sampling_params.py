@@ -18,9 +18,6 @@ from typing import Any
 # one-hot distribution anyway, and by a denormal one overflows to inf and NaN probabilities.
 SAMPLING_EPS = 1e-5
 
-# vLLM's default `max_logprobs`: top-N beyond this costs a large top-k per step for little use.
-MAX_LOGPROBS = 20
-
 # The sampler and its kernels compute in float32. A value must keep its meaning there: no underflow to
 # zero or into the subnormals (which the kernels may flush to zero: top_p 1e-300 would become 0 and
 # be refused by the kernel mid-step, failing every request batched with it), no overflow to inf.
@@ -87,7 +84,8 @@ class SamplingParams:
       tokens do not depend on the rest of the batch.
     - ``stop`` (str or list of non-empty str) and ``stop_token_ids`` (list of int >= 0), both stored
       as tuples; ``include_stop_str_in_output``.
-    - ``logprobs`` (None, or 0..20 top log-probabilities per token; 0: only the sampled token's).
+    - ``logprobs`` (None, or N >= 0 top log-probabilities per token; 0: only the sampled token's; the LLM bounds N
+      by ``max_logprobs``, 20 by default).
     - ``n`` (>= 1; n > 1 needs random sampling, temperature > 0), ``skip_special_tokens``,
       ``detokenize``.
     """
@@ -177,9 +175,7 @@ class SamplingParams:
         if self.logprobs is not None:
             put(
                 "logprobs",
-                _check_int(
-                    "logprobs", self.logprobs, 0, MAX_LOGPROBS, what=f"in [0, {MAX_LOGPROBS}] (or None)"
-                ),
+                _check_int("logprobs", self.logprobs, 0, what=">= 0 (or None)"),
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
         if self.n > 1 and self.temperature < SAMPLING_EPS:

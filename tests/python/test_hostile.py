@@ -74,6 +74,17 @@ def test_n_is_bounded_and_linear(make_llm, monkeypatch):
     assert built[0] <= n * (max_tokens + 2), built[0]
 
 
+def test_logprobs_are_bounded_by_max_logprobs(make_llm):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=r"logprobs must be <= max_logprobs=20, got 21"):
+        llm.generate_async(LLM_PROMPTS[0], SamplingParams(logprobs=21, max_tokens=2))
+    # A bound above the vocabulary: a request asking for more gets the whole vocabulary, no error.
+    vocab = llm.model_config.vocab_size
+    llm = make_llm(max_logprobs=vocab + 10)
+    out = llm.generate(LLM_PROMPTS[0], greedy(max_tokens=2, logprobs=vocab + 10)).outputs[0]
+    assert out.finish_reason == "length" and [len(e) for e in out.logprobs] == [vocab, vocab]
+
+
 def test_cancelling_many_children_is_one_pass(make_llm):
     llm = make_llm(max_n=128, max_batch_size=4)
     handle = llm.generate_async(

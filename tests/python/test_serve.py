@@ -302,7 +302,7 @@ INVALID = [
     ("max_tokens-float", _C, {**_P, "max_tokens": 3.5}, 400, "max_tokens", "integer"),
     ("stream-not-bool", _C, {**_P, "stream": "yes"}, 400, "stream", "boolean"),
     ("n-with-greedy", _C, {**_P, "n": 2, "temperature": 0}, 400, "n", "greedy"),
-    ("logprobs-too-large", _C, {**_P, "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    ("logprobs-too-large", _C, {**_P, "logprobs": 50}, 400, "logprobs", "logprobs must be <= max_logprobs=20"),
     ("echo", _C, {**_P, "echo": True}, 400, "echo", "echo is not supported"),
     ("suffix", _C, {**_P, "suffix": "x"}, 400, "suffix", "suffix"),
     ("best_of", _C, {**_P, "best_of": 3}, 400, "best_of", "best_of"),
@@ -377,7 +377,7 @@ INVALID = [
         {**_M, "logprobs": True, "top_logprobs": 30},
         400,
         "top_logprobs",
-        "[0, 20]",
+        "top_logprobs must be <= max_logprobs=20, got 30",
     ),
     ("chat-logprobs-int", _CHAT, {**_M, "logprobs": 2}, 400, "logprobs", "boolean"),
     (

@@ -195,7 +195,8 @@ class Sampler:
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            k = max(k or 0 for k in want_logprobs)
+            # At most the whole vocabulary (max_logprobs may be set above it).
+            k = min(max(k or 0 for k in want_logprobs), logits.shape[-1])
             out.num_top_logprobs = [k_i or 0 for k_i in want_logprobs]
             if k > 0:
                 values, ids = raw_logprobs.topk(k, dim=-1)
@@ -211,7 +212,7 @@ class Sampler:
         device = logits.device
         want = [s.params.logprobs for s in states]
         any_logprobs = any(k is not None for k in want)
-        k = max((k_i or 0 for k_i in want), default=0)
+        k = min(max((k_i or 0 for k_i in want), default=0), logits.shape[-1])
         out = SamplerOutput(token_ids=torch.zeros(n, dtype=torch.int64, device=device))
         if any_logprobs:
             out.logprobs = torch.zeros(n, dtype=torch.float32, device=device)

@@ -59,7 +59,11 @@ def build_app(
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
     install_openapi(
-        app, vocab_size=llm.model_config.vocab_size, max_seq_len=llm.max_seq_len, max_n=llm.args.max_n
+        app,
+        vocab_size=llm.model_config.vocab_size,
+        max_seq_len=llm.max_seq_len,
+        max_n=llm.args.max_n,
+        max_logprobs=llm.args.max_logprobs,
     )
     return app
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
 
-from inflight.sampling_params import MAX_LOGPROBS, SamplingParams
+from inflight.sampling_params import SamplingParams
 
 # OpenAI's default for /v1/completions (chat has no default: until EOS or the context is full).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -353,10 +353,8 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
-            )
+        if req.top_logprobs < 0:  # the upper bound is the engine's max_logprobs (LLM checks it)
+            raise bad_request(f"top_logprobs must be >= 0, got {req.top_logprobs}", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 

@@ -132,7 +132,7 @@ RESPONSES: dict[str, dict[int, dict[str, Any]]] = {
 }
 
 
-def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str, Any]]:
+def _ranges(vocab_size: int, max_seq_len: int, max_n: int, max_logprobs: int) -> dict[str, dict[str, Any]]:
     """The request fields' allowed ranges (the checks of SamplingParams and of the engine) as JSON
     Schema keywords, with this model's vocabulary, context and n."""
     token_ids = {
@@ -153,8 +153,8 @@ def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str
         "repetition_penalty": {"minimum": 1e-6, "maximum": 1e6},
         "presence_penalty": {"minimum": -2, "maximum": 2},
         "frequency_penalty": {"minimum": -2, "maximum": 2},
-        "logprobs": {"minimum": 0, "maximum": 20},
-        "top_logprobs": {"minimum": 0, "maximum": 20},
+        "logprobs": {"minimum": 0, "maximum": max_logprobs},
+        "top_logprobs": {"minimum": 0, "maximum": max_logprobs},
         "seed": {"minimum": 0, "maximum": 2**63 - 1},
         "prompt": {
             "anyOf": [
@@ -168,9 +168,11 @@ def _ranges(vocab_size: int, max_seq_len: int, max_n: int) -> dict[str, dict[str
     }
 
 
-def install_openapi(app: FastAPI, *, vocab_size: int, max_seq_len: int, max_n: int) -> None:
+def install_openapi(
+    app: FastAPI, *, vocab_size: int, max_seq_len: int, max_n: int, max_logprobs: int
+) -> None:
     """Replaces FastAPI's generated schema by one without the 422 it never returns, and with the
-    ranges of the request fields (this model's vocabulary, context and ``max_n`` included)."""
+    ranges of the request fields (this model's vocabulary and context, ``max_n`` and ``max_logprobs``)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -181,7 +183,7 @@ def install_openapi(app: FastAPI, *, vocab_size: int, max_seq_len: int, max_n: i
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            ranges = _ranges(vocab_size, max_seq_len, max_n)
+            ranges = _ranges(vocab_size, max_seq_len, max_n, max_logprobs)
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 for field, prop in components.get(name, {}).get("properties", {}).items():
                     if field in ranges:

@@ -202,6 +202,9 @@ class ServerState:
                     param = "stop_token_ids"
                 elif msg.startswith("n "):  # max_n, or n x max_tokens over max_request_tokens
                     param = "n"
+                elif msg.startswith("logprobs "):  # max_logprobs; chat's field is top_logprobs
+                    param = "top_logprobs" if prompt_field == "messages" else "logprobs"
+                    msg = param + msg[len("logprobs") :]
                 else:
                     param = prompt_field
                 raise bad_request(msg, param=param) from None
