@@ -47,7 +47,7 @@ BAD_SAMPLING = [
     ({"frequency_penalty": -3}, r"frequency_penalty.*-3"),
     ({"seed": -1}, r"seed.*-1"),
     ({"n": 0}, r"\bn\b.*0"),
-    ({"logprobs": 21}, r"logprobs.*21"),
+    ({"logprobs": -1}, r"logprobs.*-1"),
     ({"stop": [""]}, r"stop"),
     ({"stop": [1, 2]}, r"stop"),
     ({"stop_token_ids": [-1]}, r"stop_token_ids.*-1"),

@@ -156,7 +156,7 @@ BAD_PARAMS = [
     ("stop_token_ids", 3),
     ("include_stop_str_in_output", "yes"),
     ("logprobs", -1),
-    ("logprobs", 21),
+    ("logprobs", True),
     ("logprobs", 2.0),
     ("n", 0),
     ("n", 1.5),

@@ -105,7 +105,8 @@ class PyExecutor:
         self._iter = 0
         # The last time an iteration finished or the loop found nothing to do (stall_seconds).
         self._last_progress = time.monotonic()
-        self._idle_recorded = False  # the stats already show the engine as it went idle
+        # The stats already show the engine as it went idle (it starts idle: nothing to record).
+        self._idle_recorded = True
         self._step_num_tokens = 0
         self._outbox: list[Response] = []
         self._error: BaseException | None = None
@@ -295,6 +296,7 @@ class PyExecutor:
         if block and not self._idle_recorded:
             # What the engine looks like now that it waits (metrics read the last entry): requests
             # cancelled or finished since the last iteration no longer show as running.
+            self._step_num_tokens = 0
             self._record_stats(ScheduledRequests(), time.perf_counter())
             self._idle_recorded = True
         if block:
