@@ -3,13 +3,14 @@ arrives; the stream's longest gap between tokens is the stall. SmolLM2-135M (its
 every configuration:
 
   offline    LLM's defaults: chunked prefill off, 8192-token budget (the whole prompt in one step)
-  serve      `inflight serve`'s defaults: chunked prefill on, 2048-token budget (vLLM's serving default)
-  serve-512  chunked prefill on, 512-token budget
+  chunk-N    chunked prefill on, an N-token budget (--budgets; `inflight serve` runs with chunked
+             prefill on and the budget of serve/server.py's SERVE_DEFAULTS)
 
 Also reported: the long prompt's time to first token (what fairness costs it) and the stream's median
 gap (its decode step).
 
-    python benchmarks/bench_stall.py [--prompt-tokens 8000] [--repeats 2] [--json out.json]
+    python benchmarks/bench_stall.py [--prompt-tokens 8000] [--budgets 2048 512 256] [--no-offline]
+        [--repeats 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,11 +24,7 @@ import statistics
 import sys
 import time
 
-CONFIGS = {
-    "offline": {"enable_chunked_prefill": False, "max_num_tokens": 8192},
-    "serve": {"enable_chunked_prefill": True, "max_num_tokens": 2048},
-    "serve-512": {"enable_chunked_prefill": True, "max_num_tokens": 512},
-}
+OFFLINE = {"enable_chunked_prefill": False, "max_num_tokens": 8192}
 
 
 async def _measure(llm, prompt_tokens: int) -> dict:
@@ -65,8 +62,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=8000)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--budgets", type=int, nargs="+", default=[2048, 512, 256], help="chunked-prefill budgets")
+    p.add_argument("--no-offline", action="store_true", help="skip the unchunked configuration")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    configs = {} if args.no_offline else {"offline": OFFLINE}
+    for budget in args.budgets:
+        configs[f"chunk-{budget}"] = {"enable_chunked_prefill": True, "max_num_tokens": budget}
 
     from inflight import LLM, KvCacheConfig
 
@@ -79,7 +81,7 @@ def main() -> int:
     print(f"CPU: {cpu}; a stream decoding while a {args.prompt_tokens}-token prompt prefills (SmolLM2-135M)")
     print(f"{'config':<10} {'max stall s':>12} {'stream median gap ms':>21} {'long prompt TTFT s':>19}")
     for _ in range(args.repeats):
-        for name, kwargs in CONFIGS.items():
+        for name, kwargs in configs.items():
             with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=16384), **kwargs) as llm:
                 row = {"config": name, **kwargs, **asyncio.run(_measure(llm, args.prompt_tokens))}
             rows.append(row)

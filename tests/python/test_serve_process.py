@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -222,6 +223,8 @@ def test_serve_engine_options_are_llm_args():
     # serve's defaults are LlmArgs' except where a public server needs others (SERVE_DEFAULTS).
     assert LlmArgs.from_cli(parser.parse_args([]), model="m") == LlmArgs(model="m", **server.SERVE_DEFAULTS)
     assert server.SERVE_DEFAULTS["enable_chunked_prefill"] is True
+    # The serving token budget follows the machine: vLLM's 2048 with CUDA, 256 on a CPU.
+    assert server.SERVE_DEFAULTS["max_num_tokens"] == (2048 if torch.cuda.is_available() else 256)
     assert (
         LlmArgs.from_cli(parser.parse_args(["--no-enable-chunked-prefill"]), model="m").enable_chunked_prefill
         is False

@@ -26,15 +26,33 @@ import os
 import sys
 import threading
 
+import torch
+
 from inflight.llm import LLM
 from inflight.llm_args import LlmArgs, add_cli_arguments
 from inflight.serve.extras import SERVE_MODULES, require_extra
 
-# A public server's engine defaults, where they differ from LlmArgs' (which are the offline ones):
-# chunked prefill with vLLM's serving token budget, so that one long prompt is prefilled a chunk per
-# step beside everyone's decodes instead of freezing them for its whole prefill; and a bound on the
-# tokens one request may ask for (n x max_tokens).
-SERVE_DEFAULTS = {"enable_chunked_prefill": True, "max_num_tokens": 2048, "max_request_tokens": 1 << 18}
+# The token budget of a serving step: it bounds how long one long prompt's chunk holds up everyone's
+# decode. vLLM's 2048 on a GPU; on a CPU a step costs ~4 ms per prompt token late in an 8k-token prompt
+# (SmolLM2-135M, 2 cores), so 2048 would freeze a stream for ~8 s and 256 keeps it under ~1 s for ~3 %
+# on the long prompt's time to first token (benchmarks/bench_stall.py).
+SERVE_TOKEN_BUDGET = {"cuda": 2048, "cpu": 256}
+
+
+def serve_defaults() -> dict:
+    """A public server's engine defaults, where they differ from LlmArgs' (which are the offline ones):
+    chunked prefill with a serving token budget (by the machine: CUDA when available, else CPU), so
+    that one long prompt is prefilled a chunk per step beside everyone's decodes instead of freezing
+    them for its whole prefill; and a bound on the tokens one request may ask for (n x max_tokens)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        "enable_chunked_prefill": True,
+        "max_num_tokens": SERVE_TOKEN_BUDGET[device],
+        "max_request_tokens": 1 << 18,
+    }
+
+
+SERVE_DEFAULTS = serve_defaults()
 
 logger = logging.getLogger("inflight.serve")
 
