@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("layers", ("inflight.layers",), False),
     ("quantization", ("inflight.quantization",), False),
     ("ops", ("inflight.ops",), False),
-    ("leaves", ("inflight.cuda", "inflight.utils"), True),
+    ("leaves", ("inflight.cuda", "inflight.utils", "inflight.parallel"), True),
     ("native modules", ("inflight._C", "inflight._C_cuda"), True),
 ]
 
