@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from inflight import _C  # noqa: F401  (fails loudly here if the native module is missing)
 from inflight.cuda import cuda_available
-from inflight.llm import LLM
+from inflight.llm import LLM, RequestError
 from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.request_handle import RequestHandle
@@ -17,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "KvCacheConfig",
     "LlmArgs",
+    "RequestError",
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",

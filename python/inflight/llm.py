@@ -28,6 +28,17 @@ from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger("inflight")
 
+
+class RequestError(ValueError):
+    """A request the engine refuses. ``param`` names the request field at fault (``prompt``,
+    ``messages``, ``stop_token_ids``, ``n``, ``logprobs``), so that a server can report it without
+    reading the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 PromptType = str | Sequence[int]
 
 
@@ -103,12 +114,13 @@ class LLM:
             try:
                 total += len(text.encode("utf-8"))
             except UnicodeEncodeError as exc:
-                raise ValueError(
+                raise RequestError(
+                    field,
                     f"{field} is not valid Unicode: {exc.reason} at position {exc.start} "
-                    f"({text[exc.start : exc.end]!r}); a lone surrogate cannot be tokenized"
+                    f"({text[exc.start : exc.end]!r}); a lone surrogate cannot be tokenized",
                 ) from None
         if total > limit:
-            raise ValueError(f"{field} is more than max_prompt_bytes={limit} bytes of UTF-8")
+            raise RequestError(field, f"{field} is more than max_prompt_bytes={limit} bytes of UTF-8")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -123,40 +135,47 @@ class LLM:
         """Checks that the request can ever run; returns its max_new_tokens."""
         vocab = self.model_config.vocab_size
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise RequestError("prompt", "prompt must not be empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
+            raise RequestError("prompt", f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got {bad_stop!r}")
+            raise RequestError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got {bad_stop!r}"
+            )
         n = len(ids)
         if n >= self.max_seq_len:
-            raise ValueError(
-                f"prompt length {n} must be < max_seq_len={self.max_seq_len} (room for one output token)"
+            raise RequestError(
+                "prompt",
+                f"prompt length {n} must be < max_seq_len={self.max_seq_len} (room for one output token)",
             )
         if params.max_tokens is not None and n + params.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt length {n} + max_tokens {params.max_tokens} exceeds max_seq_len={self.max_seq_len}"
+            raise RequestError(
+                "prompt",
+                f"prompt length {n} + max_tokens {params.max_tokens} exceeds max_seq_len={self.max_seq_len}",
             )
         if not self.args.enable_chunked_prefill and n > self.args.max_num_tokens:
-            raise ValueError(
+            raise RequestError(
+                "prompt",
                 f"prompt length {n} exceeds max_num_tokens={self.args.max_num_tokens}; raise it or "
-                "set enable_chunked_prefill=True"
+                "set enable_chunked_prefill=True",
             )
         if params.n > self.args.max_n:
-            raise ValueError(f"n must be <= max_n={self.args.max_n}, got {params.n}")
+            raise RequestError("n", f"n must be <= max_n={self.args.max_n}, got {params.n}")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise ValueError(
-                f"logprobs must be <= max_logprobs={self.args.max_logprobs}, got {params.logprobs}"
+            raise RequestError(
+                "logprobs",
+                f"logprobs must be <= max_logprobs={self.args.max_logprobs}, got {params.logprobs}",
             )
         max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
         limit = self.args.max_request_tokens
         if limit is not None and params.n * max_new > limit:
             what = "max_tokens" if params.max_tokens is not None else "the tokens that fit in max_seq_len"
-            raise ValueError(
+            raise RequestError(
+                "n",
                 f"n x max_tokens = {params.n} x {max_new} ({what}) = {params.n * max_new} exceeds "
-                f"max_request_tokens={limit}"
+                f"max_request_tokens={limit}",
             )
         return max_new
 

@@ -13,6 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 TIMEOUT = 60
 
 
+def tiny_server_llm(model_dir):
+    """The engine the HTTP tests serve: the tiny llama, fp32, an 8192-token pool of 8-token blocks."""
+    from inflight import LLM, KvCacheConfig
+
+    return LLM(model_dir, dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=8))
+
+
 class LiveServer:
     """build_app + uvicorn on a pre-bound 127.0.0.1 socket, run on a daemon thread."""
 

@@ -135,18 +135,12 @@ def test_stall_seconds_tells_the_truth(make_llm, monkeypatch):
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-from serve_utils import LiveServer  # noqa: E402  (needs the serve extras)
+from serve_utils import LiveServer, tiny_server_llm  # noqa: E402  (needs the serve extras)
 
 
 @pytest.fixture(scope="module")
 def llm_module(tiny_model_dir):
-    from inflight import LLM, KvCacheConfig
-
-    engine = LLM(
-        tiny_model_dir("llama"),
-        dtype="float32",
-        kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=8),
-    )
+    engine = tiny_server_llm(tiny_model_dir("llama"))
     yield engine
     engine.shutdown()
 

@@ -18,7 +18,7 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from serve_utils import TIMEOUT, LiveServer  # noqa: E402
+from serve_utils import TIMEOUT, LiveServer, tiny_server_llm  # noqa: E402
 
 MODEL = "tiny"
 
@@ -28,13 +28,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    from inflight import LLM, KvCacheConfig
-
-    engine = LLM(
-        tiny_model_dir("llama"),
-        dtype="float32",
-        kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=8),
-    )
+    engine = tiny_server_llm(tiny_model_dir("llama"))
     yield engine
     engine.shutdown()
 

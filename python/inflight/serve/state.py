@@ -197,16 +197,11 @@ class ServerState:
                 h.abort()
             self.release(None)
             if isinstance(exc, ValueError):
-                msg = str(exc)
-                if msg.startswith("stop_token_ids"):
-                    param = "stop_token_ids"
-                elif msg.startswith("n "):  # max_n, or n x max_tokens over max_request_tokens
-                    param = "n"
-                elif msg.startswith("logprobs "):  # max_logprobs; chat's field is top_logprobs
-                    param = "top_logprobs" if prompt_field == "messages" else "logprobs"
-                    msg = param + msg[len("logprobs") :]
-                else:
+                msg, param = str(exc), getattr(exc, "param", "prompt")
+                if param == "prompt":  # the prompt as this endpoint calls it (chat: messages)
                     param = prompt_field
+                elif param == "logprobs" and prompt_field == "messages":  # chat's field is top_logprobs
+                    param, msg = "top_logprobs", "top_logprobs" + msg[len("logprobs") :]
                 raise bad_request(msg, param=param) from None
             if isinstance(exc, RuntimeError):
                 raise APIError(
