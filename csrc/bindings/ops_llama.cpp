@@ -32,6 +32,23 @@ using inflight::kernels::scalar_type_name;
 
 namespace {
 
+// A Python reduction (tensor parallelism) called from inside the C++ layer loop. A Python exception
+// is kept as the thread's error indicator and surfaces as that exception once the loop has unwound.
+struct ReduceFailed {};
+
+struct PythonReduce {
+  nb::callable fn;
+  static void call(void* ctx) {
+    nb::gil_scoped_acquire gil;
+    try {
+      static_cast<PythonReduce*>(ctx)->fn();
+    } catch (nb::python_error& e) {
+      e.restore();
+      throw ReduceFailed{};
+    }
+  }
+};
+
 constexpr char const* kModelDtype = "the model dtype";
 constexpr char const* kCacheLayout = "[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]";
 
@@ -122,7 +139,8 @@ class LlamaLayerStack {
   void forward(Tensor hidden, Tensor cos_sin, Tensor slot_mapping, int num_ctx_tokens,
                std::optional<Tensor> ctx_block_tables, std::optional<Tensor> ctx_cu_seqlens,
                std::optional<Tensor> ctx_kv_lens, std::optional<Tensor> dec_block_tables,
-               std::optional<Tensor> dec_kv_lens, int num_threads) {
+               std::optional<Tensor> dec_kv_lens, int num_threads, std::optional<Tensor> reduce_buffer,
+               std::optional<nb::callable> reduce) {
     if (!caches_set_) {
       throw_value_error("set_kv_caches() must be called after the last add_layer() and before forward()");
     }
@@ -168,6 +186,14 @@ class LlamaLayerStack {
                             {ctx_lens, "ctx_kv_lens"},
                             {dec_tables, "dec_block_tables"},
                             {dec_lens, "dec_kv_lens"}});
+    if (reduce.has_value() != reduce_buffer.has_value()) {
+      throw_value_error("reduce and reduce_buffer go together (tensor parallelism): pass both or neither");
+    }
+    if (reduce_buffer) {
+      require_dtype_of(*reduce_buffer, "reduce_buffer", shape_.dtype, kModelDtype);
+      require_shape(*reduce_buffer, "reduce_buffer", {nt, shape_.hidden}, "[num_tokens, hidden_size]");
+      require_cpu_contiguous({{&*reduce_buffer, "reduce_buffer"}});
+    }
     KvCacheShape const cache{shape_.num_blocks, shape_.tokens_per_block, shape_.num_kv_heads, shape_.head_dim};
     check_slot_mapping_values(slot_mapping, cache.num_slots());
 
@@ -194,7 +220,24 @@ class LlamaLayerStack {
       step.dec_kv_lens = static_cast<std::int32_t const*>(dec_lens->data());
     }
 
-    nb::gil_scoped_release release;
+    PythonReduce python_reduce;
+    if (reduce) python_reduce.fn = std::move(*reduce);
+    try {
+      nb::gil_scoped_release release;
+      run(step, num_threads, reduce_buffer ? reduce_buffer->data() : nullptr, reduce ? &python_reduce : nullptr);
+    } catch (ReduceFailed const&) {
+      throw nb::python_error();  // the reduction's own exception
+    }
+  }
+
+  int num_layers() const { return int(layers_.size()); }
+
+ private:
+  struct FreeDeleter {
+    void operator()(unsigned char* p) const { std::free(p); }
+  };
+
+  void run(kc::LlamaStep const& step, int num_threads, void* reduce_buf, PythonReduce* reduce) {
     std::lock_guard<std::mutex> lock(mutex_);
     kc::LlamaLayersParams p;
     p.shape = shape_;
@@ -210,15 +253,13 @@ class LlamaLayerStack {
     }
     p.workspace = workspace_.get();
     p.workspace_bytes = std::int64_t(workspace_bytes_);
+    if (reduce != nullptr) {
+      p.reduce_buf = reduce_buf;
+      p.reduce = &PythonReduce::call;
+      p.reduce_ctx = reduce;
+    }
     kc::launch_llama_layers(p, kc::ThreadPool::global());
   }
-
-  int num_layers() const { return int(layers_.size()); }
-
- private:
-  struct FreeDeleter {
-    void operator()(unsigned char* p) const { std::free(p); }
-  };
 
   kc::LinearOp linear_op(nb::object const& obj, std::string const& name, std::int64_t k, std::int64_t n) const {
     kc::LinearOp op;
@@ -292,8 +333,12 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a)
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
-           "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a,
+           "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),
+           "reduce"_a.none() = nb::none(),
            "Runs every layer over the step's flattened batch, in place on hidden [num_tokens, hidden_size]. "
-           "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*).")
+           "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*). "
+           "Tensor parallelism: after each layer's o_proj and down_proj the partial product is written to "
+           "reduce_buffer [num_tokens, hidden_size] and reduce() is called (with the GIL), which must sum it "
+           "over the ranks in place.")
       .def_prop_ro("num_layers", &LlamaLayerStack::num_layers);
 }

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from inflight.executor.llm_request import ExecutorRequest, Response
-from inflight.executor.py_executor_creator import create_py_executor
+from inflight.executor.py_executor_creator import create_py_executor, follower_rank, run_follower_rank
 from inflight.executor.sampler import SamplingState
 from inflight.llm_args import LlmArgs
 from inflight.outputs import RequestOutput
@@ -77,6 +77,14 @@ class LLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.executor = None
+        # Under torchrun every rank runs the script: a follower rank serves its shard here until rank 0
+        # shuts down, then returns (its LLM takes no requests).
+        self.rank = follower_rank(self.args)
+        if self.rank != 0:
+            self.parallel = f"tp={self.args.tensor_parallel_size} pp={self.args.pipeline_parallel_size}"
+            self._follower_exit = run_follower_rank(self.args, self.rank)
+            self._shutdown = True
+            return
         engine = create_py_executor(self.args, self._on_responses)
         self.executor = engine.executor
         self.model_config = engine.model_config
@@ -85,6 +93,12 @@ class LLM:
         self.dtype = engine.dtype
         self.max_seq_len = engine.max_seq_len
         self.kv_budget = engine.kv_budget
+        self.parallel = engine.parallel
+
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0, the process that takes requests (the only one without parallelism)."""
+        return self.rank == 0
 
     # ------------------------------------------------------------------ requests
     def encode(self, text: str) -> list[int]:
@@ -191,6 +205,10 @@ class LLM:
 
     def _submit(self, prompt, params, streaming, priority=0.5, prepared=None) -> RequestHandle:
         if self._shutdown:
+            if self.rank != 0:
+                raise RuntimeError(
+                    f"this process was rank {self.rank}, a follower: only rank 0 takes requests"
+                )
             raise RuntimeError("LLM is shut down")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -379,7 +397,7 @@ class LLM:
         self._shutdown = True
         if self.executor is not None:
             self.executor.shutdown()
-        if self.device.type == "cuda":
+        if self.executor is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:

@@ -404,6 +404,18 @@ class LlmArgs(_Args):
     device: str | torch.device | None = arg(
         None, "cpu, cuda, cuda:1 ... (default: CUDA when available)", Device()
     )
+    tensor_parallel_size: int = arg(
+        1,
+        "tensor-parallel ranks, one process each (this one is rank 0 and starts the others; under torchrun "
+        "every rank runs the script)",
+        Int(1),
+    )
+    pipeline_parallel_size: int = arg(1, "pipeline-parallel stages (not implemented yet: 1)", Int(1))
+    parallel_timeout: float = arg(
+        120.0,
+        "seconds a rank of a parallel engine waits for the others (start-up, each collective) before failing",
+        Float(0.0, 86400.0, lo_open=True),
+    )
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
     # Bounds on the work one request may ask for (a public server meets hostile input).
     max_n: int = arg(128, "most sequences (n) one request may ask for", Int(1))

@@ -225,6 +225,8 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   T* gate_up = static_cast<T*>(bufs[3]);
   T* inter = static_cast<T*>(bufs[4]);
   T* tmp = static_cast<T*>(bufs[5]);
+  // The row-parallel projections' output: the caller's buffer when it is reduced over ranks.
+  T* proj = params.reduce != nullptr ? static_cast<T*>(params.reduce_buf) : tmp;
 
   int const nt = step.num_tokens;
   int const d = s.hidden;
@@ -273,13 +275,15 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
       dec.kv_cache = L.kv_cache;
       launch_paged_attention(dec, pool);
     }
-    linear(L.o, attn, tmp, nt, s.dtype, threads);
-    add_into<T>(hidden, tmp, nt, d, threads);
+    linear(L.o, attn, proj, nt, s.dtype, threads);
+    if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
+    add_into<T>(hidden, proj, nt, d, threads);
     rms_norm<T>(hidden, static_cast<T const*>(L.post_norm), normed, nt, d, s.eps, threads);
     linear(L.gate_up, normed, gate_up, nt, s.dtype, threads);
     silu_mul<T>(gate_up, inter, nt, s.intermediate, threads);
-    linear(L.down, inter, tmp, nt, s.dtype, threads);
-    add_into<T>(hidden, tmp, nt, d, threads);
+    linear(L.down, inter, proj, nt, s.dtype, threads);
+    if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
+    add_into<T>(hidden, proj, nt, d, threads);
   }
 }
 

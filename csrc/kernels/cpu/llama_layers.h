@@ -86,6 +86,13 @@ struct LlamaLayersParams {
   void* workspace = nullptr;
   std::int64_t workspace_bytes = 0;
   int num_threads = 1;  // at most this many of the pool's threads, for every op of the step
+  // Tensor parallelism (each rank holds a slice of every projection): after the o_proj and the down_proj
+  // GEMM of every layer, the partial product [num_tokens, hidden] is written to reduce_buf (model dtype)
+  // and reduce(reduce_ctx) is called, which must replace it in place by its sum over the ranks; then the
+  // residual add. reduce == nullptr: one rank, no reduction (reduce_buf is not read).
+  void* reduce_buf = nullptr;
+  void (*reduce)(void* ctx) = nullptr;
+  void* reduce_ctx = nullptr;
 };
 
 // The workspace launch_llama_layers needs for these params (their workspace fields are not read).

@@ -27,6 +27,7 @@ class KvBudget:
     bytes_per_token: int
     max_seq_len: int
     source: str  # how the size was chosen
+    parallel: str = ""  # the mapping of a parallel engine ("tp=2 pp=1"): the pool is per rank
 
     @property
     def num_tokens(self) -> int:
@@ -43,8 +44,9 @@ class KvBudget:
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:
+        where = f" per rank ({self.parallel}, every rank the same blocks)" if self.parallel else ""
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.tokens_per_block} tokens = {self.num_tokens} tokens, "
+            f"KV cache{where}: {self.num_blocks} blocks x {self.tokens_per_block} tokens = {self.num_tokens} tokens, "
             f"{self.bytes / 2**20:.1f} MiB ({self.bytes_per_token} B/token); max concurrency at "
             f"max_seq_len={self.max_seq_len}: {self.max_concurrency:.2f} sequences [{self.source}]"
         )
@@ -95,10 +97,13 @@ def available_host_memory() -> int:
     return min(avail, limit) if limit is not None else avail
 
 
-def cpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int) -> KvBudget:
+def cpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int, share: int = 1) -> KvBudget:
+    """``share``: ranks of a parallel engine on this machine (each gets ``1 / share`` of the budget)."""
     avail = available_host_memory()
-    budget = min(int(avail * kv_config.free_memory_fraction), CPU_POOL_CAP_BYTES)
+    budget = min(int(avail * kv_config.free_memory_fraction), CPU_POOL_CAP_BYTES) // max(1, share)
     source = f"CPU: min({kv_config.free_memory_fraction:g} x {avail / 2**30:.1f} GiB available, {CPU_POOL_CAP_BYTES >> 30} GiB cap)"
+    if share > 1:
+        source += f" / {share} ranks on this machine"
     return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
 
 

@@ -141,6 +141,9 @@ class ModelEngine:
         self.new_tokens.index_copy_(0, inputs.sampled_slots, token_ids)
 
     def shutdown(self) -> None:
-        """Drops the model (its weights) and the device buffers."""
+        """Drops the model (its weights) and the device buffers; a parallel model stops its ranks."""
+        stop = getattr(self.model, "shutdown", None)
+        if callable(stop):
+            stop()
         self.model = None
         self.new_tokens = torch.empty(0, dtype=torch.int64)

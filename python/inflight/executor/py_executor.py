@@ -17,8 +17,9 @@ The loop runs on a worker thread (:meth:`start_worker`, by default at constructi
 that way, step by step.
 
 Failure handling: an exception in forward or sampling fails the requests of that batch
-(``finish_reason="error"``), frees them, and the loop goes on. If the loop itself dies, every waiter
-gets an error and later calls raise at once.
+(``finish_reason="error"``), frees them, and the loop goes on, unless the error is marked ``fatal``
+(a rank of a parallel engine died): then, as when the loop itself dies, every waiter gets an error
+and later calls raise at once. :meth:`PyExecutor.fail` does the same from another thread.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.llm_request import ExecutorRequest, Response
 from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
-from inflight.executor.sampler import Sampler, SamplerOutput
+from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput
 from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
 
 logger = logging.getLogger("inflight")
@@ -48,6 +49,13 @@ class _Cancel:
     """Queue item: cancel these requests (wherever they are), in one pass however many."""
 
     request_ids: frozenset[int]
+
+
+class _Fatal:
+    """Queued by :meth:`PyExecutor.fail`: the loop raises ``error`` (and so dies)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class _Shutdown:
@@ -84,6 +92,7 @@ class PyExecutor:
         stats_window: int = 1024,
         log_stats_every: int = 0,
         start_worker: bool = True,
+        stats_extra: dict | None = None,
     ):
         self.model_engine = model_engine
         self.resource_manager = resource_manager
@@ -93,6 +102,7 @@ class PyExecutor:
         self.max_num_active_requests = max_num_active_requests
         self.overlap = not disable_overlap_scheduler
         self.log_stats_every = log_stats_every
+        self._stats_extra = dict(stats_extra or {})  # constant keys of every stats entry
         self._responses: queue.Queue[Response] = queue.Queue()
         # Called once per iteration with that iteration's responses, in order.
         self._callback = response_callback or self._put_responses
@@ -143,6 +153,11 @@ class PyExecutor:
         with self._lock:
             if self._error is None and not self._closing:
                 self._queue.put(_Cancel(frozenset(request_ids)))
+
+    def fail(self, error: BaseException) -> None:
+        """Kills the engine from any thread (e.g. a parallel rank died while idle): the loop raises
+        ``error``, every queued and running request ends with it, later calls raise."""
+        self._queue.put(_Fatal(error))
 
     def _put_responses(self, responses: list[Response]) -> None:
         for resp in responses:
@@ -309,6 +324,8 @@ class PyExecutor:
                 break
             block = False
             self._idle_recorded = False
+            if isinstance(item, _Fatal):
+                raise item.error
             if isinstance(item, _Shutdown):
                 stop = True  # drain: keep stepping until everything queued before it is done
             elif isinstance(item, _Cancel):
@@ -398,7 +415,7 @@ class PyExecutor:
         """Appends a step's sampled tokens, checks stop conditions, sends responses."""
         output = step.output
         tokens = output.token_ids.tolist()
-        logprobs = _LogprobRows(output) if output.logprobs is not None else None
+        logprobs = LogprobRows(output) if output.logprobs is not None else None
         now = time.monotonic()
         for row, (req, tok) in enumerate(zip(step.inputs.sampled_requests, tokens)):
             if only is not None and req.request_id != only:
@@ -496,6 +513,7 @@ class PyExecutor:
         self.active.remove_ids({r.request_id for r in done})
 
     def _fail_batch(self, batch: ScheduledRequests, exc: BaseException) -> None:
+        """Fails the batch's requests; an error marked ``fatal`` (a parallel rank died) then kills the loop."""
         logger.error("step failed for requests %s: %r", [r.request_id for r in batch.all_requests], exc)
         message = f"{type(exc).__name__}: {exc}"
         for req in batch.all_requests:
@@ -503,6 +521,8 @@ class PyExecutor:
                 self._finish(req, FinishReason.NOT_FINISHED, message)
                 self._deferred_free.append(req)
         self._free_finished()
+        if getattr(exc, "fatal", False):
+            raise exc
 
     def _fail_everything(self, exc: BaseException) -> None:
         message = f"executor loop died: {type(exc).__name__}: {exc}"
@@ -538,6 +558,7 @@ class PyExecutor:
             "num_paused_requests": len(batch.paused_requests),
             "num_tokens": self._step_num_tokens,
             "kv_cache_stats": kv_stats,
+            **self._stats_extra,
         }
         self._stats.append(stat)
         self._last_progress = time.monotonic()
@@ -569,22 +590,3 @@ class PyExecutor:
         if req.py_finish_time is not None:
             m["e2e_latency"] = req.py_finish_time - req.py_arrival_time
         return m
-
-
-class _LogprobRows:
-    """A step's logprobs as Python values, converted once per step (not once per row)."""
-
-    def __init__(self, output):
-        self.sampled = output.logprobs.tolist()
-        self.top_values = self.top_ids = None
-        if output.top_logprobs is not None:
-            self.top_values = output.top_logprobs[0].tolist()
-            self.top_ids = output.top_logprobs[1].tolist()
-
-    def entry(self, row: int, token: int, num_top: int) -> dict[int, float]:
-        """{token: logprob} for the sampled token and the row's top ``num_top`` tokens."""
-        entry = {token: self.sampled[row]}
-        if num_top and self.top_ids is not None:
-            for tid, val in zip(self.top_ids[row][:num_top], self.top_values[row][:num_top]):
-                entry.setdefault(tid, val)
-        return entry

@@ -10,6 +10,7 @@ pool, a reduced ``max_seq_len``) come back in :class:`Engine`; nothing is writte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +23,13 @@ from inflight.batch_manager import ContextChunkingConfig, LlmRequest
 from inflight.executor.kv_cache_creator import KvBudget, cpu_kv_budget, gpu_kv_budget, kv_bytes_per_token
 from inflight.executor.llm_request import Response
 from inflight.executor.model_engine import ModelEngine
+from inflight.executor.parallel_runtime import (
+    Cluster,
+    ParallelModel,
+    ShardSpec,
+    follower_rank_from_env,
+    run_follower,
+)
 from inflight.executor.py_executor import PyExecutor
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
 from inflight.executor.sampler import Sampler
@@ -35,6 +43,7 @@ from inflight.executor.scheduler import (
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
 from inflight.models.loader import load_model
+from inflight.parallel.comm import SINGLE
 from inflight.utils.dtypes import parse_dtype
 
 logger = logging.getLogger("inflight")
@@ -53,22 +62,79 @@ class Engine:
     dtype: torch.dtype  # the activation dtype
     max_seq_len: int  # the model's (or the args'), reduced to what the KV pool holds
     kv_budget: KvBudget
+    parallel: str = "tp=1 pp=1"  # the mapping
+
+
+def shard_spec(args: LlmArgs, device: torch.device) -> ShardSpec:
+    """What every rank of a parallel engine needs from ``args`` to load its shard."""
+    if args.attention_backend is not None and not isinstance(args.attention_backend, str):
+        raise ValueError("a parallel engine needs attention_backend by name ('native' or 'torch')")
+    return ShardSpec(
+        model=args.model,
+        dtype=args.torch_dtype,
+        device=str(device),
+        attention_backend=args.attention_backend,
+        max_seq_len=args.max_seq_len,
+        quantization=args.quantization,
+        tp_size=args.tensor_parallel_size,
+        pp_size=args.pipeline_parallel_size,
+        timeout=args.parallel_timeout,
+    )
+
+
+def _device(args: LlmArgs) -> torch.device:
+    if args.device is not None:
+        return torch.device(args.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def follower_rank(args: LlmArgs) -> int:
+    """This process's rank in a parallel engine: 0 unless a launcher (torchrun) started it as another."""
+    if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
+        return 0
+    rank = follower_rank_from_env()
+    return 0 if rank is None else rank
+
+
+def run_follower_rank(args: LlmArgs, rank: int) -> int:
+    """A torchrun follower: serves its shard until rank 0 shuts down; the exit status (0: clean)."""
+    return run_follower(shard_spec(args, _device(args)), rank)
 
 
 def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], None] | None = None) -> Engine:
     """Loads ``args.model`` and starts an executor over it; responses go to ``response_callback``."""
-    device = (
-        torch.device(args.device)
-        if args.device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = _device(args)
     overlap = (
         not args.disable_overlap_scheduler
         if args.disable_overlap_scheduler is not None
         else device.type != "cpu"
     )
 
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size}: pipeline parallelism is not "
+            "implemented yet (tensor_parallel_size is)"
+        )
     t0 = time.perf_counter()
+    cluster = None
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        cluster = Cluster.start(shard_spec(args, device))
+    try:
+        return _create(args, device, overlap, cluster, t0, response_callback)
+    except BaseException:
+        if cluster is not None:
+            cluster.shutdown()
+        raise
+
+
+def _create(
+    args: LlmArgs,
+    device: torch.device,
+    overlap: bool,
+    cluster: Cluster | None,
+    t0: float,
+    response_callback: Callable[[Response], None] | None,
+) -> Engine:
     loaded = load_model(
         args.model,
         dtype=args.torch_dtype,
@@ -76,7 +142,12 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         attention_backend=args.attention_backend,
         max_seq_len=args.max_seq_len,
         quantization=args.quantization,
+        tp=cluster.tp if cluster is not None else SINGLE,
     )
+    model = loaded.model
+    if cluster is not None:
+        cluster.wait_loaded()
+        model = ParallelModel(loaded.model, cluster)
     cfg = loaded.config
     model_max = cfg.max_position_embeddings
     if args.max_seq_len is not None and args.max_seq_len > model_max:
@@ -95,11 +166,18 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
 
     kv_config = args.kv_cache_config
     kv_dtype = parse_dtype(kv_config.dtype, "KvCacheConfig.dtype") or loaded.dtype
-    bpt = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
+    # This rank's heads: under tensor parallelism each rank's pool holds only its KV heads.
+    kv_heads = loaded.model.num_kv_heads
+    bpt = kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, kv_dtype)
+    parallel = cluster.describe() if cluster is not None else "tp=1 pp=1"
     if device.type == "cuda":
-        budget = _gpu_budget_after_warmup(loaded.model, cfg, args, bpt, max_seq_len, kv_dtype, device)
+        budget = _gpu_budget_after_warmup(model, cfg, args, bpt, max_seq_len, kv_dtype, device, kv_heads)
     else:
-        budget = cpu_kv_budget(kv_config, bpt, max_seq_len)
+        # The ranks of one machine share its memory.
+        ranks_here = len(cluster.procs) + 1 if cluster is not None else 1
+        budget = cpu_kv_budget(kv_config, bpt, max_seq_len, share=ranks_here)
+    if cluster is not None:
+        budget = dataclasses.replace(budget, parallel=parallel)
     logger.info("%s", budget.describe())
     if budget.num_tokens < max_seq_len:
         logger.warning(
@@ -112,7 +190,7 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
 
     kv_manager = KVCacheResourceManager.allocate(
         cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
+        kv_heads,
         cfg.head_dim,
         budget.num_blocks,
         kv_config.tokens_per_block,
@@ -121,6 +199,8 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         device,
         kv_config.enable_block_reuse,
     )
+    if isinstance(model, ParallelModel):  # the same pool on every rank
+        model.allocate_kv(budget.num_blocks, kv_config.tokens_per_block, kv_dtype)
     # Room for every active request (running or fitting) to hold a slot.
     max_num_active = args.max_batch_size * 2
     resources = ResourceManager(
@@ -129,7 +209,7 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
     scheduler = _make_scheduler(args, kv_manager, two_steps_lookahead=overlap)
     # Requests without a seed of their own draw from torch's default generator.
     torch.manual_seed(args.seed)
-    engine = ModelEngine(loaded.model, kv_manager, device, args.max_batch_size, max_num_active)
+    engine = ModelEngine(model, kv_manager, device, args.max_batch_size, max_num_active)
     executor = PyExecutor(
         engine,
         resources,
@@ -140,8 +220,11 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         disable_overlap_scheduler=not overlap,
         response_callback=response_callback,
         log_stats_every=args.log_iteration_stats,
+        stats_extra={"parallel": parallel},
     )
-    return Engine(executor, cfg, loaded.tokenizer, device, loaded.dtype, max_seq_len, budget)
+    if isinstance(model, ParallelModel):
+        model.on_failure = executor.fail
+    return Engine(executor, cfg, loaded.tokenizer, device, loaded.dtype, max_seq_len, budget, parallel)
 
 
 def _make_scheduler(
@@ -187,6 +270,7 @@ def _gpu_budget_after_warmup(
     max_seq_len: int,
     kv_dtype: torch.dtype,
     device: torch.device,
+    kv_heads: int,
 ) -> KvBudget:
     """TensorRT-LLM's two passes: a warm-up forward of ``max_num_tokens`` dummy tokens over a tiny pool
     measures the activation peak, then the pool takes a fraction of what is left."""
@@ -194,7 +278,7 @@ def _gpu_budget_after_warmup(
     tpb = args.kv_cache_config.tokens_per_block
     tiny = KVCacheResourceManager.allocate(
         cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
+        kv_heads,
         cfg.head_dim,
         -(-warm_tokens // tpb),
         tpb,
@@ -203,6 +287,8 @@ def _gpu_budget_after_warmup(
         device,
         False,
     )
+    if isinstance(model, ParallelModel):
+        model.allocate_kv(-(-warm_tokens // tpb), tpb, kv_dtype)
     torch.cuda.reset_peak_memory_stats(device)
     req = LlmRequest(0, 1, [0] * warm_tokens)
     req.seq_slot = 0

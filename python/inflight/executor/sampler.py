@@ -397,3 +397,22 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         tokens[idx] = sampled
         return tokens
+
+
+class LogprobRows:
+    """A step's logprobs as Python values, converted once per step (not once per row)."""
+
+    def __init__(self, output):
+        self.sampled = output.logprobs.tolist()
+        self.top_values = self.top_ids = None
+        if output.top_logprobs is not None:
+            self.top_values = output.top_logprobs[0].tolist()
+            self.top_ids = output.top_logprobs[1].tolist()
+
+    def entry(self, row: int, token: int, num_top: int) -> dict[int, float]:
+        """{token: logprob} for the sampled token and the row's top ``num_top`` tokens."""
+        entry = {token: self.sampled[row]}
+        if num_top and self.top_ids is not None:
+            for tid, val in zip(self.top_ids[row][:num_top], self.top_values[row][:num_top]):
+                entry.setdefault(tid, val)
+        return entry

@@ -14,6 +14,10 @@ has the model dtype; any other configuration runs the Python layers, which remai
 With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
 Python layers, where torch's GEMM is faster. ``INFLIGHT_FUSED_LAYERS=0``
 turns it off (for A/B measurements).
+
+Under tensor parallelism the stack holds this rank's slice of each layer and calls back into Python
+after every o_proj and down_proj GEMM (``reduce``, with the GIL) to all-reduce the partial product,
+so a TP step still runs its layers from C++, with two short Python calls per layer.
 """
 
 from __future__ import annotations
@@ -98,12 +102,13 @@ class FusedCpuLayers:
         if cls.unsupported_reason(model) is not None:
             return None
         c = model.config
+        first = model.layers[0]  # this rank's shapes (a slice of each layer under tensor parallelism)
         stack = _C.LlamaLayerStack(
             c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
+            first.num_heads,
+            first.num_kv_heads,
             c.head_dim,
-            c.intermediate_size,
+            first.intermediate_size,
             float(c.rms_norm_eps),
             float(c.head_dim**-0.5),
             dtype_name(model.dtype),
@@ -143,10 +148,18 @@ class FusedCpuLayers:
         cos_sin: torch.Tensor,  # [T, 2, head_dim], model dtype
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        tp=None,
     ) -> torch.Tensor:
+        """``tp``: the model's :class:`~inflight.parallel.comm.TensorParallel`; with more than one rank
+        the stack calls back after each o_proj and down_proj to all-reduce the partial products."""
         self._bind_caches(kv_caches)
         plan = plan_kernels(metadata)
         none = None
+        reduce_buffer = reduce = None
+        if tp is not None and tp.enabled:
+            buf = torch.empty_like(hidden)
+            reduce_buffer = _dl(buf)
+            reduce = lambda: tp.all_reduce(buf)  # noqa: E731
         self._stack.forward(
             _dl(hidden),
             _dl(cos_sin),
@@ -158,5 +171,7 @@ class FusedCpuLayers:
             _dl(plan.dec_block_tables) if plan.dec_block_tables is not None else none,
             _dl(plan.dec_kv_lens) if plan.dec_kv_lens is not None else none,
             torch.get_num_threads(),
+            reduce_buffer,
+            reduce,
         )
         return hidden

@@ -21,15 +21,42 @@ from inflight.layers.attention import AttentionBackend, AttentionMetadata
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import RMSNorm
+from inflight.layers.quantized_linear import W8A16Linear
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models.config import ModelConfig
 from inflight.ops.gemm import dense_gemm
+from inflight.parallel.comm import SINGLE, TensorParallel
+from inflight.parallel.sharding import (
+    AttentionShard,
+    column_shard,
+    head_rows,
+    padded_vocab_size,
+    row_range,
+    vocab_shard,
+)
 from inflight.utils.dtypes import SUPPORTED_DTYPES
 
 # Where a checkpoint tensor goes: a fused Linear's shard, or a plain parameter.
 _LinearTarget = tuple[nn.Module, int, str]
 _Target = _LinearTarget | nn.Parameter
+# Tensor parallelism: what this rank keeps of a checkpoint tensor (applied before it is loaded).
+_Slicer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _row_parallel_slicer(module: nn.Module, tensor_name: str, tp: TensorParallel) -> _Slicer:
+    """This rank's input columns of a row-parallel projection's tensor ``tensor_name``: whole
+    quantisation groups of a 4-/8-bit weight; the bias only on TP rank 0 (the others add zeros, so the
+    all-reduced sum holds it once)."""
+    group = getattr(module, "group_size", 1)
+    lo, hi = row_range(module.in_features * tp.size, tp.rank, tp.size, group_size=group)
+    if tensor_name == "bias":
+        return lambda t: t if tp.rank == 0 else torch.zeros_like(t)
+    if tensor_name in ("scales", "offsets"):
+        return lambda t: t[:, lo // group : hi // group]
+    if tensor_name == "qweight" and module.qweight.dtype == torch.uint8:  # int4, 2 per byte
+        return lambda t: t[:, lo // 2 : hi // 2]
+    return lambda t: t[:, lo:hi]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -41,14 +68,25 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None,
         linear_factory: LinearFactory,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        # This rank's heads (all of them with one rank): KV heads replicated when fewer than the ranks.
+        self.shard = AttentionShard.of(
+            config.num_attention_heads, config.num_key_value_heads, tp.rank, tp.size
+        )
+        self.num_heads = self.shard.num_heads
+        self.num_kv_heads = self.shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.intermediate_size = config.intermediate_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if config.intermediate_size % tp.size:
+            raise ValueError(
+                f"intermediate_size={config.intermediate_size} is not divisible by "
+                f"tensor_parallel_size={tp.size}"
+            )
+        self.intermediate_size = config.intermediate_size // tp.size
         self.scale = config.head_dim**-0.5
         self.attention_backend = attention_backend
         d = config.hidden_size
@@ -82,6 +120,30 @@ class LlamaDecoderLayer(nn.Module):
                 targets[f"{prefix}.{hf_name}.{tensor_name}"] = (module, shard, tensor_name)
         return targets
 
+    def shard_slicers(self, prefix: str) -> dict[str, _Slicer]:
+        """HF tensor name -> what this tensor-parallel rank keeps of it (empty with one rank). Each
+        source tensor is sliced before it goes into its fused projection: rank r's q/k/v is
+        ``cat(q_r, k_r, v_r)``."""
+        tp = self.tp
+        if not tp.enabled:
+            return {}
+        sh, hd = self.shard, self.head_dim
+        column: dict[str, tuple[nn.Module, _Slicer]] = {
+            "self_attn.q_proj": (self.qkv_proj, lambda t: head_rows(t, sh.q_start, sh.num_heads, hd)),
+            "self_attn.k_proj": (self.qkv_proj, lambda t: head_rows(t, sh.kv_start, sh.num_kv_heads, hd)),
+            "self_attn.v_proj": (self.qkv_proj, lambda t: head_rows(t, sh.kv_start, sh.num_kv_heads, hd)),
+            "mlp.gate_proj": (self.gate_up_proj, lambda t: column_shard(t, tp.rank, tp.size)),
+            "mlp.up_proj": (self.gate_up_proj, lambda t: column_shard(t, tp.rank, tp.size)),
+        }
+        slicers: dict[str, _Slicer] = {}
+        for hf_name, (module, fn) in column.items():
+            for tensor_name in module.checkpoint_tensor_names():
+                slicers[f"{prefix}.{hf_name}.{tensor_name}"] = fn
+        for hf_name, module in (("self_attn.o_proj", self.o_proj), ("mlp.down_proj", self.down_proj)):
+            for tensor_name in module.checkpoint_tensor_names():
+                slicers[f"{prefix}.{hf_name}.{tensor_name}"] = _row_parallel_slicer(module, tensor_name, tp)
+        return slicers
+
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
@@ -98,10 +160,11 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        # Row-parallel o_proj / down_proj: each rank's partial product, summed over the ranks.
+        hidden = hidden + self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         inter = self.intermediate_size
-        return hidden + self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return hidden + self.tp.all_reduce(self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,6 +172,12 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are allocated uninitialised; :meth:`load_weights` must fill every one of them (it
     raises otherwise). ``max_seq_len`` bounds the RoPE table (default: max_position_embeddings).
+
+    Tensor parallelism (``tp`` of more than one rank): this rank's slice of every layer (its heads, its
+    part of the MLP; ``load_weights`` slices the full checkpoint tensors), an all-reduce after o_proj and
+    down_proj, replicated embedding, norms and RoPE, and a vocab-parallel LM head (the vocabulary padded
+    to ``tp * ceil(V / tp)``) whose logits are gathered on TP rank 0: ``forward`` returns them there and
+    None on the other ranks.
     """
 
     def __init__(
@@ -121,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         linear_factory: LinearFactory = Linear,
         embedding_factory: Callable[..., nn.Module] | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
@@ -130,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         config.check_max_seq_len(max_seq_len)
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         self.max_seq_len = max_seq_len
         self.attention_backend = (
             attention_backend if attention_backend is not None else TorchAttentionBackend()
@@ -148,16 +219,38 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory)
+            LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         # Tied: the very same tensor, so loading the embedding loads the head (and no memory is doubled).
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
-        )
+        # Under tensor parallelism the head is this rank's block of the padded vocabulary (a tied one
+        # too: loaded from the same checkpoint tensor); the embedding stays whole.
+        self.head_rows = padded_vocab_size(config.vocab_size, tp.size) // tp.size
+        self.lm_head_shard: nn.Module | None = None  # a quantised tied embedding's head block (TP)
+        if tp.enabled and self.embedding is not None:
+            emb = self.embedding
+            self.lm_head_shard = W8A16Linear(
+                config.hidden_size,
+                (self.head_rows,),
+                False,
+                dtype,
+                device,
+                group_size=emb.group_size,
+                scale_dtype=emb.scales.dtype,
+            )
+        if tp.enabled:
+            self.lm_head = nn.Parameter(
+                torch.empty(self.head_rows, config.hidden_size, **kw), requires_grad=False
+            )
+        else:
+            self.lm_head = (
+                self.embed_tokens
+                if config.tie_word_embeddings
+                else nn.Parameter(
+                    torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False
+                )
+            )
         # FusedCpuLayers once built, False when unsupported, None: not decided yet.
         self._fused = None
         self.rotary = RotaryEmbedding(
@@ -170,9 +263,14 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads in this rank's cache (all of them with one rank)."""
+        return self.layers[0].num_kv_heads if len(self.layers) else self.config.num_key_value_heads
+
     def kv_cache_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, int, int, int, int]:
         """Shape of one layer's KV cache tensor (the layout of ``inflight.layers.attention``)."""
-        return (2, num_blocks, tokens_per_block, self.config.num_key_value_heads, self.config.head_dim)
+        return (2, num_blocks, tokens_per_block, self.num_kv_heads, self.config.head_dim)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -218,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
         if run_fused:
             hidden = fused.forward(
-                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches
+                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches, self.tp
             )
         else:
             cos, signed_sin = self.rotary.lookup(positions)
@@ -226,13 +324,17 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
-        if self.embedding is not None:
-            return self.embedding(hidden).float()
-        if (
+        if self.lm_head_shard is not None:
+            logits = self.lm_head_shard(hidden)
+        elif self.embedding is not None:
+            logits = self.embedding(hidden)
+        elif (
             run_fused
         ):  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
-            return dense_gemm(hidden, self.lm_head).float()
-        return F.linear(hidden, self.lm_head).float()
+            logits = dense_gemm(hidden, self.lm_head)
+        else:
+            logits = F.linear(hidden, self.lm_head)
+        return self.tp.gather_logits(logits.float(), self.config.vocab_size)
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -250,6 +352,27 @@ class LlamaForCausalLM(nn.Module):
             targets.update(layer.checkpoint_targets(f"model.layers.{i}"))
         return targets
 
+    def shard_slicers(self) -> dict[str, _Slicer]:
+        """HF tensor name -> what this tensor-parallel rank keeps of it (empty with one rank)."""
+        slicers: dict[str, _Slicer] = {}
+        if not self.tp.enabled:
+            return slicers
+        tp = self.tp
+        if not self.config.tie_word_embeddings:
+            slicers["lm_head.weight"] = lambda t: vocab_shard(t, tp.rank, tp.size)
+        for i, layer in enumerate(self.layers):
+            slicers.update(layer.shard_slicers(f"model.layers.{i}"))
+        return slicers
+
+    def _load_tied_head(self, name: str, tensor: torch.Tensor) -> None:
+        """Tensor parallelism with tied embeddings: this rank's head block, from the embedding tensor."""
+        tp = self.tp
+        if self.lm_head_shard is not None:
+            tensor_name = name.rpartition(".")[2]
+            self.lm_head_shard.load_shard(0, tensor_name, vocab_shard(tensor, tp.rank, tp.size))
+        elif name == "model.embed_tokens.weight":
+            self.lm_head.copy_(vocab_shard(tensor, tp.rank, tp.size))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (cast to the model dtype); every expected tensor exactly once.
@@ -259,6 +382,8 @@ class LlamaForCausalLM(nn.Module):
         ``lm_head.weight`` saved alongside tied embeddings (transformers ignores it too).
         """
         targets = self.checkpoint_targets()
+        slicers = self.shard_slicers()
+        tied_tp = self.tp.enabled and self.config.tie_word_embeddings
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
@@ -272,6 +397,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
+            if tied_tp and name.startswith("model.embed_tokens."):
+                self._load_tied_head(name, tensor)
+            slicer = slicers.get(name)
+            if slicer is not None:
+                tensor = slicer(tensor)
             if isinstance(target, nn.Parameter):
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(

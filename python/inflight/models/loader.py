@@ -22,6 +22,7 @@ from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
+from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
 
@@ -100,6 +101,7 @@ def load_model(
     attention_backend: str | AttentionBackend | None = None,
     max_seq_len: int | None = None,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """``model``: a Hugging Face model directory, a ``.gguf`` file, or a known short name
     (``smollm2``). ``dtype``: a name of :mod:`inflight.utils.dtypes`, a torch dtype, or None / "auto".
@@ -111,7 +113,10 @@ def load_model(
       - "gguf": always native (Q4_0/Q4_1 linears as W4A16, a tied Q8_0 embedding as W8A16), with ``dtype``
         as the activation dtype (auto: fp32 on a CPU, fp16 on a GPU), as vLLM runs GGUF files;
       - "none": always dequantised (auto dtype: bf16 on a CPU, fp16 on a GPU).
-    Quantised Hugging Face directories (``inflight quantize``) always run natively."""
+    Quantised Hugging Face directories (``inflight quantize``) always run natively.
+
+    ``tp``: this process's tensor-parallel rank; the model keeps only its slice of each tensor (the
+    file is read whole, the other slices are dropped as they are read)."""
     dtype = parse_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
     mode = check_quantization(quantization)
@@ -169,7 +174,7 @@ def load_model(
         )
     config.check_max_seq_len(max_seq_len if max_seq_len is not None else config.max_position_embeddings)
     backend = make_attention_backend(attention_backend, device)
-    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device, **factories)
+    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device, tp=tp, **factories)
     net.load_weights(weights)
     net.eval()
     return LoadedModel(net, config, tokenizer_fn(), dtype)

@@ -56,10 +56,12 @@ def init_process_groups(
     device: str = "cpu",
     init_method: str = "env://",
     timeout: float = DEFAULT_TIMEOUT_S,
+    store: Any = None,
 ) -> ProcessGroups:
     """Joins (or checks) the default group for ``mapping`` and creates the TP, PP and control groups.
 
-    ``init_method``: ``env://`` under torchrun (MASTER_ADDR / MASTER_PORT), or ``tcp://host:port``.
+    ``init_method``: ``env://`` under torchrun (MASTER_ADDR / MASTER_PORT), or ``tcp://host:port``;
+    ``store``: a ``torch.distributed.Store`` to rendezvous on instead (``init_method`` is then unused).
     Raises ``RuntimeError`` naming the rank, the method and the timeout when the other ranks do not
     arrive in time, and ``ValueError`` when an existing default group disagrees with ``mapping``."""
     td = _timeout(timeout)
@@ -73,17 +75,19 @@ def init_process_groups(
                 f"{dist.get_world_size()}, but the mapping is {mapping}"
             )
     else:
+        where = init_method if store is None else "a store"
+        rendezvous = {"init_method": init_method} if store is None else {"store": store}
         try:
             dist.init_process_group(
                 backend,
-                init_method=init_method,
                 world_size=mapping.world_size,
                 rank=mapping.rank,
                 timeout=td,
+                **rendezvous,
             )
         except Exception as exc:
             raise RuntimeError(
-                f"{mapping}: joining the process group ({backend}, {init_method}) failed within "
+                f"{mapping}: joining the process group ({backend}, {where}) failed within "
                 f"timeout={td.total_seconds():g} s: {type(exc).__name__}: {exc}"
             ) from exc
     # new_group is collective: every rank creates every group, in the same order, and keeps its own.

@@ -1,0 +1,651 @@
+"""Tensor parallelism across processes: one scheduler on rank 0, the other ranks run their shard.
+
+Rank 0 runs the whole engine unchanged (the :class:`PyExecutor`, the C++ batch manager, a user's
+scheduler) over a :class:`ParallelModel`: each forward first broadcasts the step's plan (the model
+inputs: token ids, positions and the attention metadata) to every rank over the gloo control group,
+then every rank runs its slice of the layers (an all-reduce after each o_proj and down_proj, inside
+the model) and the vocab-parallel logits are gathered on rank 0, which samples. The followers
+(:func:`run_follower`) do nothing but receive plans and run them; they never schedule, so they cannot
+diverge from rank 0 whatever the scheduler does.
+
+The channel has four messages, each a fixed-size int64 header broadcast from rank 0 (plus a payload
+for a step): STEP, KV (allocate the KV pool: every rank gets the same number of blocks, decided once
+on rank 0), HEARTBEAT (sent while idle, so the followers' collectives never reach their timeout) and
+SHUTDOWN.
+
+Launch (:meth:`Cluster.start`): on one machine the caller is rank 0 and spawns the other ranks; under
+``torchrun`` every process is started by torchrun and the ranks meet on its store. Start-up is
+staged through keys of a TCPStore (joined, loaded, error), polled while the spawned processes are
+watched, so a rank that fails while starting makes ``LLM(...)`` raise within seconds with that rank's
+traceback instead of waiting out a collective.
+
+Failure contract: a rank that raises writes its traceback to the store and exits; a collective with a
+dead rank fails on rank 0 with :class:`RankFailure` (``fatal``: the executor fails every request and
+dies; later calls raise). The heartbeat thread also watches the spawned processes, so a rank killed
+while the engine is idle is noticed within a second. Rank 0 dying makes the followers' next
+collective fail, and they exit. ``shutdown()`` joins the followers with a bound, then SIGTERM, then
+SIGKILL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from inflight.layers.attention import AttentionMetadata
+from inflight.parallel.comm import TensorParallel
+from inflight.parallel.distributed import (
+    DEFAULT_TIMEOUT_S,
+    ProcessGroups,
+    destroy_process_groups,
+    init_process_groups,
+)
+from inflight.parallel.mapping import Mapping
+
+logger = logging.getLogger("inflight")
+
+__all__ = [
+    "Cluster",
+    "ParallelModel",
+    "RankFailure",
+    "ShardSpec",
+    "follower_rank_from_env",
+    "run_follower",
+]
+
+# Channel commands (header[0]).
+STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
+_HEADER = 8
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Seconds between heartbeats while idle, at most (and at most a quarter of the collective timeout).
+HEARTBEAT_S = 2.0
+# How long start-up waits for each stage (join, load) before it gives up, at most.
+_POLL_S = 0.05
+
+
+class RankFailure(RuntimeError):
+    """A rank of a parallel engine died, raised or stopped answering. ``fatal``: the engine cannot
+    go on (the executor fails every request and stops)."""
+
+    fatal = True
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every rank needs to load its shard and join the groups (picklable: it crosses to spawned
+    processes)."""
+
+    model: str
+    dtype: Any
+    device: str
+    attention_backend: str | None
+    max_seq_len: int | None
+    quantization: str | None
+    tp_size: int
+    pp_size: int
+    timeout: float = DEFAULT_TIMEOUT_S
+    num_threads: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def device_of(self, local_rank: int) -> str:
+        """CUDA ranks get one device each (``cuda:local_rank``); CPU ranks share the CPU."""
+        return f"cuda:{local_rank}" if self.device.startswith("cuda") else self.device
+
+
+# ---------------------------------------------------------------------------------------------- channel
+
+
+class StepChannel:
+    """Rank 0 -> every rank: broadcasts over the gloo control group (CPU tensors)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.seconds = 0.0  # time in broadcasts, on this rank
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        dist.broadcast(t, src=0, group=self.group)
+        self.seconds += time.perf_counter() - t0
+
+    def send(self, cmd: int, *fields: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = cmd
+        header[1 : 1 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        self._bcast(header)
+
+    def send_step(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
+        tables = md.block_tables
+        parts = [
+            input_ids.reshape(-1),
+            md.positions,
+            md.slot_mapping,
+            md.seq_lens,
+            md.kv_lens,
+            md.logits_indices,
+            tables.reshape(-1),
+        ]
+        payload = torch.cat([p.detach().to("cpu", torch.int64) for p in parts])
+        self.send(
+            STEP,
+            md.num_tokens,
+            md.batch_size,
+            md.num_contexts,
+            tables.shape[1],
+            md.logits_indices.numel(),
+            md.tokens_per_block,
+            payload.numel(),
+        )
+        self._bcast(payload)
+
+    def recv(self) -> tuple[int, list[int]]:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        self._bcast(header)
+        values = header.tolist()
+        return values[0], values[1:]
+
+    def recv_step(self, fields: list[int], device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+        num_tokens, batch, num_contexts, max_blocks, num_logits, tpb, size = fields[:7]
+        payload = torch.empty(size, dtype=torch.int64)
+        self._bcast(payload)
+        sizes = [num_tokens, num_tokens, num_tokens, batch, batch, num_logits, batch * max_blocks]
+        ids, positions, slots, seq_lens, kv_lens, logits_indices, tables = torch.split(payload, sizes)
+        seq_lens32 = seq_lens.to(torch.int32)
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens32, 0, out=cu[1:])
+        md = AttentionMetadata(
+            num_contexts=num_contexts,
+            num_tokens=num_tokens,
+            tokens_per_block=tpb,
+            seq_lens=seq_lens32.to(device),
+            cu_seqlens=cu.to(device),
+            kv_lens=kv_lens.to(torch.int32).to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_tables=tables.to(torch.int32).view(batch, max_blocks).to(device),
+            logits_indices=logits_indices.to(device),
+            seq_lens_host=tuple(seq_lens.tolist()),
+            kv_lens_host=tuple(kv_lens.tolist()),
+        )
+        return ids.to(device), md
+
+
+def _allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: torch.dtype, device) -> list:
+    from inflight.executor.resource_manager import _zeroed_host_tensor
+
+    shape = (model.num_layers, *model.kv_cache_shape(num_blocks, tpb))
+    if torch.device(device).type == "cpu":
+        pool = _zeroed_host_tensor(shape, dtype)
+    else:
+        pool = torch.zeros(shape, dtype=dtype, device=device)
+    return list(pool.unbind(0))
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _store(host: str, port: int, world: int, is_master: bool, timeout: float):
+    return dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master,
+        datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+def follower_rank_from_env() -> int | None:
+    """Under torchrun (or any env:// launch): this process's global rank; None when not launched so."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def _env_store(world: int, timeout: float):
+    """The store of a torchrun / env:// launch, namespaced for inflight. torchrun's agent hosts one
+    on MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE); without an agent rank 0 hosts it."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    rank = int(os.environ["RANK"])
+    base = _store(host, port, world, rank == 0 and not agent, timeout)
+    return dist.PrefixStore("inflight/", base), base
+
+
+def _threads_per_rank(local_ranks: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Cluster:
+    """Rank 0's view of a parallel engine: the mapping, the groups, the store, the spawned ranks."""
+
+    def __init__(
+        self,
+        spec: ShardSpec,
+        mapping: Mapping,
+        store: Any,
+        procs: dict[int, Any],
+        base_store: Any = None,
+    ) -> None:
+        self.spec = spec
+        self.mapping = mapping
+        self.store = store
+        self._base_store = base_store  # kept alive (a master store serves while it lives)
+        self.procs = procs  # rank -> multiprocessing.Process (spawned here; empty under torchrun)
+        self.groups: ProcessGroups | None = None
+        self.tp = TensorParallel()
+        self._prev_threads = torch.get_num_threads()
+        self._closed = False
+
+    # ---- start-up
+
+    @classmethod
+    def start(cls, spec: ShardSpec) -> Cluster:
+        """Rank 0: spawns the other ranks (or, under torchrun, meets them) and joins the groups. The
+        caller then loads its shard and calls :meth:`wait_loaded`."""
+        world = spec.world_size
+        env_rank = follower_rank_from_env()
+        procs: dict[int, Any] = {}
+        if env_rank is not None:
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(
+                    f"tensor_parallel_size x pipeline_parallel_size = {world} must equal the launcher's "
+                    f"WORLD_SIZE={os.environ['WORLD_SIZE']}"
+                )
+            if env_rank != 0:
+                raise RuntimeError(f"rank {env_rank} is a follower: run_follower(), not Cluster.start()")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            spec = _with_threads(spec, _threads_per_rank(local))
+            store, base = _env_store(world, spec.timeout)
+        else:
+            spec = _with_threads(spec, _threads_per_rank(world))
+            port = _free_port()
+            base = _store("127.0.0.1", port, world, True, spec.timeout)
+            store = dist.PrefixStore("inflight/", base)
+            ctx = multiprocessing.get_context("spawn")
+            for rank in range(1, world):
+                proc = ctx.Process(
+                    target=_spawned_follower,
+                    args=(spec, rank, "127.0.0.1", port),
+                    name=f"inflight-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                procs[rank] = proc
+        mapping = Mapping(world, 0, spec.tp_size, spec.pp_size)
+        cluster = cls(spec, mapping, store, procs, base)
+        try:
+            torch.set_num_threads(spec.num_threads)
+            cluster._wait_stage("joined", "join")
+            cluster.groups = init_process_groups(
+                mapping,
+                device=spec.device,
+                timeout=spec.timeout,
+                store=dist.PrefixStore("pg/", store),
+            )
+            cluster.tp = TensorParallel(mapping.tp_rank, mapping.tp_size, cluster.groups.tp, root=0)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        logger.info(
+            "parallel engine: %s, %d process(es) %s, %d CPU thread(s) per rank",
+            cluster.describe(),
+            world,
+            "spawned here" if procs else "launched by torchrun",
+            spec.num_threads,
+        )
+        return cluster
+
+    def describe(self) -> str:
+        return f"tp={self.mapping.tp_size} pp={self.mapping.pp_size}"
+
+    def wait_loaded(self) -> None:
+        """Blocks until every rank has loaded its shard; raises :class:`RankFailure` with the failing
+        rank's traceback as soon as one fails."""
+        self._wait_stage("loaded", "load its shard")
+
+    def _wait_stage(self, key: str, what: str) -> None:
+        keys = [f"{key}/{r}" for r in range(1, self.mapping.world_size)]
+        deadline = time.monotonic() + self.spec.timeout
+        while not self.store.check(keys):
+            failure = self.failure(wait=0.0)
+            if failure is not None:
+                raise RankFailure(f"parallel engine start-up failed: {failure}")
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise RankFailure(
+                    f"parallel engine start-up: {', '.join(missing)} not reached within "
+                    f"timeout={self.spec.timeout:g} s (ranks that did not {what})"
+                )
+            time.sleep(_POLL_S)
+
+    # ---- failures
+
+    def _error_of(self, rank: int) -> str | None:
+        try:
+            if self.store.check([f"error/{rank}"]):
+                return self.store.get(f"error/{rank}").decode(errors="replace")
+        except Exception:  # noqa: BLE001  (the store may be gone with the process hosting it)
+            return None
+        return None
+
+    def failure(self, wait: float = 1.0) -> str | None:
+        """A description of the first failed follower (its traceback when it wrote one), or None.
+        ``wait``: how long to give a process that broke a collective to show as exited."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank in range(1, self.mapping.world_size):
+                error = self._error_of(rank)
+                proc = self.procs.get(rank)
+                code = proc.exitcode if proc is not None else None
+                if error is not None:
+                    return f"rank {rank} raised:\n{error}"
+                if proc is not None and code is not None:
+                    return f"rank {rank} (pid {proc.pid}) {_describe_exit(code)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    # ---- shutdown
+
+    def shutdown(self, send_shutdown: Any = None) -> None:
+        """Leaves the groups, then joins every spawned rank (bounded: SIGTERM, then SIGKILL)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.groups is not None:
+            try:
+                destroy_process_groups(self.groups)
+            except Exception:
+                logger.exception("leaving the process groups failed")
+        for proc in self.procs.values():
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        torch.set_num_threads(self._prev_threads)
+        self.store = None
+        self._base_store = None
+
+
+def _with_threads(spec: ShardSpec, threads: int) -> ShardSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, num_threads=threads)
+
+
+# ---------------------------------------------------------------------------------------------- rank 0
+
+
+class ParallelModel:
+    """What rank 0's :class:`~inflight.executor.model_engine.ModelEngine` calls instead of the model:
+    the same ``(input_ids, positions, metadata, kv_caches) -> logits``, run on every rank."""
+
+    def __init__(self, model: torch.nn.Module, cluster: Cluster) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.channel = StepChannel(cluster.groups.control)
+        self._lock = threading.Lock()  # one message at a time on the channel, in order
+        self._failed: RankFailure | None = None
+        self._last_sent = time.monotonic()
+        self._stop = threading.Event()
+        self.on_failure = None  # called once with the RankFailure (the executor's fail())
+        self.steps = 0
+        self._interval = min(HEARTBEAT_S, cluster.spec.timeout / 4)
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="inflight-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def __getattr__(self, name: str):  # the model's other members (num_layers, kv_cache_shape, ...)
+        return getattr(self.__dict__["model"], name)
+
+    @property
+    def failed(self) -> RankFailure | None:
+        return self._failed
+
+    def _fail(self, exc: BaseException | None, during: str) -> RankFailure:
+        with_reason = self.cluster.failure(wait=2.0)
+        if with_reason is None:
+            detail = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer"
+            with_reason = f"a rank stopped answering during {during} ({detail})"
+        failure = RankFailure(f"parallel engine ({self.cluster.describe()}): {with_reason}")
+        first = self._failed is None
+        if first:
+            self._failed = failure
+            logger.error("%s", failure)
+            callback = self.on_failure
+            if callback is not None:
+                callback(failure)
+        return self._failed
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def allocate_kv(self, num_blocks: int, tokens_per_block: int, dtype: torch.dtype) -> None:
+        """Every follower allocates its KV pool: the same number of blocks as rank 0's."""
+        with self._lock:
+            self._check()
+            try:
+                self.channel.send(KV, num_blocks, tokens_per_block, _DTYPES.index(dtype))
+            except Exception as exc:
+                raise self._fail(exc, "the KV allocation") from exc
+            self._last_sent = time.monotonic()
+
+    def __call__(self, input_ids, positions, metadata: AttentionMetadata, kv_caches):
+        with self._lock:
+            self._check()
+            try:
+                self.channel.send_step(input_ids, metadata)
+                logits = self.model(input_ids, positions, metadata, kv_caches)
+            except Exception as exc:
+                raise self._fail(exc, "a step") from exc
+            self._last_sent = time.monotonic()
+            self.steps += 1
+            return logits
+
+    def comm_stats(self) -> dict[str, float]:
+        """Rank 0's seconds in communication so far: the plan broadcasts and the model's collectives
+        (all-reduces and the logits gather), and the steps they were spent over."""
+        seconds, calls = self.model.tp.comm_seconds()
+        return {
+            "steps": self.steps,
+            "broadcast_s": self.channel.seconds,
+            "collectives_s": seconds,
+            "collectives": calls,
+        }
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(min(0.25, self._interval)):
+            if self._failed is not None:
+                return
+            dead = self.cluster.failure(wait=0.0) if self.cluster.procs else None
+            if dead is not None:
+                self._fail(None, "idle time")
+                return
+            if time.monotonic() - self._last_sent < self._interval:
+                continue
+            if not self._lock.acquire(timeout=0.1):
+                continue  # a step is on the channel
+            try:
+                if self._failed is None and not self._stop.is_set():
+                    self.channel.send(HEARTBEAT)
+                    self._last_sent = time.monotonic()
+            except Exception as exc:  # noqa: BLE001
+                self._lock.release()
+                self._fail(exc, "a heartbeat")
+                return
+            self._lock.release()
+
+    def shutdown(self) -> None:
+        """Tells the followers to exit (unless one failed), then shuts the cluster down."""
+        self._stop.set()
+        self._heartbeat.join(5.0)
+        with self._lock:
+            if self._failed is None:
+                try:
+                    self.channel.send(SHUTDOWN)
+                except Exception:  # noqa: BLE001
+                    logger.warning("could not tell the followers to shut down; stopping them")
+        self.cluster.shutdown()
+        self.model = None
+
+
+# ---------------------------------------------------------------------------------------------- followers
+
+# Fault injection for the failure tests: INFLIGHT_FAULT="rank=R,stage=load" makes rank R raise while it
+# loads its shard, "rank=R,stage=step,after=N" at its N-th step.
+FAULT_ENV = "INFLIGHT_FAULT"
+
+
+def _fault(rank: int, stage: str, count: int = 0) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    fields = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
+    due = stage != "step" or count >= int(fields.get("after", 0))
+    if int(fields.get("rank", -1)) == rank and fields.get("stage") == stage and due:
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec!r}) on rank {rank}")
+
+
+def _spawned_follower(spec: ShardSpec, rank: int, host: str, port: int) -> None:
+    """The entry point of a rank spawned by :meth:`Cluster.start`."""
+    store = None
+    try:
+        base = _store(host, port, spec.world_size, False, spec.timeout)
+        store = dist.PrefixStore("inflight/", base)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        os._exit(1)
+    code = run_follower(spec, rank, store, local_rank=rank)
+    os._exit(code)
+
+
+def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int | None = None) -> int:
+    """A follower rank: join the groups, load the shard, then run the steps rank 0 broadcasts until
+    SHUTDOWN (returns 0) or a failure (its traceback is written to the store; returns 1)."""
+    from inflight.models.loader import load_model
+
+    base = None
+    if store is None:  # torchrun / env://
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+        spec = _with_threads(spec, _threads_per_rank(local))
+        store, base = _env_store(spec.world_size, spec.timeout)
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = rank if local_rank is None else local_rank
+    groups = None
+    try:
+        torch.set_num_threads(spec.num_threads)
+        mapping = Mapping(spec.world_size, rank, spec.tp_size, spec.pp_size)
+        device = torch.device(spec.device_of(local_rank))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store.set(f"joined/{rank}", "1")
+        groups = init_process_groups(
+            mapping, device=spec.device, timeout=spec.timeout, store=dist.PrefixStore("pg/", store)
+        )
+        tp = TensorParallel(mapping.tp_rank, mapping.tp_size, groups.tp, root=mapping.tp_group[0])
+        _fault(rank, "load")
+        model = load_model(
+            spec.model,
+            dtype=spec.dtype,
+            device=device,
+            attention_backend=spec.attention_backend,
+            max_seq_len=spec.max_seq_len,
+            quantization=spec.quantization,
+            tp=tp,
+        ).model
+        store.set(f"loaded/{rank}", "1")
+        _follow(model, StepChannel(groups.control), device, rank)
+        return 0
+    except Exception as exc:  # noqa: BLE001
+        text = traceback.format_exc()
+        if _is_peer_loss(exc):
+            logger.error("rank %d: rank 0 is gone (%s); exiting", rank, exc)
+        else:
+            logger.error("rank %d failed:\n%s", rank, text)
+        try:
+            store.set(f"error/{rank}", text)
+        except Exception:  # noqa: BLE001  (the store died with rank 0)
+            pass
+        return 1
+    finally:
+        del base
+        if groups is not None:
+            try:
+                destroy_process_groups(groups)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out"))
+
+
+@torch.inference_mode()
+def _follow(model: torch.nn.Module, channel: StepChannel, device: torch.device, rank: int) -> None:
+    caches = None
+    steps = 0
+    while True:
+        cmd, fields = channel.recv()
+        if cmd == HEARTBEAT:
+            continue
+        if cmd == SHUTDOWN:
+            return
+        if cmd == KV:
+            num_blocks, tpb, dtype_index = fields[:3]
+            caches = None  # the old pool first
+            caches = _allocate_caches(model, num_blocks, tpb, _DTYPES[dtype_index], device)
+        elif cmd == STEP:
+            if caches is None:
+                raise RuntimeError("a step arrived before the KV pool was allocated")
+            ids, md = channel.recv_step(fields, device)
+            steps += 1
+            _fault(rank, "step", steps)
+            model(ids, md.positions, md, caches)
+        else:
+            raise RuntimeError(f"unknown channel command {cmd}")
