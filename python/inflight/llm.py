@@ -82,7 +82,9 @@ class LLM:
         self.rank = follower_rank(self.args)
         if self.rank != 0:
             self.parallel = f"tp={self.args.tensor_parallel_size} pp={self.args.pipeline_parallel_size}"
-            self._follower_exit = run_follower_rank(self.args, self.rank)
+            self.model_config = self.tokenizer = self.kv_budget = None
+            self.device, self.dtype, self.max_seq_len = torch.device("cpu"), None, 0
+            self.follower_exit_code = run_follower_rank(self.args, self.rank)
             self._shutdown = True
             return
         engine = create_py_executor(self.args, self._on_responses)
@@ -99,6 +101,13 @@ class LLM:
     def is_driver(self) -> bool:
         """True on rank 0, the process that takes requests (the only one without parallelism)."""
         return self.rank == 0
+
+    def _require_driver(self) -> None:
+        if self.rank != 0:
+            raise RuntimeError(
+                f"this process was rank {self.rank} of a parallel engine, a follower (it served its shard "
+                "until rank 0 shut down): only rank 0 takes requests"
+            )
 
     # ------------------------------------------------------------------ requests
     def encode(self, text: str) -> list[int]:
@@ -204,11 +213,8 @@ class LLM:
         return self._submit(prompt, sampling_params, streaming, priority)
 
     def _submit(self, prompt, params, streaming, priority=0.5, prepared=None) -> RequestHandle:
+        self._require_driver()
         if self._shutdown:
-            if self.rank != 0:
-                raise RuntimeError(
-                    f"this process was rank {self.rank}, a follower: only rank 0 takes requests"
-                )
             raise RuntimeError("LLM is shut down")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -274,6 +280,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> RequestOutput | list[RequestOutput]:
         """One prompt (a str or a list of token ids) in -> one RequestOutput; a list in -> a list."""
+        self._require_driver()
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(
                 "prompts must be a str, a list of token ids, or a list of those, got "
@@ -320,6 +327,7 @@ class LLM:
     ) -> RequestOutput | list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a list
         of conversations, through the model's chat template."""
+        self._require_driver()
         single = len(messages) > 0 and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]

@@ -29,12 +29,15 @@ SIGKILL.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import logging
-import multiprocessing
 import os
+import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -63,6 +66,7 @@ __all__ = [
     "ShardSpec",
     "follower_rank_from_env",
     "run_follower",
+    "spawned_follower_main",
 ]
 
 # Channel commands (header[0]).
@@ -244,6 +248,16 @@ def _threads_per_rank(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "is running"
@@ -270,7 +284,7 @@ class Cluster:
         self.mapping = mapping
         self.store = store
         self._base_store = base_store  # kept alive (a master store serves while it lives)
-        self.procs = procs  # rank -> multiprocessing.Process (spawned here; empty under torchrun)
+        self.procs = procs  # rank -> subprocess.Popen (spawned here; empty under torchrun)
         self.groups: ProcessGroups | None = None
         self.tp = TensorParallel()
         self._prev_threads = torch.get_num_threads()
@@ -301,16 +315,20 @@ class Cluster:
             port = _free_port()
             base = _store("127.0.0.1", port, world, True, spec.timeout)
             store = dist.PrefixStore("inflight/", base)
-            ctx = multiprocessing.get_context("spawn")
+            # Fresh interpreters running inflight's follower entry point, not multiprocessing: the
+            # caller's script is never re-imported (no __main__ guard needed, notebooks work).
+            blob = base64.b64encode(pickle.dumps(spec)).decode()
             for rank in range(1, world):
-                proc = ctx.Process(
-                    target=_spawned_follower,
-                    args=(spec, rank, "127.0.0.1", port),
-                    name=f"inflight-rank{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                procs[rank] = proc
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "inflight.executor.follower",
+                    "127.0.0.1",
+                    str(port),
+                    str(rank),
+                    blob,
+                ]
+                procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         mapping = Mapping(world, 0, spec.tp_size, spec.pp_size)
         cluster = cls(spec, mapping, store, procs, base)
         try:
@@ -376,11 +394,13 @@ class Cluster:
             for rank in range(1, self.mapping.world_size):
                 error = self._error_of(rank)
                 proc = self.procs.get(rank)
-                code = proc.exitcode if proc is not None else None
+                code = proc.poll() if proc is not None else None
                 if error is not None:
                     return f"rank {rank} raised:\n{error}"
                 if proc is not None and code is not None:
                     return f"rank {rank} (pid {proc.pid}) {_describe_exit(code)}"
+                if proc is not None and not _pid_exists(proc.pid):  # reaped by someone else
+                    return f"rank {rank} (pid {proc.pid}) is gone"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
@@ -398,13 +418,15 @@ class Cluster:
             except Exception:
                 logger.exception("leaving the process groups failed")
         for proc in self.procs.values():
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
+            for stop, wait in ((None, 5.0), (proc.terminate, 2.0), (proc.kill, 2.0)):
+                if proc.poll() is not None:
+                    break
+                if stop is not None:
+                    stop()
+                try:
+                    proc.wait(wait)
+                except subprocess.TimeoutExpired:
+                    pass
         torch.set_num_threads(self._prev_threads)
         self.store = None
         self._base_store = None
@@ -551,17 +573,14 @@ def _fault(rank: int, stage: str, count: int = 0) -> None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec!r}) on rank {rank}")
 
 
-def _spawned_follower(spec: ShardSpec, rank: int, host: str, port: int) -> None:
-    """The entry point of a rank spawned by :meth:`Cluster.start`."""
-    store = None
-    try:
-        base = _store(host, port, spec.world_size, False, spec.timeout)
-        store = dist.PrefixStore("inflight/", base)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        os._exit(1)
-    code = run_follower(spec, rank, store, local_rank=rank)
-    os._exit(code)
+def spawned_follower_main(argv: list[str]) -> int:
+    """The entry point of a rank spawned by :meth:`Cluster.start` (``python -m inflight.executor.follower
+    HOST PORT RANK SPEC``): connects to rank 0's store, then :func:`run_follower`."""
+    host, port, rank, blob = argv
+    spec = pickle.loads(base64.b64decode(blob))
+    base = _store(host, int(port), spec.world_size, False, spec.timeout)
+    store = dist.PrefixStore("inflight/", base)
+    return run_follower(spec, int(rank), store, local_rank=int(rank))
 
 
 def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int | None = None) -> int:

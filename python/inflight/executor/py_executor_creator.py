@@ -42,8 +42,9 @@ from inflight.executor.scheduler import (
 )
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
-from inflight.models.loader import load_model
+from inflight.models.loader import load_config, load_model
 from inflight.parallel.comm import SINGLE
+from inflight.parallel.sharding import check_tensor_parallel
 from inflight.utils.dtypes import parse_dtype
 
 logger = logging.getLogger("inflight")
@@ -118,6 +119,10 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
     t0 = time.perf_counter()
     cluster = None
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        c = load_config(args.model)  # sizes that do not split fail here, before any rank starts
+        check_tensor_parallel(
+            c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, args.tensor_parallel_size
+        )
         cluster = Cluster.start(shard_spec(args, device))
     try:
         return _create(args, device, overlap, cluster, t0, response_callback)

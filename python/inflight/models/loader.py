@@ -93,6 +93,20 @@ def check_quantization(value: str | None) -> str:
     return value.lower()
 
 
+def load_config(model: str | os.PathLike) -> ModelConfig:
+    """The config of what ``load_model(model)`` would load (no weights read)."""
+    known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
+    path = known if known is not None else Path(os.fspath(model)).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_loader.read_gguf(path)[1]
+    if path.is_dir():
+        return ModelConfig.from_hf_dir(path)
+    raise ValueError(
+        f"model must be a Hugging Face model directory, a .gguf file or one of "
+        f"{sorted(gguf_loader.KNOWN_MODELS)}, got {str(model)!r}"
+    )
+
+
 def load_model(
     model: str | os.PathLike,
     *,

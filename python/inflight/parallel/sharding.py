@@ -61,6 +61,15 @@ class AttentionShard:
         return AttentionShard(heads, kv, tp_rank * heads, kv_start)
 
 
+def check_tensor_parallel(
+    num_attention_heads: int, num_key_value_heads: int, intermediate_size: int, tp_size: int
+) -> None:
+    """Raises the ``ValueError`` of the first size that cannot be split over ``tp_size`` ranks (checked
+    before any rank starts)."""
+    AttentionShard.of(num_attention_heads, num_key_value_heads, 0, tp_size)
+    _divisible("intermediate_size", intermediate_size, tp_size)
+
+
 def column_shard(
     tensor: torch.Tensor, tp_rank: int, tp_size: int, *, name: str = "out_features"
 ) -> torch.Tensor:
