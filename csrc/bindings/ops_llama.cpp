@@ -22,6 +22,7 @@
 #include "gemm_weights.h"
 #include "llama_layers.h"
 #include "registry.h"
+#include "shm_comm.h"
 
 namespace nb = nanobind;
 namespace kc = inflight::kernels::cpu;
@@ -46,6 +47,19 @@ struct PythonReduce {
       e.restore();
       throw ReduceFailed{};
     }
+  }
+};
+
+// The same reduction without Python: the ranks' shared-memory all-reduce, called directly.
+struct ShmReduce {
+  kc::ShmComm* comm = nullptr;
+  void* buf = nullptr;
+  std::int64_t numel = 0;
+  ScalarType dtype = ScalarType::kFloat32;
+  double timeout_s = 0;
+  static void call(void* ctx) {
+    auto* r = static_cast<ShmReduce*>(ctx);
+    r->comm->all_reduce(r->buf, r->numel, r->dtype, r->timeout_s);
   }
 };
 
@@ -140,7 +154,7 @@ class LlamaLayerStack {
                std::optional<Tensor> ctx_block_tables, std::optional<Tensor> ctx_cu_seqlens,
                std::optional<Tensor> ctx_kv_lens, std::optional<Tensor> dec_block_tables,
                std::optional<Tensor> dec_kv_lens, int num_threads, std::optional<Tensor> reduce_buffer,
-               std::optional<nb::callable> reduce) {
+               std::optional<nb::object> reduce, double reduce_timeout_s) {
     if (!caches_set_) {
       throw_value_error("set_kv_caches() must be called after the last add_layer() and before forward()");
     }
@@ -221,10 +235,26 @@ class LlamaLayerStack {
     }
 
     PythonReduce python_reduce;
-    if (reduce) python_reduce.fn = std::move(*reduce);
+    ShmReduce shm_reduce;
+    void (*reduce_fn)(void*) = nullptr;
+    void* reduce_ctx = nullptr;
+    if (reduce && nb::isinstance<kc::ShmComm>(*reduce)) {
+      shm_reduce.comm = &nb::cast<kc::ShmComm&>(*reduce);
+      shm_reduce.buf = reduce_buffer->data();
+      shm_reduce.numel = nt * shape_.hidden;
+      shm_reduce.dtype = shape_.dtype;
+      shm_reduce.timeout_s = reduce_timeout_s;
+      reduce_fn = &ShmReduce::call;
+      reduce_ctx = &shm_reduce;
+    } else if (reduce) {
+      if (!PyCallable_Check(reduce->ptr())) throw_type_error("reduce must be a ShmComm or a callable");
+      python_reduce.fn = nb::borrow<nb::callable>(*reduce);
+      reduce_fn = &PythonReduce::call;
+      reduce_ctx = &python_reduce;
+    }
     try {
       nb::gil_scoped_release release;
-      run(step, num_threads, reduce_buffer ? reduce_buffer->data() : nullptr, reduce ? &python_reduce : nullptr);
+      run(step, num_threads, reduce_buffer ? reduce_buffer->data() : nullptr, reduce_fn, reduce_ctx);
     } catch (ReduceFailed const&) {
       throw nb::python_error();  // the reduction's own exception
     }
@@ -237,7 +267,7 @@ class LlamaLayerStack {
     void operator()(unsigned char* p) const { std::free(p); }
   };
 
-  void run(kc::LlamaStep const& step, int num_threads, void* reduce_buf, PythonReduce* reduce) {
+  void run(kc::LlamaStep const& step, int num_threads, void* reduce_buf, void (*reduce)(void*), void* reduce_ctx) {
     std::lock_guard<std::mutex> lock(mutex_);
     kc::LlamaLayersParams p;
     p.shape = shape_;
@@ -255,8 +285,8 @@ class LlamaLayerStack {
     p.workspace_bytes = std::int64_t(workspace_bytes_);
     if (reduce != nullptr) {
       p.reduce_buf = reduce_buf;
-      p.reduce = &PythonReduce::call;
-      p.reduce_ctx = reduce;
+      p.reduce = reduce;
+      p.reduce_ctx = reduce_ctx;
     }
     kc::launch_llama_layers(p, kc::ThreadPool::global());
   }
@@ -334,11 +364,11 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),
-           "reduce"_a.none() = nb::none(),
+           "reduce"_a.none() = nb::none(), "reduce_timeout_s"_a = 120.0,
            "Runs every layer over the step's flattened batch, in place on hidden [num_tokens, hidden_size]. "
            "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*). "
            "Tensor parallelism: after each layer's o_proj and down_proj the partial product is written to "
-           "reduce_buffer [num_tokens, hidden_size] and reduce() is called (with the GIL), which must sum it "
-           "over the ranks in place.")
+           "reduce_buffer [num_tokens, hidden_size] and reduced over the ranks in place: by reduce, a ShmComm "
+           "(all_reduce in C++, no GIL) or a callable reduce() (called with the GIL).")
       .def_prop_ro("num_layers", &LlamaLayerStack::num_layers);
 }

@@ -72,18 +72,23 @@ def models(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def _model_worker(rank: int, world: int, port: int, path: str, backend: str) -> None:
+def _model_worker(rank: int, world: int, port: int, path: str, backend: str, transport: str) -> None:
     """Every rank runs its shard over the same steps; rank 0 compares with the unsharded model."""
     import torch.distributed as dist
 
     from inflight.models.loader import load_model
     from inflight.parallel import Mapping, init_process_groups
     from inflight.parallel.comm import TensorParallel
+    from inflight.parallel.shm import hosts_of, make_shm_comm
 
     torch.set_num_threads(1)
+    os.environ["INFLIGHT_TP_TRANSPORT"] = transport
     mapping = Mapping(world, rank, world, 1)
     groups = init_process_groups(mapping, init_method=f"tcp://127.0.0.1:{port}", timeout=60)
-    tp = TensorParallel(mapping.tp_rank, mapping.tp_size, groups.tp)
+    hosts = hosts_of(mapping, groups.control)
+    shm = make_shm_comm(mapping, mapping.tp_group, groups.tp, hosts, "cpu", "TP group")
+    tp = TensorParallel(mapping.tp_rank, mapping.tp_size, groups.tp, shm=shm)
+    assert tp.transport == transport
     model = load_model(path, dtype="float32", attention_backend=backend, tp=tp).model
     kv = PagedKV(model.num_layers, model.num_kv_heads, model.config.head_dim, tokens_per_block=4)
     if rank == 0:
@@ -107,17 +112,19 @@ def _model_worker(rank: int, world: int, port: int, path: str, backend: str) -> 
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("which", ["kv2", "kv1", "w4a16"])
-def test_sharded_model_matches_the_unsharded_one(models, which, backend):
+def test_sharded_model_matches_the_unsharded_one(models, which, backend, transport):
     """tp=2 logits within 1e-4 of tp=1 over prefills, decodes and a mixed step: 2 KV heads split, 1 KV
     head replicated with a padded vocabulary (130 over 2 ranks), and a W4A16 model sharded along whole
-    quantisation groups; the Python layers and the fused C++ stack."""
+    quantisation groups; the Python layers and the fused C++ stack; the all-reduces over shared memory
+    (the fused stack calls them from C++) and over gloo (it calls back into Python)."""
     if which == "w4a16" and backend == "torch":
         pytest.skip("the W4A16 layers are kernel-backed: the native backend covers them")
     mp.start_processes(
         _model_worker,
-        args=(2, _free_port(), models[which], backend),
+        args=(2, _free_port(), models[which], backend, transport),
         nprocs=2,
         start_method="spawn",
     )
@@ -176,6 +183,29 @@ def test_tp2_generates_what_tp1_generates(models, which, kwargs):
         assert llm.parallel == "tp=2 pp=1"
         assert llm.get_stats()[-1]["parallel"] == "tp=2 pp=1"
         _assert_equivalent(ref, got)
+    finally:
+        llm.shutdown()
+    assert not _children()
+
+
+def test_tp2_over_gloo_alone(models, monkeypatch):
+    """INFLIGHT_TP_TRANSPORT=gloo: every collective and the step channel over torch.distributed (the
+    path between hosts), with heartbeats while idle."""
+    monkeypatch.setenv("INFLIGHT_TP_TRANSPORT", "gloo")
+    monkeypatch.setattr("inflight.executor.parallel_model.HEARTBEAT_S", 0.2)
+    ref_llm, ref = _generate(models["kv2"], 1)
+    ref_llm.shutdown()
+    llm, got = _generate(models["kv2"], 2)
+    try:
+        model = llm.executor.model_engine.model
+        assert model.tp.transport == "gloo" and model.channel.transport == "gloo"
+        _assert_equivalent(ref, got)
+        time.sleep(1.0)  # idle: heartbeats flow
+        assert model.heartbeats >= 2
+        again = llm.generate(
+            PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+        )
+        _assert_equivalent(ref[:2], again)
     finally:
         llm.shutdown()
     assert not _children()

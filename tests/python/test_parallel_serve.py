@@ -55,7 +55,13 @@ def test_serve_tp2_completion_equals_tp1_and_a_dead_rank_ends_the_stream(tiny_mo
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(url, proc, log)
-        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": "hello world",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         got = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()
         with LLM(model, dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=4096)) as ref:
             want = ref.generate("hello world", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -65,7 +71,13 @@ def test_serve_tp2_completion_equals_tp1_and_a_dead_rank_ends_the_stream(tiny_mo
         lines: list[str] = []
 
         def stream():
-            req = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+            req = {
+                "model": "tiny",
+                "prompt": [5, 6, 7],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", url + "/v1/completions", json=req, timeout=TIMEOUT) as resp:
                 for line in resp.iter_lines():
                     if line:

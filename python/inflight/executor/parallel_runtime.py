@@ -38,7 +38,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,7 +46,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inflight.layers.attention import AttentionMetadata
+from inflight.executor.step_channel import (
+    DTYPES,
+    HEARTBEAT,
+    KV,
+    SHUTDOWN,
+    STEP,
+    StepChannel,
+    allocate_caches,
+    data_paths,
+)
 from inflight.parallel.comm import TensorParallel
 from inflight.parallel.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -61,7 +69,6 @@ logger = logging.getLogger("inflight")
 
 __all__ = [
     "Cluster",
-    "ParallelModel",
     "RankFailure",
     "ShardSpec",
     "follower_rank_from_env",
@@ -69,12 +76,6 @@ __all__ = [
     "spawned_follower_main",
 ]
 
-# Channel commands (header[0]).
-STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
-_HEADER = 8
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Seconds between heartbeats while idle, at most (and at most a quarter of the collective timeout).
-HEARTBEAT_S = 2.0
 # How long start-up waits for each stage (join, load) before it gives up, at most.
 _POLL_S = 0.05
 
@@ -113,94 +114,6 @@ class ShardSpec:
     def device_of(self, local_rank: int) -> str:
         """CUDA ranks get one device each (``cuda:local_rank``); CPU ranks share the CPU."""
         return f"cuda:{local_rank}" if self.device.startswith("cuda") else self.device
-
-
-# ---------------------------------------------------------------------------------------------- channel
-
-
-class StepChannel:
-    """Rank 0 -> every rank: broadcasts over the gloo control group (CPU tensors)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.seconds = 0.0  # time in broadcasts, on this rank
-
-    def _bcast(self, t: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        dist.broadcast(t, src=0, group=self.group)
-        self.seconds += time.perf_counter() - t0
-
-    def send(self, cmd: int, *fields: int) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = cmd
-        header[1 : 1 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        self._bcast(header)
-
-    def send_step(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
-        tables = md.block_tables
-        parts = [
-            input_ids.reshape(-1),
-            md.positions,
-            md.slot_mapping,
-            md.seq_lens,
-            md.kv_lens,
-            md.logits_indices,
-            tables.reshape(-1),
-        ]
-        payload = torch.cat([p.detach().to("cpu", torch.int64) for p in parts])
-        self.send(
-            STEP,
-            md.num_tokens,
-            md.batch_size,
-            md.num_contexts,
-            tables.shape[1],
-            md.logits_indices.numel(),
-            md.tokens_per_block,
-            payload.numel(),
-        )
-        self._bcast(payload)
-
-    def recv(self) -> tuple[int, list[int]]:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._bcast(header)
-        values = header.tolist()
-        return values[0], values[1:]
-
-    def recv_step(self, fields: list[int], device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-        num_tokens, batch, num_contexts, max_blocks, num_logits, tpb, size = fields[:7]
-        payload = torch.empty(size, dtype=torch.int64)
-        self._bcast(payload)
-        sizes = [num_tokens, num_tokens, num_tokens, batch, batch, num_logits, batch * max_blocks]
-        ids, positions, slots, seq_lens, kv_lens, logits_indices, tables = torch.split(payload, sizes)
-        seq_lens32 = seq_lens.to(torch.int32)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens32, 0, out=cu[1:])
-        md = AttentionMetadata(
-            num_contexts=num_contexts,
-            num_tokens=num_tokens,
-            tokens_per_block=tpb,
-            seq_lens=seq_lens32.to(device),
-            cu_seqlens=cu.to(device),
-            kv_lens=kv_lens.to(torch.int32).to(device),
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
-            block_tables=tables.to(torch.int32).view(batch, max_blocks).to(device),
-            logits_indices=logits_indices.to(device),
-            seq_lens_host=tuple(seq_lens.tolist()),
-            kv_lens_host=tuple(kv_lens.tolist()),
-        )
-        return ids.to(device), md
-
-
-def _allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: torch.dtype, device) -> list:
-    from inflight.executor.resource_manager import _zeroed_host_tensor
-
-    shape = (model.num_layers, *model.kv_cache_shape(num_blocks, tpb))
-    if torch.device(device).type == "cpu":
-        pool = _zeroed_host_tensor(shape, dtype)
-    else:
-        pool = torch.zeros(shape, dtype=dtype, device=device)
-    return list(pool.unbind(0))
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -287,6 +200,7 @@ class Cluster:
         self.procs = procs  # rank -> subprocess.Popen (spawned here; empty under torchrun)
         self.groups: ProcessGroups | None = None
         self.tp = TensorParallel()
+        self.channel: StepChannel | None = None
         self._prev_threads = torch.get_num_threads()
         self._closed = False
 
@@ -340,16 +254,17 @@ class Cluster:
                 timeout=spec.timeout,
                 store=dist.PrefixStore("pg/", store),
             )
-            cluster.tp = TensorParallel(mapping.tp_rank, mapping.tp_size, cluster.groups.tp, root=0)
+            cluster.tp, cluster.channel = data_paths(mapping, cluster.groups, spec.device, spec.timeout)
         except BaseException:
             cluster.shutdown()
             raise
         logger.info(
-            "parallel engine: %s, %d process(es) %s, %d CPU thread(s) per rank",
+            "parallel engine: %s, %d process(es) %s, %d CPU thread(s) per rank, TP data over %s",
             cluster.describe(),
             world,
             "spawned here" if procs else "launched by torchrun",
             spec.num_threads,
+            cluster.tp.transport,
         )
         return cluster
 
@@ -407,8 +322,9 @@ class Cluster:
 
     # ---- shutdown
 
-    def shutdown(self, send_shutdown: Any = None) -> None:
-        """Leaves the groups, then joins every spawned rank (bounded: SIGTERM, then SIGKILL)."""
+    def shutdown(self, graceful: bool = False) -> None:
+        """Leaves the groups, then joins every spawned rank: ``graceful`` (they were told to exit) waits
+        up to 5 s first; then SIGTERM, then SIGKILL, each bounded."""
         if self._closed:
             return
         self._closed = True
@@ -418,7 +334,8 @@ class Cluster:
             except Exception:
                 logger.exception("leaving the process groups failed")
         for proc in self.procs.values():
-            for stop, wait in ((None, 5.0), (proc.terminate, 2.0), (proc.kill, 2.0)):
+            steps = ((None, 5.0),) if graceful else ()
+            for stop, wait in (*steps, (proc.terminate, 2.0), (proc.kill, 2.0)):
                 if proc.poll() is not None:
                     break
                 if stop is not None:
@@ -436,124 +353,6 @@ def _with_threads(spec: ShardSpec, threads: int) -> ShardSpec:
     import dataclasses
 
     return dataclasses.replace(spec, num_threads=threads)
-
-
-# ---------------------------------------------------------------------------------------------- rank 0
-
-
-class ParallelModel:
-    """What rank 0's :class:`~inflight.executor.model_engine.ModelEngine` calls instead of the model:
-    the same ``(input_ids, positions, metadata, kv_caches) -> logits``, run on every rank."""
-
-    def __init__(self, model: torch.nn.Module, cluster: Cluster) -> None:
-        self.model = model
-        self.cluster = cluster
-        self.channel = StepChannel(cluster.groups.control)
-        self._lock = threading.Lock()  # one message at a time on the channel, in order
-        self._failed: RankFailure | None = None
-        self._last_sent = time.monotonic()
-        self._stop = threading.Event()
-        self.on_failure = None  # called once with the RankFailure (the executor's fail())
-        self.steps = 0
-        self._interval = min(HEARTBEAT_S, cluster.spec.timeout / 4)
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="inflight-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
-
-    def __getattr__(self, name: str):  # the model's other members (num_layers, kv_cache_shape, ...)
-        return getattr(self.__dict__["model"], name)
-
-    @property
-    def failed(self) -> RankFailure | None:
-        return self._failed
-
-    def _fail(self, exc: BaseException | None, during: str) -> RankFailure:
-        with_reason = self.cluster.failure(wait=2.0)
-        if with_reason is None:
-            detail = f"{type(exc).__name__}: {exc}" if exc is not None else "no answer"
-            with_reason = f"a rank stopped answering during {during} ({detail})"
-        failure = RankFailure(f"parallel engine ({self.cluster.describe()}): {with_reason}")
-        first = self._failed is None
-        if first:
-            self._failed = failure
-            logger.error("%s", failure)
-            callback = self.on_failure
-            if callback is not None:
-                callback(failure)
-        return self._failed
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise self._failed
-
-    def allocate_kv(self, num_blocks: int, tokens_per_block: int, dtype: torch.dtype) -> None:
-        """Every follower allocates its KV pool: the same number of blocks as rank 0's."""
-        with self._lock:
-            self._check()
-            try:
-                self.channel.send(KV, num_blocks, tokens_per_block, _DTYPES.index(dtype))
-            except Exception as exc:
-                raise self._fail(exc, "the KV allocation") from exc
-            self._last_sent = time.monotonic()
-
-    def __call__(self, input_ids, positions, metadata: AttentionMetadata, kv_caches):
-        with self._lock:
-            self._check()
-            try:
-                self.channel.send_step(input_ids, metadata)
-                logits = self.model(input_ids, positions, metadata, kv_caches)
-            except Exception as exc:
-                raise self._fail(exc, "a step") from exc
-            self._last_sent = time.monotonic()
-            self.steps += 1
-            return logits
-
-    def comm_stats(self) -> dict[str, float]:
-        """Rank 0's seconds in communication so far: the plan broadcasts and the model's collectives
-        (all-reduces and the logits gather), and the steps they were spent over."""
-        seconds, calls = self.model.tp.comm_seconds()
-        return {
-            "steps": self.steps,
-            "broadcast_s": self.channel.seconds,
-            "collectives_s": seconds,
-            "collectives": calls,
-        }
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(min(0.25, self._interval)):
-            if self._failed is not None:
-                return
-            dead = self.cluster.failure(wait=0.0) if self.cluster.procs else None
-            if dead is not None:
-                self._fail(None, "idle time")
-                return
-            if time.monotonic() - self._last_sent < self._interval:
-                continue
-            if not self._lock.acquire(timeout=0.1):
-                continue  # a step is on the channel
-            try:
-                if self._failed is None and not self._stop.is_set():
-                    self.channel.send(HEARTBEAT)
-                    self._last_sent = time.monotonic()
-            except Exception as exc:  # noqa: BLE001
-                self._lock.release()
-                self._fail(exc, "a heartbeat")
-                return
-            self._lock.release()
-
-    def shutdown(self) -> None:
-        """Tells the followers to exit (unless one failed), then shuts the cluster down."""
-        self._stop.set()
-        self._heartbeat.join(5.0)
-        with self._lock:
-            if self._failed is None:
-                try:
-                    self.channel.send(SHUTDOWN)
-                except Exception:  # noqa: BLE001
-                    logger.warning("could not tell the followers to shut down; stopping them")
-        self.cluster.shutdown()
-        self.model = None
 
 
 # ---------------------------------------------------------------------------------------------- followers
@@ -606,7 +405,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
         groups = init_process_groups(
             mapping, device=spec.device, timeout=spec.timeout, store=dist.PrefixStore("pg/", store)
         )
-        tp = TensorParallel(mapping.tp_rank, mapping.tp_size, groups.tp, root=mapping.tp_group[0])
+        tp, channel = data_paths(mapping, groups, spec.device, spec.timeout)
         _fault(rank, "load")
         model = load_model(
             spec.model,
@@ -618,7 +417,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
             tp=tp,
         ).model
         store.set(f"loaded/{rank}", "1")
-        _follow(model, StepChannel(groups.control), device, rank)
+        _follow(model, channel, device, rank)
         return 0
     except Exception as exc:  # noqa: BLE001
         text = traceback.format_exc()
@@ -642,7 +441,8 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
 
 def _is_peer_loss(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out"))
+    markers = ("connection closed", "connection reset", "broken pipe", "timed out", "rank 0 (pid")
+    return any(s in text for s in markers)
 
 
 @torch.inference_mode()
@@ -658,7 +458,7 @@ def _follow(model: torch.nn.Module, channel: StepChannel, device: torch.device, 
         if cmd == KV:
             num_blocks, tpb, dtype_index = fields[:3]
             caches = None  # the old pool first
-            caches = _allocate_caches(model, num_blocks, tpb, _DTYPES[dtype_index], device)
+            caches = allocate_caches(model, num_blocks, tpb, DTYPES[dtype_index], device)
         elif cmd == STEP:
             if caches is None:
                 raise RuntimeError("a step arrived before the KV pool was allocated")

@@ -23,9 +23,9 @@ from inflight.batch_manager import ContextChunkingConfig, LlmRequest
 from inflight.executor.kv_cache_creator import KvBudget, cpu_kv_budget, gpu_kv_budget, kv_bytes_per_token
 from inflight.executor.llm_request import Response
 from inflight.executor.model_engine import ModelEngine
+from inflight.executor.parallel_model import ParallelModel
 from inflight.executor.parallel_runtime import (
     Cluster,
-    ParallelModel,
     ShardSpec,
     follower_rank_from_env,
     run_follower,

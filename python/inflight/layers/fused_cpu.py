@@ -156,10 +156,13 @@ class FusedCpuLayers:
         plan = plan_kernels(metadata)
         none = None
         reduce_buffer = reduce = None
+        timeout = 120.0
         if tp is not None and tp.enabled:
             buf = torch.empty_like(hidden)
             reduce_buffer = _dl(buf)
-            reduce = lambda: tp.all_reduce(buf)  # noqa: E731
+            timeout = tp.timeout
+            # Shared memory: the stack calls the all-reduce itself; otherwise back into Python (gloo).
+            reduce = tp.shm if tp.shm is not None else (lambda: tp.all_reduce(buf))
         self._stack.forward(
             _dl(hidden),
             _dl(cos_sin),
@@ -173,5 +176,6 @@ class FusedCpuLayers:
             torch.get_num_threads(),
             reduce_buffer,
             reduce,
+            timeout,
         )
         return hidden

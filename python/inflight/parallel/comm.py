@@ -19,7 +19,15 @@ class TensorParallel:
     """Rank ``rank`` of ``size`` tensor-parallel ranks over ``group`` (a torch.distributed group whose
     first rank, ``root``, receives the gathered logits)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, root: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        group: Any = None,
+        root: int = 0,
+        shm: Any = None,
+        timeout: float = 120.0,
+    ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank must be in 0 .. {size - 1}, got rank={rank}, size={size}")
         if size > 1 and group is None:
@@ -28,6 +36,10 @@ class TensorParallel:
         self.size = size
         self.group = group
         self.root = root  # the global rank of TP rank 0
+        # The ranks' shared-memory collectives (inflight._C.ShmComm) when they share a host, else None
+        # and the group's backend (gloo / NCCL) carries the data.
+        self.shm = shm
+        self.timeout = float(timeout)
         self._seconds = 0.0
         self._calls = 0
 
@@ -40,7 +52,10 @@ class TensorParallel:
         if self.size == 1:
             return t
         t0 = time.perf_counter()
-        dist.all_reduce(t, group=self.group)
+        if self.shm is not None and t.device.type == "cpu" and t.is_contiguous():
+            self.shm.all_reduce(t, self.timeout)
+        else:
+            dist.all_reduce(t, group=self.group)
         self._seconds += time.perf_counter() - t0
         self._calls += 1
         return t
@@ -52,8 +67,13 @@ class TensorParallel:
             return local[:, :vocab_size]
         t0 = time.perf_counter()
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(local, parts, dst=self.root, group=self.group)
+        if self.shm is not None and local.device.type == "cpu":
+            out = local.new_empty((self.size, *local.shape)) if self.rank == 0 else None
+            self.shm.gather(local, out, 0, self.timeout)
+            parts = list(out.unbind(0)) if out is not None else None
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(local, parts, dst=self.root, group=self.group)
         self._seconds += time.perf_counter() - t0
         self._calls += 1
         if parts is None:
@@ -64,8 +84,15 @@ class TensorParallel:
         """Seconds spent in this rank's collectives so far, and how many there were."""
         return self._seconds, self._calls
 
+    @property
+    def transport(self) -> str:
+        """What carries the data: "shm" (shared memory, one host), the group's backend, or "none"."""
+        if self.size == 1:
+            return "none"
+        return "shm" if self.shm is not None else dist.get_backend(self.group)
+
     def __repr__(self) -> str:
-        return f"TensorParallel(rank={self.rank}, size={self.size})"
+        return f"TensorParallel(rank={self.rank}, size={self.size}, transport={self.transport})"
 
 
 SINGLE = TensorParallel()
