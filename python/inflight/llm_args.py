@@ -410,7 +410,9 @@ class LlmArgs(_Args):
         "every rank runs the script)",
         Int(1),
     )
-    pipeline_parallel_size: int = arg(1, "pipeline-parallel stages (not implemented yet: 1)", Int(1))
+    pipeline_parallel_size: int = arg(
+        1, "pipeline-parallel stages (layers split evenly; up to this many micro-batches in flight)", Int(1)
+    )
     parallel_timeout: float = arg(
         120.0,
         "seconds a rank of a parallel engine waits for the others (start-up, each collective) before failing",

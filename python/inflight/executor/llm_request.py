@@ -84,3 +84,30 @@ class Response:
     cumulative_logprob: float | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def request_metrics(req) -> dict[str, float]:
+    """A finished request's timings (seconds) and preemption count, as its response reports them."""
+    m = {"arrival_time": req.py_arrival_time, "num_preemptions": req.py_num_preemptions}
+    if req.py_first_scheduled_time is not None:
+        m["queue_time"] = req.py_first_scheduled_time - req.py_arrival_time
+    if req.py_first_token_time is not None:
+        m["ttft"] = req.py_first_token_time - req.py_arrival_time
+    if req.py_finish_time is not None:
+        m["e2e_latency"] = req.py_finish_time - req.py_arrival_time
+    return m
+
+
+def format_iteration_stats(stat: dict) -> str:
+    """One iteration's stats entry as the log line ``log_iteration_stats`` prints."""
+    kv = stat["kv_cache_stats"]
+    line = (
+        f"iter {stat['iter']}: running {stat['num_scheduled_requests']} (ctx {stat['num_context_requests']}, "
+        f"gen {stat['num_generation_requests']}), waiting {stat['num_waiting_requests']}, paused "
+        f"{stat['num_paused_requests']}, tokens {stat['num_tokens']}, KV used {kv.get('used_num_blocks', 0)}/"
+        f"{kv.get('max_num_blocks', 0)} blocks, prefix hit rate {100 * kv.get('cache_hit_rate', 0.0):.1f}%, "
+        f"{stat['iter_latency_ms']:.1f} ms"
+    )
+    if "parallel" in stat:
+        line += f", {stat['parallel']}, {stat['num_micro_batches_in_flight']} micro-batch(es) in flight"
+    return line

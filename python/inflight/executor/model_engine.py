@@ -136,6 +136,20 @@ class ModelEngine:
             )
         return self.model(input_ids, inputs.metadata.positions, inputs.metadata, self.kv.kv_caches)
 
+    @torch.inference_mode()
+    def launch(self, inputs: ModelInputs):
+        """Starts the forward: with pipeline stages a handle for :meth:`collect` (the micro-batch is on
+        its way down the pipe), else the logits themselves."""
+        launch = getattr(self.model, "launch", None)
+        if launch is None:
+            return self.forward(inputs)
+        return launch(inputs.input_ids, inputs.metadata.positions, inputs.metadata, self.kv.kv_caches)
+
+    def collect(self, launched) -> torch.Tensor:
+        """The logits of a :meth:`launch`."""
+        collect = getattr(self.model, "collect", None)
+        return launched if collect is None else collect(launched)
+
     def store_new_tokens(self, inputs: ModelInputs, token_ids: torch.Tensor) -> None:
         """Records a step's sampled tokens in ``new_tokens``, by slot (on the device, no sync)."""
         self.new_tokens.index_copy_(0, inputs.sampled_slots, token_ids)

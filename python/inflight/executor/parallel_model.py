@@ -14,7 +14,7 @@ import time
 import torch
 
 from inflight.executor.parallel_runtime import Cluster, RankFailure
-from inflight.executor.step_channel import DTYPES, HEARTBEAT, KV, SHUTDOWN
+from inflight.executor.step_channel import DTYPES, HEARTBEAT, KV, SHUTDOWN, STEP, encode_step, num_logits
 from inflight.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("inflight")
@@ -25,14 +25,28 @@ __all__ = ["HEARTBEAT_S", "ParallelModel"]
 HEARTBEAT_S = 2.0
 
 
+class _InPipe:
+    """A micro-batch launched down the pipeline: its logits come back from the last stage."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+
 class ParallelModel:
     """What rank 0's :class:`~inflight.executor.model_engine.ModelEngine` calls instead of the model:
-    the same ``(input_ids, positions, metadata, kv_caches) -> logits``, run on every rank."""
+    the same ``(input_ids, positions, metadata, kv_caches) -> logits``, run on every rank.
+
+    With pipeline stages, :meth:`launch` runs rank 0's stage and sends the micro-batch down the pipe
+    (returning at once), and :meth:`collect` waits for its logits: the executor keeps up to
+    ``pipeline_depth`` micro-batches between the two."""
 
     def __init__(self, model: torch.nn.Module, cluster: Cluster) -> None:
         self.model = model
         self.cluster = cluster
         self.channel = cluster.channel
+        self.link = cluster.link
+        self.pipeline_depth = cluster.mapping.pp_size
+        self.vocab_size = model.config.vocab_size
         self._lock = threading.Lock()  # one message at a time on the channel, in order
         self._failed: RankFailure | None = None
         self._last_sent = time.monotonic()
@@ -77,22 +91,45 @@ class ParallelModel:
         with self._lock:
             self._check()
             try:
-                self.channel.send(KV, num_blocks, tokens_per_block, DTYPES.index(dtype))
+                fields = (num_blocks, tokens_per_block, DTYPES.index(dtype))
+                self.channel.send(KV, *fields)
+                if self.link is not None:
+                    self.link.send(KV, fields)
             except Exception as exc:
                 raise self._fail(exc, "the KV allocation") from exc
             self._last_sent = time.monotonic()
 
     def __call__(self, input_ids, positions, metadata: AttentionMetadata, kv_caches):
+        return self.collect(self.launch(input_ids, positions, metadata, kv_caches))
+
+    def launch(self, input_ids, positions, metadata: AttentionMetadata, kv_caches):
+        """Runs the step on every rank of the first stage (the logits, with one stage) and sends it
+        down the pipeline (a handle for :meth:`collect`)."""
         with self._lock:
             self._check()
             try:
-                self.channel.send_step(input_ids, metadata)
-                logits = self.model(input_ids, positions, metadata, kv_caches)
+                fields, payload = encode_step(input_ids, metadata)
+                self.channel.send_step(fields, payload)
+                out = self.model(input_ids, positions, metadata, kv_caches)
+                if self.link is not None:
+                    self.link.send(STEP, fields, payload, out)
+                    out = _InPipe(num_logits(fields))
             except Exception as exc:
                 raise self._fail(exc, "a step") from exc
             self._last_sent = time.monotonic()
             self.steps += 1
-            return logits
+            return out
+
+    def collect(self, launched):
+        """The logits of a launched step (waits for the last stage)."""
+        if not isinstance(launched, _InPipe):
+            return launched
+        with self._lock:
+            self._check()
+            try:
+                return self.link.recv_logits(launched.rows, self.vocab_size)
+            except Exception as exc:
+                raise self._fail(exc, "a step") from exc
 
     def comm_stats(self) -> dict[str, float]:
         """Rank 0's seconds in communication so far: the plan broadcasts and the model's collectives
@@ -103,7 +140,7 @@ class ParallelModel:
             seconds, calls = tp.shm.seconds, tp.shm.calls
         return {
             "steps": self.steps,
-            "broadcast_s": self.channel.seconds,
+            "broadcast_s": self.channel.seconds + (self.link.seconds if self.link is not None else 0.0),
             "collectives_s": seconds,
             "collectives": calls,
         }
@@ -116,13 +153,16 @@ class ParallelModel:
             if dead is not None:
                 self._fail(None, "idle time")
                 return
-            if not self.channel.needs_heartbeat or time.monotonic() - self._last_sent < self._interval:
+            needed = self.channel.needs_heartbeat or self.link is not None
+            if not needed or time.monotonic() - self._last_sent < self._interval:
                 continue
             if not self._lock.acquire(timeout=0.1):
                 continue  # a step is on the channel
             try:
                 if self._failed is None and not self._stop.is_set():
                     self.channel.send(HEARTBEAT)
+                    if self.link is not None:
+                        self.link.send(HEARTBEAT)
                     self._last_sent = time.monotonic()
                     self.heartbeats += 1
             except Exception as exc:  # noqa: BLE001
@@ -140,6 +180,9 @@ class ParallelModel:
             if self._failed is None:
                 try:
                     self.channel.send(SHUTDOWN)
+                    if self.link is not None:
+                        self.link.send(SHUTDOWN)
+                        self.link.flush()
                     told = True
                 except Exception:  # noqa: BLE001
                     logger.warning("could not tell the followers to shut down; stopping them")

@@ -52,9 +52,11 @@ from inflight.executor.step_channel import (
     KV,
     SHUTDOWN,
     STEP,
+    PipeLink,
     StepChannel,
     allocate_caches,
     data_paths,
+    decode_step,
 )
 from inflight.parallel.comm import TensorParallel
 from inflight.parallel.distributed import (
@@ -64,6 +66,7 @@ from inflight.parallel.distributed import (
     init_process_groups,
 )
 from inflight.parallel.mapping import Mapping
+from inflight.parallel.sharding import PipelineStage
 
 logger = logging.getLogger("inflight")
 
@@ -201,6 +204,8 @@ class Cluster:
         self.groups: ProcessGroups | None = None
         self.tp = TensorParallel()
         self.channel: StepChannel | None = None
+        self.link: PipeLink | None = None  # pipeline parallelism: to the next stage (set by the caller)
+        self.stage: PipelineStage | None = None
         self._prev_threads = torch.get_num_threads()
         self._closed = False
 
@@ -270,6 +275,11 @@ class Cluster:
 
     def describe(self) -> str:
         return f"tp={self.mapping.tp_size} pp={self.mapping.pp_size}"
+
+    def rank0_stage(self) -> PipelineStage:
+        from inflight.models.loader import load_config
+
+        return stage_of(self.mapping, load_config(self.spec.model).num_hidden_layers)
 
     def wait_loaded(self) -> None:
         """Blocks until every rank has loaded its shard; raises :class:`RankFailure` with the failing
@@ -385,7 +395,7 @@ def spawned_follower_main(argv: list[str]) -> int:
 def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int | None = None) -> int:
     """A follower rank: join the groups, load the shard, then run the steps rank 0 broadcasts until
     SHUTDOWN (returns 0) or a failure (its traceback is written to the store; returns 1)."""
-    from inflight.models.loader import load_model
+    from inflight.models.loader import load_config, load_model
 
     base = None
     if store is None:  # torchrun / env://
@@ -407,7 +417,8 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
         )
         tp, channel = data_paths(mapping, groups, spec.device, spec.timeout)
         _fault(rank, "load")
-        model = load_model(
+        config = load_config(spec.model)
+        loaded = load_model(
             spec.model,
             dtype=spec.dtype,
             device=device,
@@ -415,9 +426,13 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
             max_seq_len=spec.max_seq_len,
             quantization=spec.quantization,
             tp=tp,
-        ).model
+            stage=stage_of(mapping, config.num_hidden_layers),
+        )
+        link = None
+        if mapping.pp_size > 1:
+            link = PipeLink(groups.pp, mapping, config.hidden_size, loaded.dtype, device)
         store.set(f"loaded/{rank}", "1")
-        _follow(model, channel, device, rank)
+        _follow(loaded.model, channel, link, mapping, device)
         return 0
     except Exception as exc:  # noqa: BLE001
         text = traceback.format_exc()
@@ -445,26 +460,58 @@ def _is_peer_loss(exc: BaseException) -> bool:
     return any(s in text for s in markers)
 
 
+def stage_of(mapping: Mapping, num_layers: int) -> PipelineStage:
+    """The pipeline stage of ``mapping``'s rank: its layers, and whether it embeds / has the head."""
+    return PipelineStage(
+        mapping.layer_range(num_layers),
+        first=mapping.pp_rank == 0,
+        last=mapping.pp_rank == mapping.pp_size - 1,
+    )
+
+
 @torch.inference_mode()
-def _follow(model: torch.nn.Module, channel: StepChannel, device: torch.device, rank: int) -> None:
+def _follow(
+    model: torch.nn.Module,
+    channel: StepChannel | None,
+    link: PipeLink | None,
+    mapping: Mapping,
+    device: torch.device,
+) -> None:
+    """The follower loop: messages from rank 0 (first stage: the step channel) or from the previous
+    stage (the pipe link), each passed down the pipe before it is acted on."""
     caches = None
     steps = 0
+    forward = link is not None and link.next is not None
     while True:
-        cmd, fields = channel.recv()
+        if channel is not None:
+            cmd, fields = channel.recv()
+            payload = channel.recv_payload(fields) if cmd == STEP else None
+            hidden = None
+        else:
+            cmd, fields, payload, hidden = link.recv()
+        if cmd == STEP:
+            if caches is None:
+                raise RuntimeError("a step arrived before the KV pool was allocated")
+            ids, md = decode_step(fields, payload, device)
+            steps += 1
+            _fault(mapping.rank, "step", steps)
+            out = model(ids, md.positions, md, caches, hidden=hidden)
+            if forward:
+                link.send(STEP, fields, payload, out)
+            elif link is not None and mapping.tp_rank == 0:  # the last stage: logits to rank 0
+                link.send_logits(out)
+            continue
+        if forward:
+            link.send(cmd, fields)
         if cmd == HEARTBEAT:
             continue
         if cmd == SHUTDOWN:
+            if link is not None:
+                link.flush()
             return
         if cmd == KV:
             num_blocks, tpb, dtype_index = fields[:3]
             caches = None  # the old pool first
             caches = allocate_caches(model, num_blocks, tpb, DTYPES[dtype_index], device)
-        elif cmd == STEP:
-            if caches is None:
-                raise RuntimeError("a step arrived before the KV pool was allocated")
-            ids, md = channel.recv_step(fields, device)
-            steps += 1
-            _fault(rank, "step", steps)
-            model(ids, md.positions, md, caches)
         else:
             raise RuntimeError(f"unknown channel command {cmd}")

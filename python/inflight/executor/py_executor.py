@@ -33,9 +33,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
-from inflight.executor.llm_request import ExecutorRequest, Response
+from inflight.executor.llm_request import ExecutorRequest, Response, format_iteration_stats, request_metrics
 from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
 from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput
@@ -68,9 +69,10 @@ class _InFlight:
 
     batch: ScheduledRequests
     inputs: ModelInputs
-    future: concurrent.futures.Future | None = None
+    future: Any = None  # overlap: the forward's Future; pipeline: the launched micro-batch's handle
     output: SamplerOutput | None = None
     processed: set[int] = field(default_factory=set)  # request ids whose token was taken
+    finished_contexts: list = field(default_factory=list)  # pipeline: contexts whose last chunk ran
 
     def pending_ids(self) -> set[int]:
         """Requests whose token of this step is sampled but not appended on the host yet."""
@@ -93,6 +95,7 @@ class PyExecutor:
         log_stats_every: int = 0,
         start_worker: bool = True,
         stats_extra: dict | None = None,
+        pipeline_depth: int = 1,
     ):
         self.model_engine = model_engine
         self.resource_manager = resource_manager
@@ -111,6 +114,12 @@ class PyExecutor:
         self.active = RequestList()
         self._deferred_free: list[ExecutorRequest] = []
         self._prev: _InFlight | None = None
+        # Pipeline parallelism: up to pipeline_depth micro-batches launched and not yet collected, oldest
+        # first (a request is in at most one of them).
+        self.pipeline_depth = max(1, int(pipeline_depth))
+        if self.pipeline_depth > 1:
+            disable_overlap_scheduler = True
+        self._pipeline: collections.deque[_InFlight] = collections.deque()
         self._stats: collections.deque[dict] = collections.deque(maxlen=stats_window)
         self._iter = 0
         # The last time an iteration finished or the loop found nothing to do (stall_seconds).
@@ -118,6 +127,7 @@ class PyExecutor:
         # The stats already show the engine as it went idle (it starts idle: nothing to record).
         self._idle_recorded = True
         self._step_num_tokens = 0
+        self._micro_batches = 0  # pipeline: micro-batches in flight after this iteration's launch
         self._outbox: list[Response] = []
         self._error: BaseException | None = None
         self._closing = False  # no new requests accepted
@@ -197,7 +207,12 @@ class PyExecutor:
     @property
     def is_idle(self) -> bool:
         """No request queued, waiting, running or in flight."""
-        return len(self.active) == 0 and not self._waiting and self._prev is None and self._queue.empty()
+        return (
+            len(self.active) == 0 and not self._waiting and self._nothing_in_flight() and self._queue.empty()
+        )
+
+    def _nothing_in_flight(self) -> bool:
+        return self._prev is None and not self._pipeline
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Finishes every queued and running request, then stops the loop and frees memory."""
@@ -227,7 +242,9 @@ class PyExecutor:
         for a request while idle (the worker thread does)."""
         if not self._fetch_new_requests(block):
             return False
-        if self.overlap:
+        if self.pipeline_depth > 1:
+            self._step_pipeline()
+        elif self.overlap:
             self._step_overlap()
         else:
             self._step()
@@ -300,18 +317,64 @@ class PyExecutor:
             self.resource_manager.update_resources(launched.batch, finished_contexts)
         self._record_stats(batch, t0)
 
+    def _step_pipeline(self) -> None:
+        """Pipeline parallelism: launch a micro-batch of requests not already in flight while fewer than
+        ``pipeline_depth`` are; collect the oldest when the pipe is full (or nothing new could go), then
+        sample it and append its tokens. The stages work on different micro-batches meanwhile."""
+        flight = self._pipeline
+        if len(self.active) == 0 and not flight:
+            return
+        t0 = time.perf_counter()
+        self._step_num_tokens = 0
+        batch = ScheduledRequests()
+        if len(flight) < self.pipeline_depth:
+            in_flight = {r.request_id for step in flight for r in step.batch.all_requests}
+            # Fill the pipe: a micro-batch takes its share of the active requests (at most
+            # ceil(active / depth) of them); the rest are held back for the next micro-batch.
+            free = [r.request_id for r in self.active if r.request_id not in in_flight]
+            held = set(free[-(-len(self.active) // self.pipeline_depth) :])
+            batch = self.scheduler.schedule_request(self.active, in_flight | held)
+            if any(r.request_id in in_flight for r in batch.paused_requests):
+                # Room needs a request that is still in the pipe: let it land first.
+                batch = ScheduledRequests()
+            self._pause(batch.paused_requests)
+            if len(batch):
+                try:
+                    self.resource_manager.prepare_resources(batch)
+                    inputs = self.model_engine.prepare(batch)
+                    self._step_num_tokens = inputs.metadata.num_tokens
+                    launched = _InFlight(batch, inputs)
+                    launched.future = self.model_engine.launch(inputs)
+                    launched.finished_contexts = self._update_request_states(batch)
+                    flight.append(launched)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_batch(batch, exc)
+        self._micro_batches = len(flight)
+        if flight and (len(flight) >= self.pipeline_depth or not len(batch)):
+            step = flight.popleft()
+            try:
+                logits = self.model_engine.collect(step.future)
+                step.output = self._sample(logits, step.inputs)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_batch(step.batch, exc)
+            else:
+                self._process_output(step)
+                self._free_finished()
+                self.resource_manager.update_resources(step.batch, step.finished_contexts)
+        self._record_stats(batch, t0)
+
     # ------------------------------------------------------------------ components of a step
     def _fetch_new_requests(self, block: bool) -> bool:
         """Moves queued requests into the waiting queue and (up to the limit) into the active list.
         With ``block``, waits while there is nothing to do. Returns False when the loop should stop."""
-        idle = len(self.active) == 0 and not self._waiting and self._prev is None
+        idle = len(self.active) == 0 and not self._waiting and self._nothing_in_flight()
         # Block only while nothing is running and no shutdown is pending: once the marker has been
         # taken (while requests were still running), nothing else may ever arrive.
         block = block and idle and not self._draining
         if block and not self._idle_recorded:
             # What the engine looks like now that it waits (metrics read the last entry): requests
             # cancelled or finished since the last iteration no longer show as running.
-            self._step_num_tokens = 0
+            self._step_num_tokens = self._micro_batches = 0
             self._record_stats(ScheduledRequests(), time.perf_counter())
             self._idle_recorded = True
         if block:
@@ -336,7 +399,7 @@ class PyExecutor:
             self._admit(self._waiting.popleft())
         if stop:
             self._draining = True
-        idle = len(self.active) == 0 and not self._waiting and self._prev is None
+        idle = len(self.active) == 0 and not self._waiting and self._nothing_in_flight()
         return not (self._draining and idle and self._queue.empty())
 
     def _admit(self, req: ExecutorRequest) -> None:
@@ -385,7 +448,9 @@ class PyExecutor:
 
     def _forward_and_sample(self, inputs: ModelInputs) -> SamplerOutput:
         """A failure of the forward fails the step; one of sampling is narrowed down to its rows."""
-        logits = self.model_engine.forward(inputs)
+        return self._sample(self.model_engine.forward(inputs), inputs)
+
+    def _sample(self, logits, inputs: ModelInputs) -> SamplerOutput:
         states = [r.py_sampling_state for r in inputs.sampled_requests]
         try:
             output = self.sampler.sample(logits, states)
@@ -481,7 +546,7 @@ class PyExecutor:
             error=req.py_error,
         )
         if req.py_done:
-            resp.metrics = self._request_metrics(req)
+            resp.metrics = request_metrics(req)
         # Sent at the end of the step, once finished requests are freed and the step's stats are
         # recorded, so a caller woken by a final response sees a consistent engine.
         self._outbox.append(resp)
@@ -508,6 +573,10 @@ class PyExecutor:
             return
         done = self._deferred_free
         self._deferred_free = []
+        if self._pipeline:  # still in the pipe (cancelled meanwhile): freed once it lands
+            in_flight = {r.request_id for step in self._pipeline for r in step.batch.all_requests}
+            self._deferred_free = [r for r in done if r.request_id in in_flight]
+            done = [r for r in done if r.request_id not in in_flight]
         for req in done:
             self.resource_manager.free_resources(req, store_for_reuse=req.py_finish_reason != "error")
         self.active.remove_ids({r.request_id for r in done})
@@ -557,36 +626,14 @@ class PyExecutor:
             "num_generation_requests": len(batch.generation_requests),
             "num_paused_requests": len(batch.paused_requests),
             "num_tokens": self._step_num_tokens,
+            "num_micro_batches_in_flight": (
+                self._micro_batches if self.pipeline_depth > 1 else int(len(batch) > 0)
+            ),
             "kv_cache_stats": kv_stats,
             **self._stats_extra,
         }
         self._stats.append(stat)
         self._last_progress = time.monotonic()
         if self.log_stats_every and self._iter % self.log_stats_every == 0:
-            logger.info(
-                "iter %d: running %d (ctx %d, gen %d), waiting %d, paused %d, tokens %d, KV used %d/%d blocks, "
-                "prefix hit rate %.1f%%, %.1f ms",
-                stat["iter"],
-                stat["num_scheduled_requests"],
-                stat["num_context_requests"],
-                stat["num_generation_requests"],
-                stat["num_waiting_requests"],
-                stat["num_paused_requests"],
-                stat["num_tokens"],
-                kv_stats.get("used_num_blocks", 0),
-                kv_stats.get("max_num_blocks", 0),
-                100 * kv_stats.get("cache_hit_rate", 0.0),
-                stat["iter_latency_ms"],
-            )
+            logger.info("%s", format_iteration_stats(stat))
         self._iter += 1
-
-    @staticmethod
-    def _request_metrics(req: ExecutorRequest) -> dict[str, float]:
-        m = {"arrival_time": req.py_arrival_time, "num_preemptions": req.py_num_preemptions}
-        if req.py_first_scheduled_time is not None:
-            m["queue_time"] = req.py_first_scheduled_time - req.py_arrival_time
-        if req.py_first_token_time is not None:
-            m["ttft"] = req.py_first_token_time - req.py_arrival_time
-        if req.py_finish_time is not None:
-            m["e2e_latency"] = req.py_finish_time - req.py_arrival_time
-        return m

@@ -40,10 +40,12 @@ from inflight.executor.scheduler import (
     ScheduledRequests,
     SimpleScheduler,
 )
+from inflight.executor.step_channel import PipeLink
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
 from inflight.models.loader import load_config, load_model
 from inflight.parallel.comm import SINGLE
+from inflight.parallel.mapping import Mapping
 from inflight.parallel.sharding import check_tensor_parallel
 from inflight.utils.dtypes import parse_dtype
 
@@ -110,18 +112,21 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         if args.disable_overlap_scheduler is not None
         else device.type != "cpu"
     )
-
-    if args.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size}: pipeline parallelism is not "
-            "implemented yet (tensor_parallel_size is)"
+    if args.pipeline_parallel_size > 1 and overlap:
+        logger.info(
+            "overlap scheduler off: with pipeline stages the micro-batches in flight overlap the host work"
         )
+        overlap = False
+
     t0 = time.perf_counter()
     cluster = None
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         c = load_config(args.model)  # sizes that do not split fail here, before any rank starts
         check_tensor_parallel(
             c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, args.tensor_parallel_size
+        )
+        Mapping(args.pipeline_parallel_size, 0, 1, args.pipeline_parallel_size).layer_range(
+            c.num_hidden_layers
         )
         cluster = Cluster.start(shard_spec(args, device))
     try:
@@ -148,9 +153,14 @@ def _create(
         max_seq_len=args.max_seq_len,
         quantization=args.quantization,
         tp=cluster.tp if cluster is not None else SINGLE,
+        stage=cluster.rank0_stage() if cluster is not None else None,
     )
     model = loaded.model
     if cluster is not None:
+        if cluster.mapping.pp_size > 1:
+            cluster.link = PipeLink(
+                cluster.groups.pp, cluster.mapping, loaded.config.hidden_size, loaded.dtype, device
+            )
         cluster.wait_loaded()
         model = ParallelModel(loaded.model, cluster)
     cfg = loaded.config
@@ -173,7 +183,8 @@ def _create(
     kv_dtype = parse_dtype(kv_config.dtype, "KvCacheConfig.dtype") or loaded.dtype
     # This rank's heads: under tensor parallelism each rank's pool holds only its KV heads.
     kv_heads = loaded.model.num_kv_heads
-    bpt = kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, kv_dtype)
+    num_layers = loaded.model.num_layers  # this rank's (its pipeline stage's)
+    bpt = kv_bytes_per_token(num_layers, kv_heads, cfg.head_dim, kv_dtype)
     parallel = cluster.describe() if cluster is not None else "tp=1 pp=1"
     if device.type == "cuda":
         budget = _gpu_budget_after_warmup(model, cfg, args, bpt, max_seq_len, kv_dtype, device, kv_heads)
@@ -194,7 +205,7 @@ def _create(
         max_seq_len = budget.num_tokens
 
     kv_manager = KVCacheResourceManager.allocate(
-        cfg.num_hidden_layers,
+        num_layers,
         kv_heads,
         cfg.head_dim,
         budget.num_blocks,
@@ -206,8 +217,10 @@ def _create(
     )
     if isinstance(model, ParallelModel):  # the same pool on every rank
         model.allocate_kv(budget.num_blocks, kv_config.tokens_per_block, kv_dtype)
-    # Room for every active request (running or fitting) to hold a slot.
-    max_num_active = args.max_batch_size * 2
+    # Room for every active request (running or fitting) to hold a slot; with pipeline stages,
+    # TensorRT-LLM's rule: the capacity and the slots are max_batch_size x pp (one batch per stage).
+    pp = args.pipeline_parallel_size
+    max_num_active = args.max_batch_size * 2 * pp
     resources = ResourceManager(
         {"seq_slot_manager": SeqSlotManager(max_num_active), "kv_cache_manager": kv_manager}
     )
@@ -226,6 +239,7 @@ def _create(
         response_callback=response_callback,
         log_stats_every=args.log_iteration_stats,
         stats_extra={"parallel": parallel},
+        pipeline_depth=pp,
     )
     if isinstance(model, ParallelModel):
         model.on_failure = executor.fail
@@ -246,7 +260,7 @@ def _make_scheduler(
         )
         return SimpleScheduler(
             BindCapacityScheduler(
-                args.max_batch_size,
+                args.max_batch_size * args.pipeline_parallel_size,
                 kv_manager.impl,
                 args.scheduler_config.capacity_scheduler_policy,
                 two_steps_lookahead=two_steps_lookahead,
@@ -282,7 +296,7 @@ def _gpu_budget_after_warmup(
     warm_tokens = min(args.max_num_tokens, max_seq_len)
     tpb = args.kv_cache_config.tokens_per_block
     tiny = KVCacheResourceManager.allocate(
-        cfg.num_hidden_layers,
+        model.num_layers,
         kv_heads,
         cfg.head_dim,
         -(-warm_tokens // tpb),

@@ -21,7 +21,19 @@ from inflight.parallel.distributed import DEFAULT_TIMEOUT_S, ProcessGroups
 from inflight.parallel.mapping import Mapping
 from inflight.parallel.shm import hosts_of, make_shm_comm
 
-__all__ = ["DTYPES", "HEARTBEAT", "KV", "SHUTDOWN", "STEP", "StepChannel", "allocate_caches", "data_paths"]
+__all__ = [
+    "DTYPES",
+    "HEARTBEAT",
+    "KV",
+    "SHUTDOWN",
+    "STEP",
+    "PipeLink",
+    "StepChannel",
+    "allocate_caches",
+    "data_paths",
+    "decode_step",
+    "encode_step",
+]
 
 # Channel commands (header[0]).
 STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
@@ -29,61 +41,111 @@ _HEADER = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a KV message's dtype field indexes this
 
 
-class StepChannel:
-    """Rank 0 -> every rank: broadcasts of CPU int64 tensors, over shared memory when every rank is on
-    this host (a follower waits for its next message without a timeout, watching that rank 0 lives),
-    else over the gloo control group (then rank 0 sends heartbeats while idle)."""
+def encode_step(input_ids: torch.Tensor, md: AttentionMetadata) -> tuple[list[int], torch.Tensor]:
+    """A step's plan as header fields and one int64 payload."""
+    tables = md.block_tables
+    parts = [
+        input_ids.reshape(-1),
+        md.positions,
+        md.slot_mapping,
+        md.seq_lens,
+        md.kv_lens,
+        md.logits_indices,
+        tables.reshape(-1),
+    ]
+    payload = torch.cat([p.detach().to("cpu", torch.int64) for p in parts])
+    fields = [
+        md.num_tokens,
+        md.batch_size,
+        md.num_contexts,
+        tables.shape[1],
+        md.logits_indices.numel(),
+        md.tokens_per_block,
+        payload.numel(),
+    ]
+    return fields, payload
 
-    def __init__(self, group: Any, shm: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+
+def payload_size(fields: list[int]) -> int:
+    return fields[6]
+
+
+def num_logits(fields: list[int]) -> int:
+    return fields[4]
+
+
+def decode_step(
+    fields: list[int], payload: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    num_tokens, batch, num_contexts, max_blocks, n_logits, tpb, _size = fields[:7]
+    sizes = [num_tokens, num_tokens, num_tokens, batch, batch, n_logits, batch * max_blocks]
+    ids, positions, slots, seq_lens, kv_lens, logits_indices, tables = torch.split(payload, sizes)
+    seq_lens32 = seq_lens.to(torch.int32)
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    torch.cumsum(seq_lens32, 0, out=cu[1:])
+    md = AttentionMetadata(
+        num_contexts=num_contexts,
+        num_tokens=num_tokens,
+        tokens_per_block=tpb,
+        seq_lens=seq_lens32.to(device),
+        cu_seqlens=cu.to(device),
+        kv_lens=kv_lens.to(torch.int32).to(device),
+        positions=positions.to(device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(torch.int32).view(batch, max_blocks).to(device),
+        logits_indices=logits_indices.to(device),
+        seq_lens_host=tuple(seq_lens.tolist()),
+        kv_lens_host=tuple(kv_lens.tolist()),
+    )
+    return ids.to(device), md
+
+
+def _header(cmd: int, fields) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = cmd
+    if fields:
+        header[1 : 1 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+    return header
+
+
+class StepChannel:
+    """Rank 0 -> the other TP ranks of the first pipeline stage: broadcasts of CPU int64 tensors, over
+    shared memory when they share a host (a follower waits for its next message without a timeout,
+    watching that rank 0 lives), else over the stage's gloo TP group (then rank 0 sends heartbeats
+    while idle). With one rank in the stage it sends nothing."""
+
+    def __init__(
+        self, group: Any, shm: Any = None, timeout: float = DEFAULT_TIMEOUT_S, size: int = 2
+    ) -> None:
         self.group = group
         self.shm = shm
         self.timeout = timeout
+        self.size = size
         self.seconds = 0.0  # time in broadcasts, on this rank
 
     @property
     def needs_heartbeat(self) -> bool:
-        return self.shm is None
+        return self.shm is None and self.size > 1
 
     @property
     def transport(self) -> str:
-        return "shm" if self.shm is not None else "gloo"
+        return "none" if self.size == 1 else "shm" if self.shm is not None else "gloo"
 
     def _bcast(self, t: torch.Tensor, wait_forever: bool = False) -> None:
+        if self.size == 1:
+            return
         t0 = time.perf_counter()
         if self.shm is not None:
             self.shm.broadcast(t, 0, float("inf") if wait_forever else self.timeout)
         else:
-            dist.broadcast(t, src=0, group=self.group)
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         self.seconds += time.perf_counter() - t0
 
     def send(self, cmd: int, *fields: int) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = cmd
-        header[1 : 1 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        self._bcast(header)
+        self._bcast(_header(cmd, fields))
 
-    def send_step(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
-        tables = md.block_tables
-        parts = [
-            input_ids.reshape(-1),
-            md.positions,
-            md.slot_mapping,
-            md.seq_lens,
-            md.kv_lens,
-            md.logits_indices,
-            tables.reshape(-1),
-        ]
-        payload = torch.cat([p.detach().to("cpu", torch.int64) for p in parts])
-        self.send(
-            STEP,
-            md.num_tokens,
-            md.batch_size,
-            md.num_contexts,
-            tables.shape[1],
-            md.logits_indices.numel(),
-            md.tokens_per_block,
-            payload.numel(),
-        )
+    def send_step(self, fields: list[int], payload: torch.Tensor) -> None:
+        self.send(STEP, *fields)
         self._bcast(payload)
 
     def recv(self) -> tuple[int, list[int]]:
@@ -92,40 +154,105 @@ class StepChannel:
         values = header.tolist()
         return values[0], values[1:]
 
-    def recv_step(self, fields: list[int], device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-        num_tokens, batch, num_contexts, max_blocks, num_logits, tpb, size = fields[:7]
-        payload = torch.empty(size, dtype=torch.int64)
+    def recv_payload(self, fields: list[int]) -> torch.Tensor:
+        payload = torch.empty(payload_size(fields), dtype=torch.int64)
         self._bcast(payload)
-        sizes = [num_tokens, num_tokens, num_tokens, batch, batch, num_logits, batch * max_blocks]
-        ids, positions, slots, seq_lens, kv_lens, logits_indices, tables = torch.split(payload, sizes)
-        seq_lens32 = seq_lens.to(torch.int32)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens32, 0, out=cu[1:])
-        md = AttentionMetadata(
-            num_contexts=num_contexts,
-            num_tokens=num_tokens,
-            tokens_per_block=tpb,
-            seq_lens=seq_lens32.to(device),
-            cu_seqlens=cu.to(device),
-            kv_lens=kv_lens.to(torch.int32).to(device),
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
-            block_tables=tables.to(torch.int32).view(batch, max_blocks).to(device),
-            logits_indices=logits_indices.to(device),
-            seq_lens_host=tuple(seq_lens.tolist()),
-            kv_lens_host=tuple(kv_lens.tolist()),
+        return payload
+
+
+class PipeLink:
+    """Pipeline parallelism: stage -> next stage, point to point over the PP group (same TP rank).
+    A message is the header, and for a step the plan's payload and the hidden states; the last stage's
+    TP rank 0 sends the logits back to rank 0. Sends are asynchronous (their handles are kept until
+    done), so a stage goes on with its next micro-batch while the next stage receives."""
+
+    _DOWN, _UP = 1, 2  # tags: messages down the pipe, logits back up
+
+    def __init__(self, group: Any, mapping: Mapping, hidden_size: int, dtype: torch.dtype, device) -> None:
+        self.group = group
+        self.mapping = mapping
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        stride = mapping.tp_size
+        self.prev = mapping.rank - stride if mapping.pp_rank > 0 else None
+        self.next = mapping.rank + stride if mapping.pp_rank < mapping.pp_size - 1 else None
+        self.logits_src = (mapping.pp_size - 1) * stride  # the last stage's TP rank 0
+        self._pending: list = []  # (work, tensor) of sends not known to be done
+        self.seconds = 0.0
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if dist.get_backend(self.group) == "gloo" else t.to(self.device)
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        t = self._wire(t.contiguous())
+        self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+
+    def flush(self) -> None:
+        """Waits for every send so far (they complete as the next stage receives)."""
+        t0 = time.perf_counter()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self.seconds += time.perf_counter() - t0
+
+    def send(
+        self, cmd: int, fields=(), payload: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ):
+        t0 = time.perf_counter()
+        self._isend(_header(cmd, fields), self.next, self._DOWN)
+        if payload is not None:
+            self._isend(payload, self.next, self._DOWN)
+            self._isend(hidden, self.next, self._DOWN)
+        self.seconds += time.perf_counter() - t0
+        if len(self._pending) > 48:  # bound what is kept alive: older sends are long done
+            done = self._pending[:-24]
+            del self._pending[:-24]
+            for work, _ in done:
+                work.wait()
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        wire = self._wire(t)
+        dist.recv(wire, src, group=self.group, tag=tag)
+        return wire if wire is t else wire.to(t.device)
+
+    def recv(self) -> tuple[int, list[int], torch.Tensor | None, torch.Tensor | None]:
+        """The previous stage's next message: (cmd, fields, payload, hidden)."""
+        header = self._recv(torch.zeros(_HEADER, dtype=torch.int64), self.prev, self._DOWN).tolist()
+        cmd, fields = header[0], header[1:]
+        if cmd != STEP:
+            return cmd, fields, None, None
+        payload = self._recv(torch.empty(payload_size(fields), dtype=torch.int64), self.prev, self._DOWN)
+        hidden = torch.empty(fields[0], self.hidden_size, dtype=self.dtype, device=self.device)
+        return cmd, fields, payload, self._recv(hidden, self.prev, self._DOWN)
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        t = self._wire(logits.contiguous())
+        dist.send(t, 0, group=self.group, tag=self._UP)
+
+    def recv_logits(self, rows: int, vocab: int) -> torch.Tensor:
+        """The logits of the oldest micro-batch in the pipe. The sends of later micro-batches stay in
+        flight (waiting for them here would deadlock: the next stage takes them only after it has
+        handed over these logits)."""
+        t0 = time.perf_counter()
+        out = self._recv(
+            torch.empty(rows, vocab, dtype=torch.float32, device=self.device), self.logits_src, self._UP
         )
-        return ids.to(device), md
+        self.seconds += time.perf_counter() - t0
+        return out
 
 
 def data_paths(
     mapping: Mapping, groups: ProcessGroups, device: str, timeout: float
-) -> tuple[TensorParallel, StepChannel]:
-    """This rank's tensor-parallel collectives and the step channel: shared memory between ranks of
-    one host, else the groups' backends (collective over every rank, in this order)."""
+) -> tuple[TensorParallel, StepChannel | None]:
+    """This rank's tensor-parallel collectives and, on the first pipeline stage, the step channel:
+    shared memory between ranks of one host, else the groups' backends (collective over every rank,
+    in this order)."""
     hosts = hosts_of(mapping, groups.control)
-    everyone = tuple(range(mapping.world_size))
-    control_shm = make_shm_comm(mapping, everyone, groups.control, hosts, "cpu", "step channel")
+    channel = None
+    if mapping.pp_rank == 0:
+        shm = make_shm_comm(mapping, mapping.tp_group, groups.tp, hosts, "cpu", "step channel")
+        channel = StepChannel(groups.tp, shm, timeout, size=mapping.tp_size)
     tp_shm = make_shm_comm(mapping, mapping.tp_group, groups.tp, hosts, device, "TP group")
     tp = TensorParallel(
         mapping.tp_rank,
@@ -135,7 +262,7 @@ def data_paths(
         shm=tp_shm,
         timeout=timeout,
     )
-    return tp, StepChannel(groups.control, control_shm, timeout)
+    return tp, channel
 
 
 def allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: torch.dtype, device) -> list:

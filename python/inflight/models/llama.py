@@ -29,6 +29,7 @@ from inflight.ops.gemm import dense_gemm
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import (
     AttentionShard,
+    PipelineStage,
     column_shard,
     head_rows,
     padded_vocab_size,
@@ -191,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         linear_factory: LinearFactory = Linear,
         embedding_factory: Callable[..., nn.Module] | None = None,
         tp: TensorParallel = SINGLE,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
@@ -201,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp = tp
+        self.stage = stage if stage is not None else PipelineStage.whole(config.num_hidden_layers)
+        stage = self.stage
+        tied = config.tie_word_embeddings
+        # The token table: for the lookup (first stage) and, tied, as the LM head of the last stage
+        # (under tensor parallelism that head is a block of the table, loaded on its own).
+        has_table = stage.first or (stage.last and tied and not tp.enabled)
         self.max_seq_len = max_seq_len
         self.attention_backend = (
             attention_backend if attention_backend is not None else TorchAttentionBackend()
@@ -210,25 +218,29 @@ class LlamaForCausalLM(nn.Module):
         # the LM head, loaded through ``checkpoint_tensor_names`` / ``load_shard`` like a linear layer.
         self.embedding: nn.Module | None = None
         if embedding_factory is not None:
-            if not config.tie_word_embeddings:
+            if not tied:
                 raise ValueError("embedding_factory needs tie_word_embeddings (it is also the LM head)")
-            self.embedding = embedding_factory(config.vocab_size, config.hidden_size, **kw)
+            if has_table:
+                self.embedding = embedding_factory(config.vocab_size, config.hidden_size, **kw)
         self.embed_tokens = (
             nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
-            if self.embedding is None
+            if self.embedding is None and has_table and embedding_factory is None
             else None
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory, tp)
-            for i in range(config.num_hidden_layers)
+            for i in stage.layers
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw) if stage.last else None
         # Tied: the very same tensor, so loading the embedding loads the head (and no memory is doubled).
         # Under tensor parallelism the head is this rank's block of the padded vocabulary (a tied one
         # too: loaded from the same checkpoint tensor); the embedding stays whole.
         self.head_rows = padded_vocab_size(config.vocab_size, tp.size) // tp.size
         self.lm_head_shard: nn.Module | None = None  # a quantised tied embedding's head block (TP)
-        if tp.enabled and self.embedding is not None:
+        self.lm_head: nn.Parameter | None = None
+        if not stage.last:
+            pass  # no head on this stage
+        elif tp.enabled and self.embedding is not None:
             emb = self.embedding
             self.lm_head_shard = W8A16Linear(
                 config.hidden_size,
@@ -239,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
                 group_size=emb.group_size,
                 scale_dtype=emb.scales.dtype,
             )
-        if tp.enabled:
+        elif tp.enabled:
             self.lm_head = nn.Parameter(
                 torch.empty(self.head_rows, config.hidden_size, **kw), requires_grad=False
             )
@@ -261,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        """Decoder layers on this rank (its pipeline stage's; all of them without pipelining)."""
+        return len(self.layers)
 
     @property
     def num_kv_heads(self) -> int:
@@ -302,16 +315,20 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # one per layer
-    ) -> torch.Tensor:  # [len(metadata.logits_indices), vocab] float32
+        kv_caches: list[torch.Tensor],  # one per layer of this stage
+        hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
+    ) -> torch.Tensor:  # [len(metadata.logits_indices), vocab] float32; [T, hidden] before the last stage
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"kv_caches must hold one tensor per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
-        if self.embedding is not None:
-            hidden = self.embedding.embed(input_ids)
-        else:
-            hidden = F.embedding(input_ids, self.embed_tokens)
+        if hidden is None:
+            if not self.stage.first:
+                raise ValueError("a pipeline stage after the first needs the previous stage's hidden states")
+            if self.embedding is not None:
+                hidden = self.embedding.embed(input_ids)
+            else:
+                hidden = F.embedding(input_ids, self.embed_tokens)
         fused = self.fused_layers()
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
         if run_fused:
@@ -322,6 +339,8 @@ class LlamaForCausalLM(nn.Module):
             cos, signed_sin = self.rotary.lookup(positions)
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
+        if not self.stage.last:
+            return hidden
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.
         hidden = self.norm(hidden.index_select(0, metadata.logits_indices))
         if self.lm_head_shard is not None:
@@ -340,17 +359,30 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_targets(self) -> dict[str, _Target]:
         """HF tensor name -> destination, for every tensor a checkpoint must provide."""
-        targets: dict[str, _Target] = {"model.norm.weight": self.norm.weight}
+        targets: dict[str, _Target] = {}
+        if self.norm is not None:
+            targets["model.norm.weight"] = self.norm.weight
         if self.embedding is not None:
             for tensor_name in self.embedding.checkpoint_tensor_names():
                 targets[f"model.embed_tokens.{tensor_name}"] = (self.embedding, 0, tensor_name)
-        else:
+        elif self.embed_tokens is not None:
             targets["model.embed_tokens.weight"] = self.embed_tokens
-        if not self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings and self.lm_head is not None:
             targets["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
-            targets.update(layer.checkpoint_targets(f"model.layers.{i}"))
+        for layer in self.layers:
+            targets.update(layer.checkpoint_targets(f"model.layers.{layer.layer_idx}"))
         return targets
+
+    def _elsewhere(self, name: str) -> bool:
+        """A checkpoint tensor another pipeline stage loads (never one this stage needs)."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return index not in self.stage.layers
+        if name == "model.norm.weight" or name == "lm_head.weight":
+            return not self.stage.last
+        if name.startswith("model.embed_tokens."):
+            return not self.stage.first and not (self.stage.last and self.config.tie_word_embeddings)
+        return False
 
     def shard_slicers(self) -> dict[str, _Slicer]:
         """HF tensor name -> what this tensor-parallel rank keeps of it (empty with one rank)."""
@@ -360,8 +392,8 @@ class LlamaForCausalLM(nn.Module):
         tp = self.tp
         if not self.config.tie_word_embeddings:
             slicers["lm_head.weight"] = lambda t: vocab_shard(t, tp.rank, tp.size)
-        for i, layer in enumerate(self.layers):
-            slicers.update(layer.shard_slicers(f"model.layers.{i}"))
+        for layer in self.layers:
+            slicers.update(layer.shard_slicers(f"model.layers.{layer.layer_idx}"))
         return slicers
 
     def _load_tied_head(self, name: str, tensor: torch.Tensor) -> None:
@@ -383,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         """
         targets = self.checkpoint_targets()
         slicers = self.shard_slicers()
-        tied_tp = self.tp.enabled and self.config.tie_word_embeddings
+        tied_tp = self.tp.enabled and self.config.tie_word_embeddings and self.stage.last
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
@@ -391,14 +423,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target = targets.get(name)
-            if target is None:
-                unexpected.append(name)
+            if self._elsewhere(name):
                 continue
+            target = targets.get(name)
             if name in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
             if tied_tp and name.startswith("model.embed_tokens."):
                 self._load_tied_head(name, tensor)
+                if target is None:  # the table itself is the first stage's
+                    loaded.add(name)
+                    continue
+            if target is None:
+                unexpected.append(name)
+                continue
             slicer = slicers.get(name)
             if slicer is not None:
                 tensor = slicer(tensor)

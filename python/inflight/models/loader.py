@@ -23,6 +23,7 @@ from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 from inflight.parallel.comm import SINGLE, TensorParallel
+from inflight.parallel.sharding import PipelineStage
 from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
 
@@ -116,6 +117,7 @@ def load_model(
     max_seq_len: int | None = None,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """``model``: a Hugging Face model directory, a ``.gguf`` file, or a known short name
     (``smollm2``). ``dtype``: a name of :mod:`inflight.utils.dtypes`, a torch dtype, or None / "auto".
@@ -130,7 +132,8 @@ def load_model(
     Quantised Hugging Face directories (``inflight quantize``) always run natively.
 
     ``tp``: this process's tensor-parallel rank; the model keeps only its slice of each tensor (the
-    file is read whole, the other slices are dropped as they are read)."""
+    file is read whole, the other slices are dropped as they are read). ``stage``: this process's
+    pipeline stage (its layers, and whether it embeds / has the head); default the whole model."""
     dtype = parse_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
     mode = check_quantization(quantization)
@@ -188,7 +191,9 @@ def load_model(
         )
     config.check_max_seq_len(max_seq_len if max_seq_len is not None else config.max_position_embeddings)
     backend = make_attention_backend(attention_backend, device)
-    net = LlamaForCausalLM(config, dtype, backend, max_seq_len=max_seq_len, device=device, tp=tp, **factories)
+    net = LlamaForCausalLM(
+        config, dtype, backend, max_seq_len=max_seq_len, device=device, tp=tp, stage=stage, **factories
+    )
     net.load_weights(weights)
     net.eval()
     return LoadedModel(net, config, tokenizer_fn(), dtype)

@@ -61,6 +61,31 @@ class AttentionShard:
         return AttentionShard(heads, kv, tp_rank * heads, kv_start)
 
 
+@dataclass(frozen=True)
+class PipelineStage:
+    """What one pipeline stage runs: decoder layers ``layers`` (global indices); the first stage also
+    embeds the tokens, the last also applies the final norm and the LM head."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
+
+    @staticmethod
+    def whole(num_layers: int) -> PipelineStage:
+        return PipelineStage(range(num_layers))
+
+    @property
+    def needs_embedding(self) -> bool:
+        return self.first
+
+    def __str__(self) -> str:
+        return (
+            f"layers {self.layers.start}..{self.layers.stop - 1}"
+            + (" +embed" if self.first else "")
+            + (" +head" if self.last else "")
+        )
+
+
 def check_tensor_parallel(
     num_attention_heads: int, num_key_value_heads: int, intermediate_size: int, tp_size: int
 ) -> None:
