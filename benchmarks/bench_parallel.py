@@ -1,12 +1,15 @@
-"""Tensor parallelism on one machine: tp=1 on all cores against tp=2 with the same cores split between
-two ranks, in the same run, on a random-weight Llama large enough that compute dominates.
+"""Parallelism on one machine: tp=1 on all cores against tp=2 (and pp=2) with the same cores split
+between two ranks, in the same run, on a random-weight Llama large enough that compute dominates.
 
 Measures single-stream decode (one 61-token prompt, 128 new tokens) and batched throughput (case (a)
 of throughput.py: 16 prompts of 16-200 tokens x 128 new tokens), the tp=2 / tp=1 ratio, and rank 0's
 time per step in communication (the step-plan broadcast, and the all-reduces plus the logits gather).
 Also prints the bytes each step sends, the input of the projection in docs/architecture.md.
 
-    python benchmarks/bench_parallel.py [--tp 2] [--layers 12] [--hidden 1024] [--json out.json]
+    python benchmarks/bench_parallel.py [--configs tp2 pp2] [--layers 12] [--hidden 1024] [--json out.json]
+
+INFLIGHT_TP_TRANSPORT=gloo measures the TP collectives over torch.distributed's gloo instead of
+shared memory (the path between hosts).
 """
 
 from __future__ import annotations
@@ -69,14 +72,18 @@ def comm(llm) -> dict[str, float]:
     return model.comm_stats() if hasattr(model, "comm_stats") else {}
 
 
-def measure(path: Path, tp: int, single: list[int], batch: list) -> dict:
+def measure(path: Path, tp: int, pp: int, single: list[int], batch: list) -> dict:
     from inflight import LLM, KvCacheConfig
 
     with LLM(
-        str(path), dtype="bfloat16", tensor_parallel_size=tp, kv_cache_config=KvCacheConfig(max_tokens=16384)
+        str(path),
+        dtype="bfloat16",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        kv_cache_config=KvCacheConfig(max_tokens=16384),
     ) as llm:
         run(llm, [(single, 8)])  # warm-up
-        out: dict = {"tp": tp, "threads_per_rank": torch.get_num_threads()}
+        out: dict = {"tp": tp, "pp": pp, "threads_per_rank": torch.get_num_threads()}
         for name, reqs in (("single", [(single, 128)]), ("batched", batch)):
             before = comm(llm)
             dt, n, outs = run(llm, reqs)
@@ -93,6 +100,7 @@ def measure(path: Path, tp: int, single: list[int], batch: list) -> dict:
                     1e3 * (after["collectives_s"] - before["collectives_s"]) / steps
                 )
                 row["step_ms"] = 1e3 * dt / steps
+                row["pipe_wait_ms_per_step"] = 1e3 * (after["pipe_wait_s"] - before["pipe_wait_s"]) / steps
             out[name] = row
         out["tokens"] = [o.outputs[0].token_ids for o in outs]
     return out
@@ -100,7 +108,7 @@ def measure(path: Path, tp: int, single: list[int], batch: list) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=["tp2", "pp2"], help="tpN / ppN / tpNxppM")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -116,27 +124,38 @@ def main() -> None:
     info = f"{name}, {torch.get_num_threads()} threads, kernels {_C.cpu_isa()}"
     print(f"CPU: {info}")
     single, batch = cases()
+    configs = [_parse(c) for c in args.configs]
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(
             Path(tmp) / "llama", args.hidden, args.layers, args.heads, args.kv_heads, args.vocab
         )
-        base = measure(path, 1, single, batch)
-        par = measure(path, args.tp, single, batch)
-    same = base.pop("tokens") == par.pop("tokens")
+        base = measure(path, 1, 1, single, batch)
+        for tp, pp in configs:
+            results[f"tp={tp} pp={pp}"] = measure(path, tp, pp, single, batch)
+    want = base.pop("tokens")
     head_dim = args.hidden // args.heads
     print(
         f"\nrandom Llama: hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads of {head_dim}, "
-        f"{args.layers} layers, vocab {args.vocab}, bf16; greedy tokens of the batch identical: {same}\n"
+        f"{args.layers} layers, vocab {args.vocab}, bf16; TP data over {_transport()}\n"
     )
-    print(f"| measure | tp=1 | tp={args.tp} | ratio | tp={args.tp} comm per step (broadcast + collectives) |")
-    print("|---|---|---|---|---|")
-    for name, key in (("single", "decode_tok_s"), ("batched", "tok_s")):
-        a, b = base[name][key], par[name][key]
-        c = par[name]
-        print(
-            f"| {name} {'decode' if name == 'single' else 'case (a)'} tok/s | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
-            f"{c['broadcast_ms_per_step']:.2f} + {c['collectives_ms_per_step']:.2f} ms of {c['step_ms']:.1f} ms |"
-        )
+    print(
+        "| config | measure | tok/s | tp=1 tok/s | ratio | rank 0 per step: channel + collectives "
+        "(+ waiting for the last stage) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, par in results.items():
+        same = par.pop("tokens") == want
+        for name, key in (("single", "decode_tok_s"), ("batched", "tok_s")):
+            a, b = base[name][key], par[name][key]
+            c = par[name]
+            print(
+                f"| {label} | {name} {'decode' if name == 'single' else 'case (a)'} | {b:.1f} | {a:.1f} | "
+                f"{b / a:.2f}x | {c['broadcast_ms_per_step']:.2f} + {c['collectives_ms_per_step']:.2f} ms"
+                + (f" (+ {c['pipe_wait_ms_per_step']:.1f})" if c["pipe_wait_ms_per_step"] else "")
+                + f" of {c['step_ms']:.1f} ms |"
+            )
+        print(f"| {label} | greedy tokens of the batch equal to tp=1 | {same} | | | |")
     # What a decode step of B rows sends (bf16): 2 all-reduces per layer of B x hidden, one gather of
     # B x vocab fp32 logits, and the plan (a few int64 per row).
     b = 16
@@ -146,7 +165,25 @@ def main() -> None:
         f"{b * args.vocab * 4} B, a plan broadcast of ~{8 * (8 + b * 8)} B"
     )
     if args.json:
-        args.json.write_text(json.dumps({"cpu": str(info), "tp1": base, f"tp{args.tp}": par}, indent=1))
+        args.json.write_text(json.dumps({"cpu": str(info), "tp=1 pp=1": base, **results}, indent=1))
+
+
+def _parse(text: str) -> tuple[int, int]:
+    tp = pp = 1
+    for part in text.lower().split("x"):
+        if part.startswith("tp"):
+            tp = int(part[2:])
+        elif part.startswith("pp"):
+            pp = int(part[2:])
+        else:
+            raise SystemExit(f"--configs: expected tpN, ppN or tpNxppM, got {text!r}")
+    return tp, pp
+
+
+def _transport() -> str:
+    import os
+
+    return os.environ.get("INFLIGHT_TP_TRANSPORT", "auto (shared memory on one host)")
 
 
 if __name__ == "__main__":

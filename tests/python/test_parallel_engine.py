@@ -135,9 +135,9 @@ def test_sharded_model_matches_the_unsharded_one(models, which, backend, transpo
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 12, 3)] + [[40, 41, 42] * 7, [99] * 11]
 
 
-def _generate(path: str, tp: int, max_tokens: int = 16, **kwargs) -> tuple[LLM, list]:
+def _generate(path: str, tp: int, max_tokens: int = 16, pp: int = 1, **kwargs) -> tuple[LLM, list]:
     kwargs.setdefault("kv_cache_config", KvCacheConfig(max_tokens=4096, tokens_per_block=TPB))
-    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, **kwargs)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True)
         return llm, llm.generate(PROMPTS, params, use_tqdm=False)
@@ -240,9 +240,43 @@ def test_tp2_prefix_reuse_hits_and_changes_nothing(models):
         llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    "tp,pp,which",
+    [(1, 2, "kv2"), (1, 3, "kv2"), (2, 2, "kv2"), (1, 2, "w4a16")],
+    ids=["pp2", "pp3", "tp2xpp2", "pp2-w4a16"],
+)
+def test_pipeline_stages_generate_what_one_process_generates(models, tp, pp, which):
+    """Layers split over pp stages (3 layers: 2+1, and 1+1+1), the micro-batches in flight filling the
+    pipe (the stats show pp of them), TP x PP combined over 4 ranks with 8 concurrent requests."""
+    ref_llm, ref = _generate(models[which], 1)
+    ref_llm.shutdown()
+    llm, got = _generate(models[which], tp, pp=pp)
+    try:
+        assert llm.parallel == f"tp={tp} pp={pp}"
+        assert max(s["num_micro_batches_in_flight"] for s in llm.get_stats()) == pp
+        _assert_equivalent(ref, got)
+    finally:
+        llm.shutdown()
+    assert not _children()
+
+
+def test_a_killed_last_stage_fails_every_request(models):
+    llm = LLM(models["kv2"], dtype="float32", pipeline_parallel_size=2, max_batch_size=3)
+    try:
+        handles = _long_requests(llm)
+        _follower(llm).kill()
+        _assert_all_failed_naming(handles, "rank 1", within=5.0)
+        assert not llm.is_alive
+    finally:
+        llm.shutdown()
+    assert not _children()
+
+
 def test_sizes_that_do_not_divide_are_refused_before_any_process_starts(models):
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         LLM(models["kv2"], dtype="float32", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_hidden_layers=3 is fewer than pipeline_parallel_size=4"):
+        LLM(models["kv2"], dtype="float32", pipeline_parallel_size=4)
     assert not _children()
 
 
@@ -256,7 +290,7 @@ def _long_requests(llm: LLM, n: int = 3) -> list:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         stats = llm.get_stats()
-        if stats and stats[-1]["num_generation_requests"] == n:
+        if stats and stats[-1]["num_active_requests"] == n and stats[-1]["num_generation_requests"] > 0:
             return handles
         time.sleep(0.01)
     raise AssertionError(f"the requests did not start decoding: {llm.get_stats()[-1:]}")

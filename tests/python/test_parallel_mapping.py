@@ -135,15 +135,24 @@ def test_groups_on_four_gloo_ranks():
         assert got[rank] == want, (rank, got[rank], want)
 
 
-def test_a_missing_rank_fails_within_the_timeout():
+def test_a_missing_rank_fails_within_the_timeout_and_a_later_engine_still_starts(tmp_path):
     """Rank 0 of 2 alone: joining must fail after the explicit timeout, not hang (torch's default
-    would wait 30 minutes)."""
+    would wait 30 minutes). The failed attempt leaves nothing behind: a tensor-parallel engine started
+    next in this process still meets its freshly started ranks."""
+    from model_utils import make_tiny_model
+
+    from inflight import LLM, SamplingParams
+
     url = f"tcp://127.0.0.1:{_free_port()}"
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 0/2 .* failed within timeout=2 s"):
         init_process_groups(Mapping(world_size=2, rank=0, tp_size=2), init_method=url, timeout=2)
     assert time.monotonic() - t0 < 30
     assert not dist.is_initialized()
+    path = make_tiny_model(tmp_path, with_tokenizer=False, num_attention_heads=4, num_key_value_heads=2)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, parallel_timeout=30) as llm:
+        out = llm.generate([3, 4, 5], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4
 
 
 # ------------------------------------------------------------------------ shard slicing, no processes

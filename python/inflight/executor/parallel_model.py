@@ -143,6 +143,7 @@ class ParallelModel:
             "broadcast_s": self.channel.seconds + (self.link.seconds if self.link is not None else 0.0),
             "collectives_s": seconds,
             "collectives": calls,
+            "pipe_wait_s": self.link.wait_seconds if self.link is not None else 0.0,
         }
 
     def _heartbeat_loop(self) -> None:

@@ -179,7 +179,8 @@ class PipeLink:
         self.next = mapping.rank + stride if mapping.pp_rank < mapping.pp_size - 1 else None
         self.logits_src = (mapping.pp_size - 1) * stride  # the last stage's TP rank 0
         self._pending: list = []  # (work, tensor) of sends not known to be done
-        self.seconds = 0.0
+        self.seconds = 0.0  # in sends
+        self.wait_seconds = 0.0  # waiting for logits: the later stages' compute and the transfer
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t if dist.get_backend(self.group) == "gloo" else t.to(self.device)
@@ -238,7 +239,7 @@ class PipeLink:
         out = self._recv(
             torch.empty(rows, vocab, dtype=torch.float32, device=self.device), self.logits_src, self._UP
         )
-        self.seconds += time.perf_counter() - t0
+        self.wait_seconds += time.perf_counter() - t0
         return out
 
 
@@ -251,8 +252,8 @@ def data_paths(
     hosts = hosts_of(mapping, groups.control)
     channel = None
     if mapping.pp_rank == 0:
-        shm = make_shm_comm(mapping, mapping.tp_group, groups.tp, hosts, "cpu", "step channel")
-        channel = StepChannel(groups.tp, shm, timeout, size=mapping.tp_size)
+        shm = make_shm_comm(mapping, mapping.tp_group, groups.tp_control, hosts, "cpu", "step channel")
+        channel = StepChannel(groups.tp_control, shm, timeout, size=mapping.tp_size)
     tp_shm = make_shm_comm(mapping, mapping.tp_group, groups.tp, hosts, device, "TP group")
     tp = TensorParallel(
         mapping.tp_rank,

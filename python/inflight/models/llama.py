@@ -376,8 +376,10 @@ class LlamaForCausalLM(nn.Module):
     def _elsewhere(self, name: str) -> bool:
         """A checkpoint tensor another pipeline stage loads (never one this stage needs)."""
         if name.startswith("model.layers."):
-            index = int(name.split(".", 3)[2])
-            return index not in self.stage.layers
+            index = name.split(".", 3)[2]
+            if not index.isdigit() or int(index) >= self.config.num_hidden_layers:
+                return False  # no stage's: unexpected
+            return int(index) not in self.stage.layers
         if name == "model.norm.weight" or name == "lm_head.weight":
             return not self.stage.last
         if name.startswith("model.embed_tokens."):

@@ -33,6 +33,7 @@ class ProcessGroups:
     tp: Any = None  # the ranks of this stage
     pp: Any = None  # one rank per stage, this rank's tp_rank
     control: Any = None  # gloo, every rank
+    tp_control: Any = None  # gloo, the ranks of this stage (the TP group itself on a CPU)
 
     @property
     def initialized(self) -> bool:
@@ -75,6 +76,7 @@ def init_process_groups(
                 f"{dist.get_world_size()}, but the mapping is {mapping}"
             )
     else:
+        _forget_failed_inits()
         where = init_method if store is None else "a store"
         rendezvous = {"init_method": init_method} if store is None else {"store": store}
         try:
@@ -101,8 +103,27 @@ def init_process_groups(
         if mapping.rank in ranks:
             pp = group
     control = dist.new_group(list(range(mapping.world_size)), timeout=td, backend="gloo")
+    # Host messages within a stage (the step channel): the TP group itself when it is gloo, else a gloo
+    # twin of it.
+    tp_control = tp
+    if backend != "gloo":
+        for ranks in mapping.tp_groups():
+            group = dist.new_group(list(ranks), timeout=td, backend="gloo")
+            if mapping.rank in ranks:
+                tp_control = group
     logger.info("%s: process groups ready (%s, timeout %g s)", mapping, backend, td.total_seconds())
-    return ProcessGroups(mapping, backend=backend, tp=tp, pp=pp, control=control)
+    return ProcessGroups(mapping, backend=backend, tp=tp, pp=pp, control=control, tp_control=tp_control)
+
+
+def _forget_failed_inits() -> None:
+    """torch numbers process groups per process (the number is part of each group's store keys), and a
+    default group that failed to initialise still used up a number: a later engine in this process
+    would then name its groups differently from its freshly started ranks and wait for keys they never
+    write. With no default group there are no groups, so the count restarts at 0 (what
+    destroy_process_group does too)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized() and getattr(world, "group_count", 0):
+        world.group_count = 0
 
 
 def destroy_process_groups(groups: ProcessGroups) -> None:
