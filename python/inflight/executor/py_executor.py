@@ -41,6 +41,7 @@ from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
 from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput
 from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
+from inflight.executor.timeline import Timelines
 
 logger = logging.getLogger("inflight")
 
@@ -106,6 +107,7 @@ class PyExecutor:
         self.overlap = not disable_overlap_scheduler
         self.log_stats_every = log_stats_every
         self._stats_extra = dict(stats_extra or {})  # constant keys of every stats entry
+        self.timelines = Timelines()  # the recent requests' timelines (the engine dashboard)
         self._responses: queue.Queue[Response] = queue.Queue()
         # Called once per iteration with that iteration's responses, in order.
         self._callback = response_callback or self._put_responses
@@ -395,6 +397,7 @@ class PyExecutor:
                 self._cancel(item.request_ids)
             else:
                 self._waiting.append(item)
+                self.timelines.queued(item.request_id, item.prompt_len, item.py_arrival_time)
         while self._waiting and len(self.active) < self.max_num_active_requests:
             self._admit(self._waiting.popleft())
         if stop:
@@ -445,6 +448,7 @@ class PyExecutor:
             self.resource_manager.free_resources(req)
             req.pause(self.max_seq_len)
             req.py_num_preemptions += 1
+            self.timelines.preempted(req.request_id)
 
     def _forward_and_sample(self, inputs: ModelInputs) -> SamplerOutput:
         """A failure of the forward fails the step; one of sampling is narrowed down to its rows."""
@@ -470,6 +474,7 @@ class PyExecutor:
             if req.py_first_scheduled_time is None:
                 req.py_first_scheduled_time = now
             last = req.is_last_context_chunk
+            self.timelines.chunk(req.request_id, req.context_chunk_size)
             req.move_to_next_context_chunk()
             if last:
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS
@@ -493,6 +498,7 @@ class PyExecutor:
                 self._deferred_free.append(req)
                 continue
             req.add_new_token(tok)
+            self.timelines.token(req.request_id)
             state = req.py_sampling_state
             state.append(tok)
             if logprobs is not None and state.params.logprobs is not None:
@@ -567,6 +573,7 @@ class PyExecutor:
         req.py_finish_time = time.monotonic()
         req.state = LlmRequestState.GENERATION_COMPLETE
         self._respond(req)
+        self.timelines.finished(req.request_id, req.py_finish_reason)
 
     def _free_finished(self) -> None:
         if not self._deferred_free:

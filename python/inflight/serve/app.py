@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inflight import __version__
+from inflight.serve.pages import FEED, PAGES
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
 from inflight.serve.schema import RESPONSES, install_openapi
@@ -37,13 +38,16 @@ def build_app(
     aliases: tuple[str, ...] = (),
     version: str | None = None,
     stall_timeout: float = 120.0,
+    web: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name`` (and any ``aliases``).
 
     ``max_queue_size``: most requests in flight (accepted, not finished); the next gets 503 at once.
     The app's :class:`ServerState` is ``app.state.server`` (``draining``, ``in_flight``, ``metrics``).
     ``version`` (``GET /version``): inflight's by default. ``stall_timeout``: seconds without engine
-    progress (work pending) after which ``/health`` answers 503.
+    progress (work pending) after which ``/health`` answers 503. ``web``: serve the chat page (``/``)
+    and the dashboard (``/dashboard``) of :mod:`inflight.serve.pages`; the engine-stats feed is served
+    either way.
     """
     if version is None:
         version = __version__
@@ -58,6 +62,9 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
+    # Outside the OpenAPI schema: HTML pages, assets, and an endless event stream.
+    for method, path, endpoint in (PAGES if web else ()) + FEED:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None, include_in_schema=False)
     install_openapi(
         app,
         vocab_size=llm.model_config.vocab_size,

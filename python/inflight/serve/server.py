@@ -104,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     net.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     net.add_argument(
+        "--no-web",
+        dest="web",
+        action="store_false",
+        help="no chat page (/) and no dashboard (/dashboard); the API routes are the same either way",
+    )
+    net.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -246,7 +252,12 @@ def run(args) -> int:
     try:
         name, aliases = _served_names(model, args.served_model_name)
         app = build_app(
-            llm, name, args.max_queue_size, aliases=aliases, stall_timeout=args.health_stall_timeout
+            llm,
+            name,
+            args.max_queue_size,
+            aliases=aliases,
+            stall_timeout=args.health_stall_timeout,
+            web=args.web,
         )
         server = make_server(
             app,
@@ -264,6 +275,14 @@ def run(args) -> int:
             args.port,
             llm.max_seq_len,
         )
+        if args.web:
+            logger.info(
+                "chat page http://%s:%d/ , engine dashboard http://%s:%d/dashboard",
+                args.host,
+                args.port,
+                args.host,
+                args.port,
+            )
         server.run()
         if not server.started:
             return 1
