@@ -73,7 +73,7 @@
     g.lineWidth = 1.5;
     g.beginPath();
     values.forEach(function (v, i) {
-      var x = left + (i / (HISTORY - 1)) * (p.w - left - 8);
+      var x = left + (i / (Math.max(n, 60) - 1)) * (p.w - left - 8); // fills up, then scrolls
       var y = p.h - bottom - (Math.min(v, maxY) / maxY) * plotH;
       if (i === 0) g.moveTo(x, y); else g.lineTo(x, y);
     });
