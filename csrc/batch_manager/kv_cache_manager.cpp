@@ -174,6 +174,7 @@ void KVCacheManager::push_free_back(BlockIdType block_id) {
   ++list.size;
   non_empty_lists_[priority / 64] |= std::uint64_t{1} << (priority % 64);
   ++num_free_;
+  num_free_keyed_ += block.has_key ? 1 : 0;
 }
 
 void KVCacheManager::take_free_block(BlockIdType block_id) {
@@ -196,6 +197,7 @@ void KVCacheManager::take_free_block(BlockIdType block_id) {
     non_empty_lists_[priority / 64] &= ~(std::uint64_t{1} << (priority % 64));
   }
   --num_free_;
+  num_free_keyed_ -= block.has_key ? 1 : 0;
 }
 
 BlockIdType KVCacheManager::allocate_block(SizeType32 retention_priority) {
@@ -206,13 +208,13 @@ BlockIdType KVCacheManager::allocate_block(SizeType32 retention_priority) {
   BlockIdType const block_id = free_lists_[priority].front;
   take_free_block(block_id);
   Block& block = blocks_[static_cast<std::size_t>(block_id)];
+  block.ref_count = 1;  // taken (before drop_key, which counts the free blocks losing their key)
   // The memory is about to be overwritten: its cached prefix (and everything chained below it,
   // now unreachable) must no longer be found.
   if (block.has_key) {
     drop_key(block_id);
   }
   block.retention_priority = retention_priority;
-  block.ref_count = 1;
   return block_id;
 }
 
@@ -279,6 +281,7 @@ void KVCacheManager::drop_key(BlockIdType block_id) {
     }
     stack.insert(stack.end(), block.children.begin(), block.children.end());
     block.children.clear();
+    num_free_keyed_ -= block.ref_count == 0 ? 1 : 0;
     block.has_key = false;
     block.parent = kRoot;
     block.hash = 0;
@@ -518,6 +521,7 @@ KvCacheStats KVCacheManager::get_kv_cache_stats() const {
   stats.alloc_total_blocks = alloc_total_blocks_;
   stats.alloc_new_blocks = alloc_new_blocks_;
   stats.reused_blocks = reused_blocks_;
+  stats.reusable_num_blocks = num_free_keyed_;
   stats.missed_blocks = missed_blocks_;
   std::int64_t const lookups = reused_blocks_ + missed_blocks_;
   stats.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(reused_blocks_) / static_cast<double>(lookups);
@@ -694,6 +698,14 @@ void KVCacheManager::check_integrity() const {
   }
   if (used + num_free_ != num_blocks_) {
     integrity_error(concat("free ", num_free_, " + used ", used, " != total ", num_blocks_));
+  }
+
+  SizeType32 free_keyed = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    free_keyed += blocks_[i].ref_count == 0 && blocks_[i].has_key ? 1 : 0;
+  }
+  if (free_keyed != num_free_keyed_) {
+    integrity_error(concat(free_keyed, " free blocks hold a key but num_free_keyed is ", num_free_keyed_));
   }
 
   // Reuse tree.

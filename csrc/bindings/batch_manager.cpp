@@ -333,6 +333,7 @@ void bind_batch_manager(nb::module_& m) {
       .def_rw("reused_blocks", &bm::KvCacheStats::reused_blocks)
       .def_rw("missed_blocks", &bm::KvCacheStats::missed_blocks)
       .def_rw("cache_hit_rate", &bm::KvCacheStats::cache_hit_rate)
+      .def_rw("reusable_num_blocks", &bm::KvCacheStats::reusable_num_blocks)
       .def("to_dict",
            [](bm::KvCacheStats const& s) {
              nb::dict d;
@@ -345,6 +346,7 @@ void bind_batch_manager(nb::module_& m) {
              d["reused_blocks"] = s.reused_blocks;
              d["missed_blocks"] = s.missed_blocks;
              d["cache_hit_rate"] = s.cache_hit_rate;
+             d["reusable_num_blocks"] = s.reusable_num_blocks;
              return d;
            })
       .def("__repr__", [](bm::KvCacheStats const& s) {
@@ -353,7 +355,7 @@ void bind_batch_manager(nb::module_& m) {
            << ", used_num_blocks=" << s.used_num_blocks << ", tokens_per_block=" << s.tokens_per_block
            << ", alloc_total_blocks=" << s.alloc_total_blocks << ", alloc_new_blocks=" << s.alloc_new_blocks
            << ", reused_blocks=" << s.reused_blocks << ", missed_blocks=" << s.missed_blocks
-           << ", cache_hit_rate=" << s.cache_hit_rate << ")";
+           << ", cache_hit_rate=" << s.cache_hit_rate << ", reusable_num_blocks=" << s.reusable_num_blocks << ")";
         return os.str();
       });
 

@@ -78,6 +78,7 @@ void expect_same_stats(KvCacheStats const& a, KvCacheStats const& b) {
   EXPECT_EQ(a.alloc_new_blocks, b.alloc_new_blocks);
   EXPECT_EQ(a.reused_blocks, b.reused_blocks);
   EXPECT_EQ(a.missed_blocks, b.missed_blocks);
+  EXPECT_EQ(a.reusable_num_blocks, b.reusable_num_blocks);
 }
 
 // Independent implementation of the documented chained hash (kv_cache_manager.cpp header comment).

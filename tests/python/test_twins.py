@@ -44,6 +44,7 @@ STAT_NAMES = (
     "reused_blocks",
     "missed_blocks",
     "cache_hit_rate",
+    "reusable_num_blocks",
 )
 POLICIES = (
     CapacitySchedulerPolicy.MAX_UTILIZATION,
@@ -562,6 +563,34 @@ def test_store_gives_the_storing_requests_priority_to_its_reused_blocks() -> Non
         kv.check_integrity()
     assert results[1] == [3, 1]
     assert results[0] == results[1], f"C++ {results[0]} != twin {results[1]}"
+
+
+def test_reusable_blocks_count_the_free_blocks_that_keep_a_prefix() -> None:
+    """Stored and freed: reusable; hit again: held, not reusable; overwritten by a new allocation: its
+    key (and the keys chained below it) dropped, so no longer reusable."""
+    for module in (bm, ref):
+        kv = module.KVCacheManager(4, 1, 8, True)
+        reusable = lambda kv=kv: kv.get_kv_cache_stats().reusable_num_blocks  # noqa: E731
+        a = LlmRequest(1, 1, [1, 2, 3], kv_retention_priority=90)
+        kv.add_sequence(1, 3, 1, a)
+        a.move_to_next_context_chunk()
+        a.state = LlmRequestState.GENERATION_IN_PROGRESS
+        a.add_new_token(0)
+        kv.store_context_blocks(a)
+        assert reusable() == 0  # keyed, but held
+        kv.remove_sequence(1, a)
+        assert reusable() == 3  # the prompt's three one-token blocks keep their keys (not the output's)
+        b = LlmRequest(2, 1, [1, 2, 5])
+        kv.add_sequence(2, 3, 1, b)  # hits [1], [2]; [5] takes the unkeyed block (lowest priority)
+        assert kv.get_block_ids(2) == [0, 1, 3]
+        assert reusable() == 1  # [3] still cached in block 2
+        kv.remove_sequence(2)
+        assert reusable() == 3
+        kv.add_sequence(3, 4)  # takes every block: the cached ones are overwritten
+        assert reusable() == 0
+        kv.remove_sequence(3)
+        assert reusable() == 0 and kv.get_kv_cache_stats().free_num_blocks == 4
+        kv.check_integrity()
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ def test_model_output_with_html_is_shown_as_text(server, page):
 
 
 def _dashboard_numbers(page) -> dict[str, str]:
-    ids = ("running", "waiting", "kv-used", "kv-free", "kv-total", "iter", "in-flight")
+    ids = ("running", "waiting", "kv-used", "kv-free", "kv-total", "kv-reusable", "iter", "in-flight")
     return {i: page.inner_text(f"#{i}") for i in ids}
 
 
@@ -259,6 +259,7 @@ def test_the_dashboard_shows_what_metrics_shows(server, page, tmp_path, slow_ste
     assert int(shown["kv-used"]) == m["inflight:kv_cache_used_blocks"]
     assert int(shown["kv-free"]) == m["inflight:kv_cache_free_blocks"]
     assert int(shown["kv-total"]) == m["inflight:kv_cache_total_blocks"]
+    assert int(shown["kv-reusable"]) == m["inflight:kv_cache_reusable_blocks"] > 0  # the prompts' blocks
     assert page.evaluate("document.querySelectorAll('canvas').length") == 4
     slow_steps["s"] = 0.0
     # The feed's own numbers, once.

@@ -109,6 +109,11 @@ class _EngineCollector:
         yield gauge("kv_cache_free_blocks", "KV cache blocks free.", kv.get("free_num_blocks", 0) or 0)
         yield gauge("kv_cache_total_blocks", "KV cache blocks in the pool.", max_blocks)
         yield gauge(
+            "kv_cache_reusable_blocks",
+            "Free KV cache blocks still holding a cached prefix (reused on a prefix hit).",
+            kv.get("reusable_num_blocks", 0) or 0,
+        )
+        yield gauge(
             "prefix_cache_hit_rate",
             "Fraction of looked-up KV blocks found in the prefix cache (0-1).",
             kv.get("cache_hit_rate", 0.0) or 0.0,

@@ -131,6 +131,7 @@ def engine_snapshot(state: ServerState, rate: _Rate | None = None) -> dict:
             "total": kv.get("max_num_blocks", 0),
             "used": kv.get("used_num_blocks", 0),
             "free": kv.get("free_num_blocks", 0),
+            "reusable": kv.get("reusable_num_blocks", 0),
             "tokens_per_block": kv.get("tokens_per_block", 0),
             "hit_rate": kv.get("cache_hit_rate", 0.0),
             "reused_blocks": kv.get("reused_blocks", 0),

@@ -33,6 +33,7 @@ struct KvCacheStats {
   std::int64_t reused_blocks = 0;       // prompt blocks served from the reuse tree
   std::int64_t missed_blocks = 0;       // prompt blocks not found in the reuse tree
   double cache_hit_rate = 0.0;          // reused / (reused + missed); 0 when both are 0
+  SizeType32 reusable_num_blocks = 0;   // free blocks still holding a cached prefix (counted in free)
 };
 
 class KVCacheManager {
@@ -140,6 +141,7 @@ class KVCacheManager {
   // Bit p set <=> free_lists_[p] is non-empty; finds the lowest non-empty priority in O(1).
   std::uint64_t non_empty_lists_[2] = {0, 0};
   SizeType32 num_free_ = 0;
+  SizeType32 num_free_keyed_ = 0;  // free blocks with a key in the reuse tree (reusable)
   std::unordered_map<RequestIdType, Sequence> sequences_;
   SizeType32 scheduling_num_free_blocks_ = 0;
   std::int64_t alloc_total_blocks_ = 0;

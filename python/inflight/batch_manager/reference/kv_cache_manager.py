@@ -287,6 +287,8 @@ class KVCacheManager:
         stats.missed_blocks = self._missed_blocks
         lookups = self._reused_blocks + self._missed_blocks
         stats.cache_hit_rate = self._reused_blocks / lookups if lookups else 0.0
+        # Free blocks that still hold a cached prefix (a hit takes them back without recomputing).
+        stats.reusable_num_blocks = sum(1 for b in self._blocks if b.ref_count == 0 and b.key is not None)
         return stats
 
     # ---- scheduling simulation (no real state changes) -------------------------------------------

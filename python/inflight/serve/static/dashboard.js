@@ -86,6 +86,7 @@
     var total = samples.length ? samples[samples.length - 1].total : 1;
     axes(p, left, bottom, total, "blocks");
     line(p, left, bottom, samples.map(function (s) { return s.used; }), Math.max(total, 1), color("--dec"));
+    line(p, left, bottom, samples.map(function (s) { return s.reusable; }), Math.max(total, 1), color("--ctx"));
     line(p, left, bottom, samples.map(function (s) { return s.hit * total; }), Math.max(total, 1), color("--ok"));
   }
 
@@ -153,6 +154,7 @@
     setText("kv-used", snap.kv.used);
     setText("kv-total", snap.kv.total);
     setText("kv-free", snap.kv.free);
+    setText("kv-reusable", snap.kv.reusable);
     setText("hit-rate", (100 * snap.kv.hit_rate).toFixed(1) + "%");
     setText("reused", snap.kv.reused_blocks);
     setText("tok-s", snap.tokens_per_s.toFixed(1));
@@ -160,7 +162,7 @@
     setText("preemptions", snap.preemptions);
     setText("iter", snap.iter);
     setText("budget", snap.token_budget);
-    samples.push({ used: snap.kv.used, total: snap.kv.total, hit: snap.kv.hit_rate, rate: snap.tokens_per_s, running: snap.running });
+    samples.push({ used: snap.kv.used, reusable: snap.kv.reusable, total: snap.kv.total, hit: snap.kv.hit_rate, rate: snap.tokens_per_s, running: snap.running });
     if (samples.length > HISTORY) samples.shift();
     drawSteps(snap);
     drawKv();
