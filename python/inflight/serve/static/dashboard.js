@@ -162,6 +162,10 @@
     setText("preemptions", snap.preemptions);
     setText("iter", snap.iter);
     setText("budget", snap.token_budget);
+    var mapping = /tp=(\d+) pp=(\d+)/.exec(snap.parallel || "") || [null, "1", "1"];
+    setText("ranks", String(Number(mapping[1]) * Number(mapping[2])));
+    var lastStep = snap.steps.length ? snap.steps[snap.steps.length - 1] : null;
+    setText("micro", lastStep ? lastStep.micro_batches : 0);
     samples.push({ used: snap.kv.used, reusable: snap.kv.reusable, total: snap.kv.total, hit: snap.kv.hit_rate, rate: snap.tokens_per_s, running: snap.running });
     if (samples.length > HISTORY) samples.shift();
     drawSteps(snap);
