@@ -442,6 +442,41 @@ void KVCacheManager::add_token(RequestIdType request_id) {
   ++seq.num_tokens;
 }
 
+void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
+  Sequence& seq = sequence(request_id, "add_tokens");
+  if (n < 0) throw std::invalid_argument(concat("add_tokens: n must be >= 0, got ", n));
+  if (n > max_seq_len_ - seq.num_tokens) {
+    throw std::invalid_argument(concat("add_tokens: request_id ", request_id, " holds ", seq.num_tokens, " tokens; ", n,
+                                       " more exceed max_seq_len ", max_seq_len_));
+  }
+  SizeType32 const blocks_after = ceil_div(seq.num_tokens + n, tokens_per_block_);
+  SizeType32 const needed = blocks_after - static_cast<SizeType32>(seq.block_ids.size());
+  if (needed > num_free_) {
+    throw std::runtime_error(concat("add_tokens: not enough free KV blocks for request_id ", request_id, ": need ",
+                                    needed, ", free ", num_free_));
+  }
+  for (SizeType32 i = 0; i < needed; ++i) {
+    seq.block_ids.push_back(allocate_block(seq.retention_priority));
+  }
+  alloc_total_blocks_ += needed;
+  alloc_new_blocks_ += needed;
+  seq.num_tokens += n;
+}
+
+void KVCacheManager::rewind(RequestIdType request_id, SizeType32 n) {
+  Sequence& seq = sequence(request_id, "rewind");
+  if (n < 0 || n >= seq.num_tokens) {
+    throw std::invalid_argument(concat("rewind: n must be in [0, ", seq.num_tokens - 1, "] (request_id ", request_id,
+                                       " keeps at least one of its ", seq.num_tokens, " tokens), got ", n));
+  }
+  seq.num_tokens -= n;
+  auto const keep = static_cast<std::size_t>(ceil_div(seq.num_tokens, tokens_per_block_));
+  while (seq.block_ids.size() > keep) {
+    release_block(seq.block_ids.back());
+    seq.block_ids.pop_back();
+  }
+}
+
 void KVCacheManager::remove_sequence(RequestIdType request_id, LlmRequest* request) {
   auto it = sequences_.find(request_id);
   if (it == sequences_.end()) {

@@ -377,6 +377,10 @@ void bind_batch_manager(nb::module_& m) {
       .def("add_sequence", &bm::KVCacheManager::add_sequence, "request_id"_a, "input_length"_a, "beam_width"_a = 1,
            nb::arg("request").none() = nb::none())
       .def("add_token", &bm::KVCacheManager::add_token, "request_id"_a)
+      .def("add_tokens", &bm::KVCacheManager::add_tokens, "request_id"_a, "n"_a,
+           "n more tokens at once (a speculative step's 1 + k), all or nothing.")
+      .def("rewind", &bm::KVCacheManager::rewind, "request_id"_a, "n"_a,
+           "Pops the last n tokens; blocks left empty are released, last first.")
       .def("remove_sequence", &bm::KVCacheManager::remove_sequence, "request_id"_a,
            nb::arg("request").none() = nb::none())
       .def("store_context_blocks", &bm::KVCacheManager::store_context_blocks, "request"_a)

@@ -280,6 +280,94 @@ TEST(KVCacheManager, AddTokenErrorsLeaveStateUnchanged) {
   full.check_integrity();
 }
 
+// ----------------------------------------------------------------------------------------------
+// Speculative decoding: several tokens at once, and rewinding the rejected ones.
+
+TEST(KVCacheManager, AddTokensAllocatesTheBlocksTheTokensStart) {
+  KVCacheManager kv(8, 4, 64);
+  kv.add_sequence(1, 3, 1);
+  kv.add_tokens(1, 1);  // 4 tokens: still block 0
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0}));
+  kv.add_tokens(1, 5);  // 9 tokens: blocks 1 and 2, in order
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2}));
+  EXPECT_EQ(kv.get_num_tokens(1), 9);
+  kv.add_tokens(1, 0);  // nothing
+  EXPECT_EQ(kv.get_num_tokens(1), 9);
+  KvCacheStats const stats = kv.get_kv_cache_stats();
+  EXPECT_EQ(stats.alloc_total_blocks, 3);
+  EXPECT_EQ(stats.alloc_new_blocks, 3);
+  EXPECT_EQ(kv.num_free_blocks(), 5);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManager, RewindReleasesTheBlocksLeftEmptyLastFirst) {
+  KVCacheManager kv(8, 4, 64);
+  kv.add_sequence(1, 3, 1);
+  kv.add_tokens(1, 10);  // 13 tokens: blocks 0, 1, 2, 3
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2, 3}));
+  kv.rewind(1, 1);  // 12 tokens: block 3 is empty
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2}));
+  kv.rewind(1, 7);  // 5 tokens: block 2 emptied; block 1 keeps one token
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1}));
+  EXPECT_EQ(kv.get_num_tokens(1), 5);
+  kv.check_integrity();
+  // The queue: 4..7 (never used), then 3, then 2 (released as they emptied).
+  EXPECT_EQ(drain(kv), (Ids{4, 5, 6, 7, 3, 2}));
+}
+
+TEST(KVCacheManager, RewindToOneTokenAndGrowAgain) {
+  KVCacheManager kv(4, 2, 16);
+  kv.add_sequence(1, 5, 1);  // blocks 0, 1, 2
+  kv.rewind(1, 4);           // 1 token: blocks 2, then 1 released
+  EXPECT_EQ(kv.get_num_tokens(1), 1);
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0}));
+  EXPECT_EQ(kv.num_free_blocks(), 3);
+  kv.add_tokens(1, 4);  // 5 tokens: from the front of the queue, 3 then 2
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 3, 2}));
+  kv.check_integrity();
+}
+
+TEST(KVCacheManager, AddTokensAndRewindErrorsLeaveStateUnchanged) {
+  KVCacheManager kv(3, 4, 12);
+  kv.add_sequence(1, 5, 1);  // blocks 0, 1
+  KvCacheStats const before = kv.get_kv_cache_stats();
+  expect_error<std::invalid_argument>([&] { kv.add_tokens(1, 8); },
+                                      "add_tokens: request_id 1 holds 5 tokens; 8 more exceed max_seq_len 12");
+  expect_error<std::invalid_argument>([&] { kv.add_tokens(1, -1); }, "add_tokens: n must be >= 0, got -1");
+  expect_error<std::invalid_argument>(
+      [&] { kv.rewind(1, 5); }, "rewind: n must be in [0, 4] (request_id 1 keeps at least one of its 5 tokens), got 5");
+  expect_error<std::invalid_argument>([&] { kv.rewind(1, -1); }, "got -1");
+  expect_error<std::invalid_argument>([&] { kv.rewind(9, 1); }, "rewind: request_id 9 is not in the KV cache manager");
+  kv.add_sequence(2, 4, 1);  // block 2: none free now
+  KvCacheStats const full = kv.get_kv_cache_stats();
+  expect_error<std::runtime_error>([&] { kv.add_tokens(1, 4); }, "need 1, free 0");
+  EXPECT_EQ(kv.get_num_tokens(1), 5);
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1}));
+  expect_same_stats(kv.get_kv_cache_stats(), full);
+  EXPECT_EQ(before.alloc_total_blocks + 1, full.alloc_total_blocks);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManager, RewoundBlocksComeBackUncachedAndStoringStopsAtTheHeldTokens) {
+  KVCacheManager kv(8, 2, 32, true);
+  LlmRequest req = make_request(1, {1, 2, 3, 4, 5});
+  kv.add_sequence(1, 5, 1, &req);  // blocks 0, 1, 2
+  finish_context(req);
+  kv.store_context_blocks(req);  // [1 2] [3 4] cached (held)
+  kv.add_tokens(1, 3);           // the sampled token and two drafts: 8 tokens, blocks 0..3
+  req.add_new_token(6);          // only the sampled token is the request's
+  kv.rewind(1, 2);               // both drafts rejected: 6 tokens, block 3 released
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2}));
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 0);  // block 3 held only drafts: no key
+  kv.remove_sequence(1, &req);                                // stores the 6 tokens it holds: [1 2] [3 4] [5 6]
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 3);
+  kv.check_integrity();
+  LlmRequest again = make_request(2, {1, 2, 3, 4, 5, 6, 7, 8, 9});
+  kv.add_sequence(2, 9, 1, &again);
+  EXPECT_EQ(again.prepopulated_prompt_len(), 6);
+  kv.check_integrity();
+}
+
 TEST(KVCacheManager, UnknownIdsAreRejected) {
   KVCacheManager kv(4, 4, 16, true);
   kv.add_sequence(1, 4, 1);

@@ -593,6 +593,85 @@ def test_reusable_blocks_count_the_free_blocks_that_keep_a_prefix() -> None:
         kv.check_integrity()
 
 
+def _kv_op_trace(seed: int, steps: int = 400) -> list[tuple]:
+    """Random KV-manager operations of speculative decoding: sequences added (with requests, so that
+    prompts are looked up and stored), grown by one token or by 1 + k drafts, rewound, removed."""
+    rng = random.Random(seed)
+    ops: list[tuple] = []
+    live: list[int] = []
+    next_id = 0
+    for _ in range(steps):
+        roll = rng.random()
+        if not live or roll < 0.2:
+            prompt = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+            ops.append(("add", next_id, prompt))
+            live.append(next_id)
+            next_id += 1
+        elif roll < 0.4:
+            ops.append(("add_token", rng.choice(live)))
+        elif roll < 0.65:
+            ops.append(("add_tokens", rng.choice(live), rng.randint(-1, 5)))
+        elif roll < 0.88:
+            ops.append(("rewind", rng.choice(live), rng.randint(-1, 6)))
+        else:
+            rid = rng.choice(live)
+            live.remove(rid)
+            ops.append(("remove", rid, rng.random() < 0.7))
+    return ops
+
+
+def _run_kv_ops(module, ops: list[tuple]) -> list:
+    kv = module.KVCacheManager(10, 2, 24, True)
+    requests: dict[int, LlmRequest] = {}
+    seen = []
+    for op in ops:
+        kind, rid = op[0], op[1]
+        try:
+            if kind == "add":
+                req = LlmRequest(rid, 8, op[2])
+                requests[rid] = req
+                kv.add_sequence(rid, len(op[2]), 1, req)
+                req.move_to_next_context_chunk()
+                req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                kv.store_context_blocks(req)
+            elif kind == "add_token":
+                kv.add_token(rid)
+            elif kind == "add_tokens":
+                kv.add_tokens(rid, op[2])
+            elif kind == "rewind":
+                kv.rewind(rid, op[2])
+            else:
+                kv.remove_sequence(rid, requests[rid] if op[2] else None)
+            result = "ok"
+        except (ValueError, RuntimeError) as exc:
+            result = f"{type(exc).__name__}: {exc}"
+        kv.check_integrity()
+        stats = kv.get_kv_cache_stats()
+        seen.append(
+            (
+                op,
+                result,
+                kv.get_block_ids(rid) if kv.has_sequence(rid) else None,
+                kv.get_num_tokens(rid) if kv.has_sequence(rid) else None,
+                kv.num_free_blocks,
+                {name: getattr(stats, name) for name in STAT_NAMES},
+            )
+        )
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_add_tokens_and_rewind_traces_agree(seed: int) -> None:
+    """add_tokens / rewind between the C++ manager and its twin: the same block ids, token counts,
+    free blocks, stats and errors (type and message) after every operation, check_integrity holding."""
+    ops = _kv_op_trace(seed)
+    cpp, twin = _run_kv_ops(bm, ops), _run_kv_ops(ref, ops)
+    for a, b in zip(cpp, twin):
+        assert a == b, f"C++ {a} != twin {b}"
+    kinds = {row[0][0] for row in cpp if row[1] == "ok"}
+    assert {"add_tokens", "rewind"} <= kinds and any(row[1] != "ok" for row in cpp)
+
+
 @dataclass(frozen=True)
 class SnapshotRequest:
     """A request in an arbitrary scheduling state, rebuilt identically on both sides."""

@@ -66,6 +66,14 @@ class KVCacheManager {
   // One more token; a new block when it starts one. Throws for an unknown id, past max_seq_len,
   // or with no free block.
   void add_token(RequestIdType request_id);
+  // n more tokens at once (a speculative step's 1 + k), all or nothing: the blocks they start are
+  // allocated in order. Throws std::invalid_argument for an unknown id, n < 0 or past max_seq_len, and
+  // std::runtime_error (state unchanged; message names needed and free) without enough free blocks.
+  void add_tokens(RequestIdType request_id, SizeType32 n);
+  // Pops the last n tokens (rejected drafts): every block left empty is released, last block first.
+  // Rewound tokens are never stored for reuse (remove_sequence publishes only the tokens held). Throws
+  // std::invalid_argument for an unknown id or n outside [0, num_tokens - 1] (a sequence keeps a token).
+  void rewind(RequestIdType request_id, SizeType32 n);
   // Frees the blocks, last block first. With reuse and a request, first stores the full blocks of
   // the tokens the sequence holds (capped, for a request still in context, at the tokens already
   // computed: context_current_position). Throws for an unknown id.

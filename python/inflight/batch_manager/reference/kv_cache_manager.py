@@ -217,6 +217,42 @@ class KVCacheManager:
             self._alloc_new_blocks += 1
         sequence.num_tokens += 1
 
+    def add_tokens(self, request_id: int, n: int) -> None:
+        """``n`` more tokens at once (a speculative step's 1 + k), all or nothing."""
+        sequence = self._sequence(request_id, "add_tokens")
+        if n < 0:
+            raise ValueError(f"add_tokens: n must be >= 0, got {n}")
+        if n > self._max_seq_len - sequence.num_tokens:
+            raise ValueError(
+                f"add_tokens: request_id {request_id} holds {sequence.num_tokens} tokens; {n} more exceed "
+                f"max_seq_len {self._max_seq_len}"
+            )
+        tpb = self._tokens_per_block
+        needed = -(-(sequence.num_tokens + n) // tpb) - len(sequence.block_ids)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(
+                f"add_tokens: not enough free KV blocks for request_id {request_id}: need {needed}, "
+                f"free {self.num_free_blocks}"
+            )
+        for _ in range(needed):
+            sequence.block_ids.append(self._allocate_block(sequence.retention_priority))
+        self._alloc_total_blocks += needed
+        self._alloc_new_blocks += needed
+        sequence.num_tokens += n
+
+    def rewind(self, request_id: int, n: int) -> None:
+        """Pops the last ``n`` tokens; blocks left empty are released, last block first."""
+        sequence = self._sequence(request_id, "rewind")
+        if not 0 <= n < sequence.num_tokens:
+            raise ValueError(
+                f"rewind: n must be in [0, {sequence.num_tokens - 1}] (request_id {request_id} keeps at least "
+                f"one of its {sequence.num_tokens} tokens), got {n}"
+            )
+        sequence.num_tokens -= n
+        keep = -(-sequence.num_tokens // self._tokens_per_block)
+        while len(sequence.block_ids) > keep:
+            self._release(sequence.block_ids.pop())
+
     def remove_sequence(self, request_id: int, request: LlmRequest | None = None) -> None:
         """Stores the computed full blocks (reuse on), then frees the blocks, last block first."""
         sequence = self._sequence(request_id, "remove_sequence")
