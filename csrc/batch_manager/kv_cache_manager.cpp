@@ -591,10 +591,13 @@ SizeType32 KVCacheManager::get_needed_blocks_one_step(LlmRequest const& request,
   }
   if (request.is_generation_in_progress_state()) {
     SizeType32 const t = request.prompt_len() + request.num_generated_tokens() - 1;
-    SizeType32 const k = two_steps_lookahead ? 2 : 1;
-    if (t + k > max_seq_len_) {
+    SizeType32 const steps = two_steps_lookahead ? 2 : 1;
+    if (t + steps > max_seq_len_) {
       return 0;
     }
+    // A speculative step writes the input token and its drafts: 1 + num_draft_tokens per step (TRT-LLM),
+    // never past max_seq_len.
+    SizeType32 const k = std::min(steps * (1 + request.num_draft_tokens()), max_seq_len_ - t);
     return (ceil_div(t + k, tokens_per_block_) - ceil_div(t, tokens_per_block_)) * request.beam_width();
   }
   return 0;

@@ -368,6 +368,19 @@ TEST(KVCacheManager, RewoundBlocksComeBackUncachedAndStoringStopsAtTheHeldTokens
   kv.check_integrity();
 }
 
+TEST(KVCacheManager, PlanningCountsAGeneratingRequestsDrafts) {
+  KVCacheManager kv(16, 4, 12);
+  LlmRequest r = make_request(1, {1, 2, 3});
+  finish_context(r);
+  r.add_new_token(4);                                     // 3 tokens in KV, the 4th is this step's input
+  EXPECT_EQ(kv.get_needed_blocks_one_step(r, false), 0);  // token 4 fits block 1
+  r.set_draft_tokens({5, 6, 7});                          // the step writes tokens 4..7
+  EXPECT_EQ(kv.get_needed_blocks_one_step(r, false), 1);
+  EXPECT_EQ(kv.get_needed_blocks_one_step(r, true), 2);     // two such steps: tokens 4..11
+  r.set_draft_tokens({5, 6, 7, 8, 9, 10, 11, 12, 13, 14});  // capped at max_seq_len 12: tokens 4..12
+  EXPECT_EQ(kv.get_needed_blocks_one_step(r, false), 2);
+}
+
 TEST(KVCacheManager, UnknownIdsAreRejected) {
   KVCacheManager kv(4, 4, 16, true);
   kv.add_sequence(1, 4, 1);

@@ -672,6 +672,33 @@ def test_add_tokens_and_rewind_traces_agree(seed: int) -> None:
     assert {"add_tokens", "rewind"} <= kinds and any(row[1] != "ok" for row in cpp)
 
 
+def test_planning_counts_a_generating_request_s_drafts() -> None:
+    """One step of a generating request writes its input token and its k drafts: the needed blocks
+    count 1 + k tokens (twice with the two-step lookahead), never past max_seq_len; C++ = twin."""
+    cases = []
+    for tpb in (1, 2, 4):
+        for generated in (1, 2, 3, 5):
+            for drafts in (0, 1, 3, 6):
+                for two_steps in (False, True):
+                    cases.append((tpb, generated, drafts, two_steps))
+    for tpb, generated, drafts, two_steps in cases:
+        got = []
+        for module in (bm, ref):
+            kv = module.KVCacheManager(64, tpb, 12)
+            r = LlmRequest(1, 16, [1, 2, 3])
+            r.move_to_next_context_chunk()
+            r.state = LlmRequestState.GENERATION_IN_PROGRESS
+            for i in range(generated):
+                r.add_new_token(4 + i)
+            r.draft_tokens = list(range(drafts))
+            got.append(kv.get_needed_blocks_one_step(r, two_steps))
+        t = 3 + generated - 1
+        steps = 2 if two_steps else 1
+        k = min(steps * (1 + drafts), 12 - t)
+        want = 0 if t + steps > 12 else -(-(t + k) // tpb) - (-(-t // tpb))
+        assert got == [want, want], (tpb, generated, drafts, two_steps, got, want)
+
+
 @dataclass(frozen=True)
 class SnapshotRequest:
     """A request in an arbitrary scheduling state, rebuilt identically on both sides."""

@@ -353,7 +353,9 @@ class KVCacheManager:
             num_steps = 2 if two_steps_lookahead else 1
             if num_past + num_steps > self._max_seq_len:
                 return 0
-            new_blocks = _ceil_div(num_past + num_steps, tpb) - _ceil_div(num_past, tpb)
+            # A speculative step writes the input token and its drafts (1 + k), never past max_seq_len.
+            num_new = min(num_steps * (1 + request.num_draft_tokens), self._max_seq_len - num_past)
+            new_blocks = _ceil_div(num_past + num_new, tpb) - _ceil_div(num_past, tpb)
             return new_blocks * request.beam_width
         return 0
 
