@@ -103,6 +103,16 @@ def test_a_timeout_names_the_missing_rank():
     comm.unlink()
 
 
+def test_a_segment_too_large_for_dev_shm_is_refused_at_creation():
+    """Its pages are reserved when it is created: no SIGBUS later, a message now, and no name left."""
+    name = _name()
+    with pytest.raises(
+        RuntimeError, match=r"reserving \d+ bytes for .* in /dev/shm failed: .*INFLIGHT_TP_TRANSPORT=gloo"
+    ):
+        _C.ShmComm(name, 0, 2, 1 << 42, True)  # 16 TiB
+    assert not os.path.exists("/dev/shm" + name)
+
+
 def test_bad_arguments_are_refused():
     comm = _C.ShmComm(_name(), 0, 1, SLOT, True)
     with pytest.raises(TypeError):

@@ -68,6 +68,17 @@ ShmComm::ShmComm(std::string const& name, int rank, int world, std::int64_t slot
     errno = err;
     fail_errno("ftruncate(" + name + ")");
   }
+  // Reserve the pages now: a /dev/shm too small for the segment (a container's default is 64 MiB)
+  // fails here with a message, instead of a SIGBUS at the first write to a page it cannot back.
+  if (create) {
+    int const err = posix_fallocate(fd, 0, off_t(map_bytes_));
+    if (err != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      fail("reserving " + std::to_string(map_bytes_) + " bytes for " + name +
+           " in /dev/shm failed: " + std::strerror(err) + " (a larger /dev/shm, or INFLIGHT_TP_TRANSPORT=gloo)");
+    }
+  }
   struct stat st{};
   if (fstat(fd, &st) != 0 || std::size_t(st.st_size) < map_bytes_) {
     close(fd);

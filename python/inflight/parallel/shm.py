@@ -23,8 +23,9 @@ from inflight.parallel.mapping import Mapping
 
 TRANSPORT_ENV = "INFLIGHT_TP_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "gloo")
-# Bytes per rank per round; a larger tensor takes several rounds.
-SLOT_BYTES = 4 << 20
+# Bytes per rank per round; a larger tensor takes several rounds. A segment is 2 x ranks x this (plus
+# 64 KiB): 8 MiB at tp=4, within a container's default 64 MiB /dev/shm with room to spare.
+SLOT_BYTES = 1 << 20
 
 
 def transport() -> str:
