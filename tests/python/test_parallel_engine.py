@@ -120,8 +120,6 @@ def test_sharded_model_matches_the_unsharded_one(models, which, backend, transpo
     head replicated with a padded vocabulary (130 over 2 ranks), and a W4A16 model sharded along whole
     quantisation groups; the Python layers and the fused C++ stack; the all-reduces over shared memory
     (the fused stack calls them from C++) and over gloo (it calls back into Python)."""
-    if which == "w4a16" and backend == "torch":
-        pytest.skip("the W4A16 layers are kernel-backed: the native backend covers them")
     mp.start_processes(
         _model_worker,
         args=(2, _free_port(), models[which], backend, transport),

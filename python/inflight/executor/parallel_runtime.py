@@ -114,6 +114,21 @@ class ShardSpec:
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
+    def load(self, device: torch.device, tp: TensorParallel, stage: PipelineStage | None):
+        """This rank's shard: :func:`~inflight.models.loader.load_model` with these arguments."""
+        from inflight.models.loader import load_model
+
+        return load_model(
+            self.model,
+            dtype=self.dtype,
+            device=device,
+            attention_backend=self.attention_backend,
+            max_seq_len=self.max_seq_len,
+            quantization=self.quantization,
+            tp=tp,
+            stage=stage,
+        )
+
     def device_of(self, local_rank: int) -> str:
         """CUDA ranks get one device each (``cuda:local_rank``); CPU ranks share the CPU."""
         return f"cuda:{local_rank}" if self.device.startswith("cuda") else self.device
@@ -205,7 +220,6 @@ class Cluster:
         self.tp = TensorParallel()
         self.channel: StepChannel | None = None
         self.link: PipeLink | None = None  # pipeline parallelism: to the next stage (set by the caller)
-        self.stage: PipelineStage | None = None
         self._prev_threads = torch.get_num_threads()
         self._closed = False
 
@@ -275,11 +289,6 @@ class Cluster:
 
     def describe(self) -> str:
         return f"tp={self.mapping.tp_size} pp={self.mapping.pp_size}"
-
-    def rank0_stage(self) -> PipelineStage:
-        from inflight.models.loader import load_config
-
-        return stage_of(self.mapping, load_config(self.spec.model).num_hidden_layers)
 
     def wait_loaded(self) -> None:
         """Blocks until every rank has loaded its shard; raises :class:`RankFailure` with the failing
@@ -395,7 +404,7 @@ def spawned_follower_main(argv: list[str]) -> int:
 def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int | None = None) -> int:
     """A follower rank: join the groups, load the shard, then run the steps rank 0 broadcasts until
     SHUTDOWN (returns 0) or a failure (its traceback is written to the store; returns 1)."""
-    from inflight.models.loader import load_config, load_model
+    from inflight.models.loader import load_config
 
     base = None
     if store is None:  # torchrun / env://
@@ -418,16 +427,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
         tp, channel = data_paths(mapping, groups, spec.device, spec.timeout)
         _fault(rank, "load")
         config = load_config(spec.model)
-        loaded = load_model(
-            spec.model,
-            dtype=spec.dtype,
-            device=device,
-            attention_backend=spec.attention_backend,
-            max_seq_len=spec.max_seq_len,
-            quantization=spec.quantization,
-            tp=tp,
-            stage=stage_of(mapping, config.num_hidden_layers),
-        )
+        loaded = spec.load(device, tp, stage_of(mapping, config.num_hidden_layers))
         link = None
         if mapping.pp_size > 1:
             link = PipeLink(groups.pp, mapping, config.hidden_size, loaded.dtype, device)

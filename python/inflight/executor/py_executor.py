@@ -272,9 +272,7 @@ class PyExecutor:
         self._pause(batch.paused_requests)
         if len(batch):
             try:
-                self.resource_manager.prepare_resources(batch)
-                inputs = self.model_engine.prepare(batch)
-                self._step_num_tokens = inputs.metadata.num_tokens
+                inputs = self._prepare(batch)
                 sampler_output = self._forward_and_sample(inputs)
             except Exception as exc:  # noqa: BLE001
                 self._fail_batch(batch, exc)
@@ -296,9 +294,7 @@ class PyExecutor:
         launched = None
         if len(batch):
             try:
-                self.resource_manager.prepare_resources(batch)
-                inputs = self.model_engine.prepare(batch, prev.pending_ids() if prev else frozenset())
-                self._step_num_tokens = inputs.metadata.num_tokens
+                inputs = self._prepare(batch, prev.pending_ids() if prev else frozenset())
                 launched = _InFlight(batch, inputs)
                 launched.future = self._forward_pool.submit(self._forward_and_sample, inputs)
             except Exception as exc:  # noqa: BLE001
@@ -342,9 +338,7 @@ class PyExecutor:
             self._pause(batch.paused_requests)
             if len(batch):
                 try:
-                    self.resource_manager.prepare_resources(batch)
-                    inputs = self.model_engine.prepare(batch)
-                    self._step_num_tokens = inputs.metadata.num_tokens
+                    inputs = self._prepare(batch)
                     launched = _InFlight(batch, inputs)
                     launched.future = self.model_engine.launch(inputs)
                     launched.finished_contexts = self._update_request_states(batch)
@@ -449,6 +443,13 @@ class PyExecutor:
             req.pause(self.max_seq_len)
             req.py_num_preemptions += 1
             self.timelines.preempted(req.request_id)
+
+    def _prepare(self, batch: ScheduledRequests, pending_ids=frozenset()) -> ModelInputs:
+        """The batch's KV (blocks for its new tokens) and its model inputs."""
+        self.resource_manager.prepare_resources(batch)
+        inputs = self.model_engine.prepare(batch, pending_ids)
+        self._step_num_tokens = inputs.metadata.num_tokens
+        return inputs
 
     def _forward_and_sample(self, inputs: ModelInputs) -> SamplerOutput:
         """A failure of the forward fails the step; one of sampling is narrowed down to its rows."""

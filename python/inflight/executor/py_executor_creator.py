@@ -29,6 +29,7 @@ from inflight.executor.parallel_runtime import (
     ShardSpec,
     follower_rank_from_env,
     run_follower,
+    stage_of,
 )
 from inflight.executor.py_executor import PyExecutor
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
@@ -43,10 +44,10 @@ from inflight.executor.scheduler import (
 from inflight.executor.step_channel import PipeLink
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
-from inflight.models.loader import load_config, load_model
+from inflight.models.loader import load_config
 from inflight.parallel.comm import SINGLE
 from inflight.parallel.mapping import Mapping
-from inflight.parallel.sharding import check_tensor_parallel
+from inflight.parallel.sharding import PipelineStage, check_tensor_parallel
 from inflight.utils.dtypes import parse_dtype
 
 logger = logging.getLogger("inflight")
@@ -69,9 +70,7 @@ class Engine:
 
 
 def shard_spec(args: LlmArgs, device: torch.device) -> ShardSpec:
-    """What every rank of a parallel engine needs from ``args`` to load its shard."""
-    if args.attention_backend is not None and not isinstance(args.attention_backend, str):
-        raise ValueError("a parallel engine needs attention_backend by name ('native' or 'torch')")
+    """What every rank needs from ``args`` to load its shard (rank 0 of a single process too)."""
     return ShardSpec(
         model=args.model,
         dtype=args.torch_dtype,
@@ -99,9 +98,16 @@ def follower_rank(args: LlmArgs) -> int:
     return 0 if rank is None else rank
 
 
+def _parallel_spec(args: LlmArgs, device: torch.device) -> ShardSpec:
+    """The spec sent to other processes: it must pickle, so the attention backend goes by name."""
+    if args.attention_backend is not None and not isinstance(args.attention_backend, str):
+        raise ValueError("a parallel engine needs attention_backend by name ('native' or 'torch')")
+    return shard_spec(args, device)
+
+
 def run_follower_rank(args: LlmArgs, rank: int) -> int:
     """A torchrun follower: serves its shard until rank 0 shuts down; the exit status (0: clean)."""
-    return run_follower(shard_spec(args, _device(args)), rank)
+    return run_follower(_parallel_spec(args, _device(args)), rank)
 
 
 def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], None] | None = None) -> Engine:
@@ -119,7 +125,7 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         overlap = False
 
     t0 = time.perf_counter()
-    cluster = None
+    cluster = stage = None
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         c = load_config(args.model)  # sizes that do not split fail here, before any rank starts
         check_tensor_parallel(
@@ -128,9 +134,10 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
         Mapping(args.pipeline_parallel_size, 0, 1, args.pipeline_parallel_size).layer_range(
             c.num_hidden_layers
         )
-        cluster = Cluster.start(shard_spec(args, device))
+        cluster = Cluster.start(_parallel_spec(args, device))
+        stage = stage_of(cluster.mapping, c.num_hidden_layers)
     try:
-        return _create(args, device, overlap, cluster, t0, response_callback)
+        return _create(args, device, overlap, cluster, stage, t0, response_callback)
     except BaseException:
         if cluster is not None:
             cluster.shutdown()
@@ -142,19 +149,12 @@ def _create(
     device: torch.device,
     overlap: bool,
     cluster: Cluster | None,
+    stage: PipelineStage | None,
     t0: float,
     response_callback: Callable[[Response], None] | None,
 ) -> Engine:
-    loaded = load_model(
-        args.model,
-        dtype=args.torch_dtype,
-        device=device,
-        attention_backend=args.attention_backend,
-        max_seq_len=args.max_seq_len,
-        quantization=args.quantization,
-        tp=cluster.tp if cluster is not None else SINGLE,
-        stage=cluster.rank0_stage() if cluster is not None else None,
-    )
+    spec = cluster.spec if cluster is not None else shard_spec(args, device)
+    loaded = spec.load(device, cluster.tp if cluster is not None else SINGLE, stage)
     model = loaded.model
     if cluster is not None:
         if cluster.mapping.pp_size > 1:

@@ -94,13 +94,13 @@ def engine_snapshot(state: ServerState, rate: _Rate | None = None) -> dict:
         for s in stats[-STEPS:]
         if s["num_tokens"] > 0
     ]
+
+    def ago(t: float | None) -> float | None:
+        return None if t is None else round(now - t, 4)
+
     requests = []
     if timelines is not None:
         for e in timelines.snapshot(REQUESTS):
-
-            def ago(t):
-                return None if t is None else round(now - t, 4)
-
             requests.append(
                 {
                     "id": e["id"],
