@@ -5,7 +5,7 @@ from __future__ import annotations
 from inflight import _C  # noqa: F401  (fails loudly here if the native module is missing)
 from inflight.cuda import cuda_available
 from inflight.llm import LLM, RequestError
-from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig
+from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig, SpeculativeConfig
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.request_handle import RequestHandle
 from inflight.sampling_params import SamplingParams
@@ -22,6 +22,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "__version__",
     "cuda_available",
 ]

@@ -202,6 +202,16 @@ class LLM:
             )
         return max_new
 
+    def _prediction_ids(self, params: SamplingParams) -> list[int] | None:
+        """The tokens of ``params.prediction`` (no special tokens), bounded like a prompt."""
+        if params.prediction is None or not params.speculative:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("prediction", "prediction needs a tokenizer; this model has none")
+        self._check_text_size("prediction", [params.prediction])
+        ids = list(self.tokenizer.encode(params.prediction, add_special_tokens=False))
+        return ids or None
+
     def generate_async(
         self,
         prompt: PromptType,
@@ -221,6 +231,7 @@ class LLM:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = prepared if prepared is not None else self._tokenize(prompt)
         max_new = self._validate(ids, params)
+        prediction = self._prediction_ids(params)
         cfg = self.model_config
         children = []
         for i in range(params.n):
@@ -233,7 +244,9 @@ class LLM:
             rid = next(self._ids)
             # Stop strings are matched on text here, so their requests report every token.
             report_each_token = streaming or bool(params.stop)
-            children.append(ExecutorRequest(rid, ids, max_new, state, report_each_token, priority))
+            child = ExecutorRequest(rid, ids, max_new, state, report_each_token, priority)
+            child.py_prediction = prediction
+            children.append(child)
         handle = RequestHandle(
             [c.request_id for c in children],
             text,

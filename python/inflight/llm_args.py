@@ -38,6 +38,7 @@ __all__ = [
     "KvCacheConfig",
     "LlmArgs",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "add_cli_arguments",
     "arg",
 ]
@@ -347,6 +348,80 @@ class SchedulerConfig(_Args):
     )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Most draft tokens per step: a verification row is 1 + k tokens, and past ~16 drafts almost none
+# survive (each must match); the bound also keeps a hostile config from inflating every step.
+MAX_DRAFT_LEN = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(_Args):
+    """Speculative decoding (off unless ``method`` is set): a drafter proposes up to ``max_draft_len``
+    tokens per generation step, the model scores them all in one forward, and the longest prefix the
+    model agrees with (plus the model's own next token) is kept. Greedy and seeded outputs are the
+    same as without speculation; only the speed changes.
+
+    ``method``: ``ngram`` (prompt lookup: the last ``prompt_lookup_min``..``prompt_lookup_max``
+    tokens matched earlier in the prompt or output, and what followed them proposed) or
+    ``draft_model`` (a smaller model with the same tokenizer, ``draft_model``). TensorRT-LLM's name
+    ``max_draft_len``; vLLM's ``prompt_lookup_min`` / ``prompt_lookup_max``.
+    """
+
+    _cli_prefix: ClassVar[str] = "speculative-"
+
+    method: str | None = arg(
+        None,
+        "speculative decoding: ngram (prompt lookup) or draft_model (needs --draft-model); off by default",
+        Choice(SPECULATIVE_METHODS, optional=True),
+        flag="--speculative-method",
+    )
+    max_draft_len: int = arg(
+        4,
+        "most draft tokens proposed per step (adapted per request to what gets accepted)",
+        Int(1, MAX_DRAFT_LEN),
+        flag="--max-draft-len",
+    )
+    prompt_lookup_min: int = arg(
+        1, "ngram: shortest suffix matched", Int(1, 64), flag="--prompt-lookup-min"
+    )
+    prompt_lookup_max: int = arg(
+        4, "ngram: longest suffix matched", Int(1, 64), flag="--prompt-lookup-max"
+    )
+    draft_model: str | None = arg(
+        None,
+        "draft_model: the draft model (HF directory, .gguf file or known name) with the target's tokenizer",
+        flag="--draft-model",
+    )
+
+    @classmethod
+    def _qualified(cls, name: str) -> str:
+        return f"SpeculativeConfig.{name}"
+
+    def _validate(self) -> None:
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            object.__setattr__(self, "draft_model", str(self.draft_model))  # a PathLike
+        if self.method is None and self.draft_model is not None:
+            object.__setattr__(self, "method", "draft_model")  # --draft-model alone means that
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError(
+                "SpeculativeConfig.draft_model is required with method='draft_model' (a model directory, "
+                ".gguf file or known name), got None"
+            )
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_model must be None with method='ngram', got {self.draft_model!r}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_min must be <= prompt_lookup_max={self.prompt_lookup_max}, "
+                f"got {self.prompt_lookup_min}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 QUANTIZATION_MODES = ("auto", "gguf", "none")
 ATTENTION_BACKENDS = ("native", "torch")
 
@@ -374,6 +449,9 @@ class LlmArgs(_Args):
     )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
     scheduler_config: SchedulerConfig = arg(None, "the scheduling policies", Config(SchedulerConfig))
+    speculative_config: SpeculativeConfig = arg(
+        None, "speculative decoding (off by default)", Config(SpeculativeConfig)
+    )
     max_batch_size: int = arg(256, "most requests in one forward", Int(1))
     max_num_tokens: int = arg(8192, "most tokens in one forward", Int(1))
     max_seq_len: int | None = arg(

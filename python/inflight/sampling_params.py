@@ -88,6 +88,11 @@ class SamplingParams:
       by ``max_logprobs``, 20 by default).
     - ``n`` (>= 1; n > 1 needs random sampling, temperature > 0), ``skip_special_tokens``,
       ``detokenize``.
+    - ``speculative`` (default True): False keeps this request out of speculative decoding (no draft
+      tokens), for requests where drafting cannot pay.
+    - ``prediction`` (str, or None): OpenAI's predicted output — text the output is expected to
+      repeat largely (an edit of a given document); its tokens are offered as draft tokens, with or
+      without a speculative engine. Never changes the output, only the speed.
     """
 
     max_tokens: int | None = None
@@ -110,6 +115,8 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     detokenize: bool = True
+    speculative: bool = True
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalized values go in through object.__setattr__, once, here.
@@ -121,7 +128,13 @@ class SamplingParams:
         put("min_tokens", _check_int("min_tokens", self.min_tokens, 0, what=">= 0"))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+            "speculative",
+        ):
             put(name, _check_bool(name, getattr(self, name)))
 
         put(
@@ -178,6 +191,8 @@ class SamplingParams:
                 _check_int("logprobs", self.logprobs, 0, what=">= 0 (or None)"),
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise ValueError(f"prediction must be a str (the predicted output) or None, got {self.prediction!r}")
         if self.n > 1 and self.temperature < SAMPLING_EPS:
             # n identical greedy sequences are never what the caller meant (vLLM refuses it too).
             raise ValueError(

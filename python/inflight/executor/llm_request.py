@@ -47,6 +47,10 @@ class ExecutorRequest(LlmRequest):
         self.py_stop_reason: int | None = None  # the stop token id, when one ended the request
         self.py_error: str | None = None
         self.py_num_preemptions = 0
+        # Speculative decoding: OpenAI's predicted output as token ids (drafts), and the request's
+        # drafting state (created by the Speculator on first use).
+        self.py_prediction: list[int] | None = None
+        self.py_spec = None
         self.py_arrival_time = time.monotonic()
         self.py_first_scheduled_time: float | None = None
         self.py_first_token_time: float | None = None

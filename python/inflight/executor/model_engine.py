@@ -1,9 +1,11 @@
 """Model engine: turns a scheduled batch into the model's flat inputs and runs the forward.
 
-One step's inputs: the tokens of each context chunk, then one token per decode request (flattened,
-no padding), their positions, and the :class:`AttentionMetadata` (block tables written by the C++
-KV manager in one call, slot mapping, lengths). Only rows whose logits are needed (a context's
-last chunk, every decode) go through the LM head.
+One step's inputs: the tokens of each context chunk, then the decode requests that carry draft
+tokens (speculative decoding: one causal row of ``1 + k`` tokens each, the newest token then the
+drafts), then one token per other decode request (flattened, no padding), their positions, and the
+:class:`AttentionMetadata` (block tables written by the C++ KV manager in one call, slot mapping,
+lengths). Only rows whose logits are needed (a context's last chunk, every decode token, every
+position of a drafting row) go through the LM head.
 
 Per-request state on the device is indexed by the request's sequence slot (``seq_slot``, from the
 SeqSlotManager), as TensorRT-LLM indexes its decoder state: ``new_tokens[slot]`` is the newest token
@@ -34,6 +36,9 @@ class ModelInputs:
     # input_ids[pending_dst] = new_tokens[pending_slots].
     pending_dst: torch.Tensor | None = None
     pending_slots: torch.Tensor | None = None
+    # Speculative decoding: logits rows per sampled request (1, or 1 + k for one with k drafts),
+    # None when no request of the step carries drafts.
+    num_rows: list[int] | None = None
 
 
 class ModelEngine:
@@ -76,9 +81,30 @@ class ModelEngine:
             if req.is_last_context_chunk:
                 logits_indices.append(len(ids) - 1)
                 sampled.append(req)
+        gens = batch.generation_requests
+        drafting = [r for r in gens if r.has_draft_tokens]
+        num_rows = None
+        if drafting:
+            # Drafting rows first (next to the contexts: both go through context attention), then the
+            # single-token decodes (paged attention).
+            gens = drafting + [r for r in gens if not r.has_draft_tokens]  # a list now
+            num_rows = [1] * len(sampled)
         dst, src = [], []
-        for req in batch.generation_requests:
+        for req in gens:
             pos = req.num_tokens - 1
+            if req.has_draft_tokens:
+                drafts = req.draft_tokens
+                k = len(drafts)
+                first = len(ids)
+                ids.append(req.last_token)
+                ids.extend(drafts)
+                positions.extend(range(pos, pos + 1 + k))
+                seq_lens.append(1 + k)
+                kv_lens.append(pos + 1 + k)
+                logits_indices.extend(range(first, first + 1 + k))
+                sampled.append(req)
+                num_rows.append(1 + k)
+                continue
             if req.request_id in pending_ids:
                 pos += 1  # its newest token is still on the device
                 dst.append(len(ids))
@@ -91,10 +117,13 @@ class ModelEngine:
             kv_lens.append(pos + 1)
             logits_indices.append(len(ids) - 1)
             sampled.append(req)
+            if num_rows is not None:
+                num_rows.append(1)
 
         n = len(seq_lens)
         tables = self._tables[:n]
-        self.kv.copy_block_tables(RequestList(batch.all_requests), tables)
+        order = batch.all_requests if num_rows is None else list(batch.context_requests) + gens
+        self.kv.copy_block_tables(RequestList(order), tables)
         block_tables = torch.from_numpy(tables)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
@@ -121,6 +150,7 @@ class ModelEngine:
         )
         slots = torch.tensor([r.seq_slot for r in sampled], dtype=torch.int64, device=dev)
         inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled, slots)
+        inputs.num_rows = num_rows
         if dst:
             inputs.pending_dst = torch.tensor(dst, dtype=torch.int64, device=dev)
             inputs.pending_slots = torch.tensor(src, dtype=torch.int64, device=dev)

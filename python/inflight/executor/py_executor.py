@@ -12,6 +12,10 @@ from the device buffer of newest tokens that N-1's sampling wrote, by sequence s
 trip); a request that met a stop condition at N-1 but was already scheduled into N has its step-N
 token discarded, and is freed only once N is done.
 
+Speculative decoding (:mod:`inflight.executor.speculative`, with a :class:`Speculator`): placeholder
+drafts before scheduling, real drafts after it, verification after sampling, the KV cache rewound
+by the drafts that were not kept. Overlap mode is off while speculating.
+
 The loop runs on a worker thread (:meth:`start_worker`, by default at construction). Without one,
 :meth:`step` runs one iteration on the caller's thread: the scheduling simulator drives the executor
 that way, step by step.
@@ -41,6 +45,7 @@ from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
 from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput
 from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
+from inflight.executor.speculative import Speculator
 from inflight.executor.timeline import Timelines
 
 logger = logging.getLogger("inflight")
@@ -97,6 +102,7 @@ class PyExecutor:
         start_worker: bool = True,
         stats_extra: dict | None = None,
         pipeline_depth: int = 1,
+        speculator: Speculator | None = None,
     ):
         self.model_engine = model_engine
         self.resource_manager = resource_manager
@@ -104,7 +110,13 @@ class PyExecutor:
         self.sampler = sampler
         self.max_seq_len = max_seq_len
         self.max_num_active_requests = max_num_active_requests
+        if speculator is not None and speculator.drafter is not None and not disable_overlap_scheduler:
+            logger.info("overlap scheduler off: speculative decoding verifies each step before the next")
+            disable_overlap_scheduler = True
         self.overlap = not disable_overlap_scheduler
+        # In overlap mode the next step is planned before this one's tokens are known: no drafting
+        # there (a request's prediction is then ignored).
+        self.speculator = speculator if not self.overlap else None
         self.log_stats_every = log_stats_every
         self._stats_extra = dict(stats_extra or {})  # constant keys of every stats entry
         self.timelines = Timelines()  # the recent requests' timelines (the engine dashboard)
@@ -229,6 +241,8 @@ class PyExecutor:
                 pass
         if self._forward_pool is not None:
             self._forward_pool.shutdown(wait=True)
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.resource_manager.shutdown()
         self.model_engine.shutdown()
 
@@ -268,7 +282,7 @@ class PyExecutor:
             return
         t0 = time.perf_counter()
         self._step_num_tokens = 0
-        batch = self.scheduler.schedule_request(self.active, set())
+        batch = self._schedule()
         self._pause(batch.paused_requests)
         if len(batch):
             try:
@@ -331,7 +345,7 @@ class PyExecutor:
             # ceil(active / depth) of them); the rest are held back for the next micro-batch.
             free = [r.request_id for r in self.active if r.request_id not in in_flight]
             held = set(free[-(-len(self.active) // self.pipeline_depth) :])
-            batch = self.scheduler.schedule_request(self.active, in_flight | held)
+            batch = self._schedule(in_flight, held)
             if any(r.request_id in in_flight for r in batch.paused_requests):
                 # Room needs a request that is still in the pipe: let it land first.
                 batch = ScheduledRequests()
@@ -360,6 +374,17 @@ class PyExecutor:
         self._record_stats(batch, t0)
 
     # ------------------------------------------------------------------ components of a step
+    def _schedule(self, in_flight=frozenset(), held=frozenset()) -> ScheduledRequests:
+        """The scheduler's batch; with speculation, drafts planned before it and filled after it.
+        ``in_flight``: requests of launched micro-batches (untouched); ``held``: kept for a later one."""
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.active, self.max_seq_len, in_flight)
+        batch = self.scheduler.schedule_request(self.active, set(in_flight) | set(held))
+        if spec is not None:
+            spec.fill(batch.generation_requests)
+        return batch
+
     def _fetch_new_requests(self, block: bool) -> bool:
         """Moves queued requests into the waiting queue and (up to the limit) into the active list.
         With ``block``, waits while there is nothing to do. Returns False when the loop should stop."""
@@ -440,6 +465,10 @@ class PyExecutor:
                 continue
             logger.warning("request %d preempted (KV cache full); it will be recomputed", req.request_id)
             self.resource_manager.free_resources(req)
+            if self.speculator is not None:
+                self.speculator.free(req)
+            if req.has_draft_tokens:
+                req.draft_tokens = []
             req.pause(self.max_seq_len)
             req.py_num_preemptions += 1
             self.timelines.preempted(req.request_id)
@@ -456,7 +485,10 @@ class PyExecutor:
         return self._sample(self.model_engine.forward(inputs), inputs)
 
     def _sample(self, logits, inputs: ModelInputs) -> SamplerOutput:
-        states = [r.py_sampling_state for r in inputs.sampled_requests]
+        if inputs.num_rows is not None:  # drafting rows: one state per position
+            states = Speculator.row_states(inputs)
+        else:
+            states = [r.py_sampling_state for r in inputs.sampled_requests]
         try:
             output = self.sampler.sample(logits, states)
         except Exception as exc:  # noqa: BLE001
@@ -464,6 +496,8 @@ class PyExecutor:
             logger.warning(
                 "sampling failed for the batch (%r); rows %s fail alone", exc, sorted(output.errors)
             )
+        if inputs.num_rows is not None:
+            self.speculator.verify(logits, inputs, output, self.sampler, states)
         if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
             self.model_engine.store_new_tokens(inputs, output.token_ids)
         return output
@@ -483,32 +517,52 @@ class PyExecutor:
         return finished_contexts
 
     def _process_output(self, step: _InFlight, only: int | None = None) -> None:
-        """Appends a step's sampled tokens, checks stop conditions, sends responses."""
+        """Appends a step's sampled tokens, checks stop conditions, sends responses. A request with
+        drafts appends its kept tokens one by one (the first that stops it ends it; the rest is
+        dropped), then its KV cache is rewound by the drafts it did not keep."""
         output = step.output
         tokens = output.token_ids.tolist()
         logprobs = LogprobRows(output) if output.logprobs is not None else None
+        num_rows = step.inputs.num_rows
+        num_kept = output.num_kept
         now = time.monotonic()
-        for row, (req, tok) in enumerate(zip(step.inputs.sampled_requests, tokens)):
+        row = 0
+        for i, req in enumerate(step.inputs.sampled_requests):
+            first = row
+            n = num_rows[i] if num_rows is not None else 1
+            row += n
             if only is not None and req.request_id != only:
                 continue
             if req.py_done or req.request_id in step.processed:
                 continue  # finished before this step's token (overlap), or already taken
             step.processed.add(req.request_id)
-            if row in output.errors:
-                self._finish(req, FinishReason.NOT_FINISHED, f"sampling failed: {output.errors[row]}")
+            failed = next((r for r in range(first, first + n) if r in output.errors), None)
+            if failed is not None:
+                self._finish(req, FinishReason.NOT_FINISHED, f"sampling failed: {output.errors[failed]}")
                 self._deferred_free.append(req)
                 continue
-            req.add_new_token(tok)
-            self.timelines.token(req.request_id)
+            kept = num_kept[i] if num_kept is not None else 1
             state = req.py_sampling_state
-            state.append(tok)
-            if logprobs is not None and state.params.logprobs is not None:
-                entry = logprobs.entry(row, tok, state.params.logprobs)
-                req.py_logprobs.append(entry)
-                req.py_cumulative_logprob += entry[tok]
+            reason = FinishReason.NOT_FINISHED
+            appended = 0
+            for r in range(first, first + kept):
+                tok = tokens[r]
+                req.add_new_token(tok)
+                appended += 1
+                self.timelines.token(req.request_id)
+                state.append(tok)
+                if logprobs is not None and state.params.logprobs is not None:
+                    entry = logprobs.entry(r, tok, state.params.logprobs)
+                    req.py_logprobs.append(entry)
+                    req.py_cumulative_logprob += entry[tok]
+                reason, stop_reason = self._stop_condition(req, tok)
+                if reason != FinishReason.NOT_FINISHED:
+                    break
+            if n > 1:  # drafted n - 1 tokens; appended - 1 of them are now in the sequence
+                self.resource_manager.get("kv_cache_manager").rewind(req, (n - 1) - (appended - 1))
+                self.speculator.after_verify(req, n - 1, kept - 1)
             if req.py_first_token_time is None:
                 req.py_first_token_time = now
-            reason, stop_reason = self._stop_condition(req, tok)
             if reason != FinishReason.NOT_FINISHED:
                 req.py_stop_reason = stop_reason
                 self._finish(req, reason)
@@ -587,6 +641,8 @@ class PyExecutor:
             done = [r for r in done if r.request_id not in in_flight]
         for req in done:
             self.resource_manager.free_resources(req, store_for_reuse=req.py_finish_reason != "error")
+            if self.speculator is not None:
+                self.speculator.free(req)
         self.active.remove_ids({r.request_id for r in done})
 
     def _fail_batch(self, batch: ScheduledRequests, exc: BaseException) -> None:
@@ -640,6 +696,10 @@ class PyExecutor:
             "kv_cache_stats": kv_stats,
             **self._stats_extra,
         }
+        if self.speculator is not None:
+            stat["spec_decode"] = self.speculator.stats.entry()
+            if stat["spec_decode"]["num_requests_with_drafts"]:
+                self.speculator.stats.maybe_log()
         self._stats.append(stat)
         self._last_progress = time.monotonic()
         if self.log_stats_every and self._iter % self.log_stats_every == 0:

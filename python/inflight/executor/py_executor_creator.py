@@ -34,6 +34,7 @@ from inflight.executor.parallel_runtime import (
 from inflight.executor.py_executor import PyExecutor
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
 from inflight.executor.sampler import Sampler
+from inflight.executor.speculative import NgramDrafter, Speculator
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
     BindMicroBatchScheduler,
@@ -228,6 +229,7 @@ def _create(
     # Requests without a seed of their own draw from torch's default generator.
     torch.manual_seed(args.seed)
     engine = ModelEngine(model, kv_manager, device, args.max_batch_size, max_num_active)
+    speculator = _make_speculator(args, cfg, loaded, device, budget, max_seq_len)
     executor = PyExecutor(
         engine,
         resources,
@@ -240,10 +242,42 @@ def _create(
         log_stats_every=args.log_iteration_stats,
         stats_extra={"parallel": parallel},
         pipeline_depth=pp,
+        speculator=speculator,
     )
     if isinstance(model, ParallelModel):
         model.on_failure = executor.fail
     return Engine(executor, cfg, loaded.tokenizer, device, loaded.dtype, max_seq_len, budget, parallel)
+
+
+def _make_speculator(args: LlmArgs, cfg: ModelConfig, loaded, device, budget, max_seq_len: int) -> Speculator:
+    """The engine's drafter (``speculative_config``; None when off: only requests with a prediction
+    draft then) inside a :class:`Speculator`."""
+    sc = args.speculative_config
+    drafter = None
+    if sc.method == "ngram":
+        drafter = NgramDrafter(sc.prompt_lookup_min, sc.prompt_lookup_max)
+    elif sc.method == "draft_model":
+        from inflight.executor.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter.create(
+            sc.draft_model,
+            target_config=cfg,
+            target_tokenizer=loaded.tokenizer,
+            device=device,
+            dtype=args.torch_dtype,
+            num_tokens=budget.num_tokens,
+            tokens_per_block=args.kv_cache_config.tokens_per_block,
+            max_seq_len=max_seq_len,
+            max_batch_size=args.max_batch_size,
+            quantization=args.quantization,
+        )
+    if drafter is not None:
+        logger.info(
+            "speculative decoding: %s, up to %d draft tokens per step (adapted per request)",
+            drafter.name,
+            sc.max_draft_len,
+        )
+    return Speculator(drafter, sc.max_draft_len)
 
 
 def _make_scheduler(

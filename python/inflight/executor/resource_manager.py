@@ -156,7 +156,23 @@ class KVCacheResourceManager(BaseResourceManager):
                 # With reuse this may move the request's context position past cached blocks.
                 kv.add_sequence(req.request_id, req.prompt_len, 1, req)
         for req in batch.generation_requests:
-            kv.add_token(req.request_id)
+            k = req.num_draft_tokens
+            if k == 0:
+                kv.add_token(req.request_id)
+                continue
+            try:
+                kv.add_tokens(req.request_id, 1 + k)  # the newest token and its drafts
+            except RuntimeError:
+                # The planner counted the drafts; should the pool still be short, drop them (they
+                # are optional) rather than the step.
+                logger.debug("request %d: no KV room for %d draft tokens; decoding without", req.request_id, k)
+                req.draft_tokens = []
+                kv.add_token(req.request_id)
+
+    def rewind(self, request, n: int) -> None:
+        """Drops the request's last ``n`` KV tokens (draft tokens that were not kept)."""
+        if n > 0 and self.impl.has_sequence(request.request_id):
+            self.impl.rewind(request.request_id, n)
 
     def update_resources(self, batch: ScheduledRequests, finished_contexts: Sequence) -> None:
         if self.impl.enable_block_reuse:

@@ -33,6 +33,7 @@ appends each accepted token with :meth:`SamplingState.append`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -140,6 +141,15 @@ class SamplingState:
         self._output[self._num_generated] = token_id
         self._num_generated += 1
 
+    def extended(self, token_ids: Sequence[int]) -> SamplingState:
+        """A copy as if ``token_ids`` had been appended (speculative decoding: the state that samples
+        the position after those draft tokens). The generator, if any, is shared."""
+        n = self._num_generated
+        out = np.empty(n + len(token_ids), dtype=np.int64)
+        out[:n] = self._output[:n]
+        out[n:] = token_ids
+        return dataclasses.replace(self, _output=out, _num_generated=len(out))
+
     def extend(self, token_ids: Iterable[int]) -> None:
         for t in token_ids:
             self.append(t)
@@ -165,6 +175,8 @@ class SamplerOutput:
     num_top_logprobs: list[int] | None = None
     # Rows the sampler failed on (row -> message; their token is 0): see Sampler.sample_each.
     errors: dict[int, str] = field(default_factory=dict)
+    # Speculative decoding: tokens kept per sampled request (its rows' first ones); None: one each.
+    num_kept: list[int] | None = None
 
 
 class Sampler:

@@ -5,8 +5,10 @@ the context chunks (sequences ``0 .. num_contexts-1``, reading earlier chunks an
 blocks straight from the cache) and ``paged_attention`` over the decodes, both writing into one
 preallocated ``[num_tokens, num_heads, head_dim]`` output. No Python loop over sequences.
 
-When a decode step carries more than one query token (``1 + draft`` tokens) the whole batch goes
-through ``context_attention``, which handles any query length.
+A decode step that carries more than one query token (``1 + draft`` tokens) goes through
+``context_attention``, which handles any query length: the executor puts those rows right after the
+context chunks, so the single-token decodes after them stay on ``paged_attention`` (a multi-token
+row among them sends everything from the first context on through ``context_attention``).
 
 The per-step argument slices depend only on the metadata, so they are built once per step (by the
 first layer to see a metadata object) and reused by the other layers, as in
@@ -41,8 +43,11 @@ def plan_kernels(metadata: AttentionMetadata) -> KernelPlan:
     """Splits the step into the context_attention part and the paged_attention part."""
     metadata.check()
     nc, bs = metadata.num_contexts, metadata.batch_size
-    if any(s != 1 for s in metadata.seq_lens_host[nc:]):
-        nc = bs  # multi-token decodes: everything is a context chunk
+    lens = metadata.seq_lens_host
+    # Multi-token decodes (drafts) go with the context chunks: up to the last of them.
+    multi = [i for i in range(nc, bs) if lens[i] != 1]
+    if multi:
+        nc = multi[-1] + 1
     num_ctx_tokens = sum(metadata.seq_lens_host[:nc])
     i32 = torch.int32
     ctx = dec = (None, None)
