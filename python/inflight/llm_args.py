@@ -381,12 +381,8 @@ class SpeculativeConfig(_Args):
         Int(1, MAX_DRAFT_LEN),
         flag="--max-draft-len",
     )
-    prompt_lookup_min: int = arg(
-        1, "ngram: shortest suffix matched", Int(1, 64), flag="--prompt-lookup-min"
-    )
-    prompt_lookup_max: int = arg(
-        4, "ngram: longest suffix matched", Int(1, 64), flag="--prompt-lookup-max"
-    )
+    prompt_lookup_min: int = arg(1, "ngram: shortest suffix matched", Int(1, 64), flag="--prompt-lookup-min")
+    prompt_lookup_max: int = arg(4, "ngram: longest suffix matched", Int(1, 64), flag="--prompt-lookup-max")
     draft_model: str | None = arg(
         None,
         "draft_model: the draft model (HF directory, .gguf file or known name) with the target's tokenizer",

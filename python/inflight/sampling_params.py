@@ -192,7 +192,9 @@ class SamplingParams:
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
         if self.prediction is not None and not isinstance(self.prediction, str):
-            raise ValueError(f"prediction must be a str (the predicted output) or None, got {self.prediction!r}")
+            raise ValueError(
+                f"prediction must be a str (the predicted output) or None, got {self.prediction!r}"
+            )
         if self.n > 1 and self.temperature < SAMPLING_EPS:
             # n identical greedy sequences are never what the caller meant (vLLM refuses it too).
             raise ValueError(

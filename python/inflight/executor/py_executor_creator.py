@@ -34,7 +34,6 @@ from inflight.executor.parallel_runtime import (
 from inflight.executor.py_executor import PyExecutor
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
 from inflight.executor.sampler import Sampler
-from inflight.executor.speculative import NgramDrafter, Speculator
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
     BindMicroBatchScheduler,
@@ -42,6 +41,7 @@ from inflight.executor.scheduler import (
     ScheduledRequests,
     SimpleScheduler,
 )
+from inflight.executor.speculative import NgramDrafter, Speculator
 from inflight.executor.step_channel import PipeLink
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig

@@ -165,7 +165,9 @@ class KVCacheResourceManager(BaseResourceManager):
             except RuntimeError:
                 # The planner counted the drafts; should the pool still be short, drop them (they
                 # are optional) rather than the step.
-                logger.debug("request %d: no KV room for %d draft tokens; decoding without", req.request_id, k)
+                logger.debug(
+                    "request %d: no KV room for %d draft tokens; decoding without", req.request_id, k
+                )
                 req.draft_tokens = []
                 kv.add_token(req.request_id)
 

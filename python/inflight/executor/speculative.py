@@ -340,7 +340,9 @@ class Speculator:
             plain = state.params.greedy and not state.params.has_penalties and not state.needs_min_tokens_mask
             for j in range(1, n):
                 # A plain greedy row's token depends on its logits alone: no view needed.
-                states.append(state if plain and state.params.logprobs is None else state.extended(drafts[:j]))
+                states.append(
+                    state if plain and state.params.logprobs is None else state.extended(drafts[:j])
+                )
         return states
 
     def verify(self, logits: torch.Tensor, inputs, output, sampler, states: Sequence) -> None:
