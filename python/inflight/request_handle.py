@@ -16,6 +16,7 @@ and so is an incomplete UTF-8 character (the detokenizer holds it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -205,7 +206,37 @@ class _Sequence:
 
     def update(self, resp: Response) -> bool:
         """Takes a response; True when a stop string ended the sequence here (while the executor
-        request is still running, so the caller cancels it)."""
+        request is still running, so the caller cancels it). A response of several tokens (speculative
+        decoding) is taken one token at a time while stop strings are watched, so the sequence ends
+        at the token that completes one, as it would have without speculation."""
+        ids = resp.new_token_ids
+        if len(ids) < 2 or not self.params.stop or self.detokenizer is None:
+            return self._update(resp)
+        lps = resp.new_logprobs
+        later = [0.0] * len(ids)  # the log-probabilities of the tokens after each (cumulative_logprob)
+        if lps and resp.cumulative_logprob is not None:
+            for i in range(len(ids) - 2, -1, -1):
+                later[i] = later[i + 1] + lps[i + 1][ids[i + 1]]
+        for i, tok in enumerate(ids):
+            last = i == len(ids) - 1
+            part = dataclasses.replace(
+                resp,
+                new_token_ids=[tok],
+                num_output_tokens=resp.num_output_tokens - (len(ids) - 1 - i),
+                finished=resp.finished and last,
+                finish_reason=resp.finish_reason if last else None,
+                stop_reason=resp.stop_reason if last else None,
+                new_logprobs=lps[i : i + 1] if lps is not None else None,
+                cumulative_logprob=(
+                    resp.cumulative_logprob - later[i] if resp.cumulative_logprob is not None else None
+                ),
+                error=resp.error if last else None,
+            )
+            if self._update(part) or self.finished:
+                return not resp.finished and self.finished
+        return False
+
+    def _update(self, resp: Response) -> bool:
         self.token_ids.extend(resp.new_token_ids)
         if self.logprobs is not None and resp.new_logprobs:
             self.logprobs.extend(resp.new_logprobs)

@@ -41,6 +41,46 @@ class ModelInputs:
     num_rows: list[int] | None = None
 
 
+def build_metadata(
+    kv: KVCacheResourceManager,
+    requests,
+    tables: np.ndarray,
+    positions: list[int],
+    seq_lens: list[int],
+    kv_lens: list[int],
+    logits_indices: list[int],
+    num_contexts: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's :class:`AttentionMetadata`: ``requests`` in row order (their block tables from ``kv``,
+    written into the reused host buffer ``tables``), each row's flattened tokens at ``positions``."""
+    n = len(seq_lens)
+    tpb = kv.tokens_per_block
+    rows = tables[:n]
+    kv.copy_block_tables(requests if isinstance(requests, RequestList) else RequestList(requests), rows)
+    block_tables = torch.from_numpy(rows)
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(n), seq_lens_t)
+    slot_mapping = block_tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    torch.cumsum(seq_lens_t, 0, out=cu[1:])
+    return AttentionMetadata(
+        num_contexts=num_contexts,
+        num_tokens=len(positions),
+        tokens_per_block=tpb,
+        seq_lens=seq_lens_t.to(device),
+        cu_seqlens=cu.to(device),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        positions=positions_t.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device, copy=True),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        seq_lens_host=tuple(seq_lens),
+        kv_lens_host=tuple(kv_lens),
+    )
+
+
 class ModelEngine:
     """Builds a step's inputs and runs the model's forward; ``max_num_slots`` bounds ``seq_slot``."""
 
@@ -120,34 +160,19 @@ class ModelEngine:
             if num_rows is not None:
                 num_rows.append(1)
 
-        n = len(seq_lens)
-        tables = self._tables[:n]
         order = batch.all_requests if num_rows is None else list(batch.context_requests) + gens
-        self.kv.copy_block_tables(RequestList(order), tables)
-        block_tables = torch.from_numpy(tables)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        seq_idx = torch.repeat_interleave(torch.arange(n), seq_lens_t)
-        slot_mapping = (
-            block_tables[seq_idx, positions_t // self.tpb].to(torch.int64) * self.tpb + positions_t % self.tpb
+        meta = build_metadata(
+            self.kv,
+            order,
+            self._tables,
+            positions,
+            seq_lens,
+            kv_lens,
+            logits_indices,
+            len(batch.context_requests),
+            self.device,
         )
-        cu = torch.zeros(n + 1, dtype=torch.int32)
-        torch.cumsum(seq_lens_t, 0, out=cu[1:])
         dev = self.device
-        meta = AttentionMetadata(
-            num_contexts=len(batch.context_requests),
-            num_tokens=len(ids),
-            tokens_per_block=self.tpb,
-            seq_lens=seq_lens_t.to(dev),
-            cu_seqlens=cu.to(dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
-            positions=positions_t.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev, copy=True),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            seq_lens_host=tuple(seq_lens),
-            kv_lens_host=tuple(kv_lens),
-        )
         slots = torch.tensor([r.seq_slot for r in sampled], dtype=torch.int64, device=dev)
         inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled, slots)
         inputs.num_rows = num_rows
