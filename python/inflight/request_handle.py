@@ -25,6 +25,9 @@ from inflight.executor.llm_request import Response
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.sampling_params import SamplingParams
 
+# Per-request metrics of speculative decoding (RequestOutput.metrics), summed over a request's sequences.
+DRAFT_METRICS = ("num_draft_tokens", "num_accepted_draft_tokens")
+
 __all__ = ["RequestHandle"]
 
 
@@ -77,7 +80,13 @@ class RequestHandle:
                 if seq.update(resp):
                     stopped.append(resp.request_id)
                 if resp.finished and resp.metrics:
-                    self._metrics = resp.metrics
+                    # Timings: the last sequence's; draft-token counts: summed over the sequences.
+                    summed = {
+                        k: self._metrics.get(k, 0) + resp.metrics[k]
+                        for k in DRAFT_METRICS
+                        if k in resp.metrics
+                    }
+                    self._metrics = {**resp.metrics, **summed}
             if not changed:
                 return
             done = all(s.finished for s in self._seqs)

@@ -355,3 +355,111 @@ def test_stats_entries(make_llm):
     assert sum(e["num_draft_tokens"] for e in entries) == entries[-1]["num_draft_tokens_total"]
     assert sum(e["num_accepted_tokens"] for e in entries) == entries[-1]["num_accepted_tokens_total"]
     assert all(e["num_accepted_tokens"] <= e["num_draft_tokens"] for e in entries)
+
+
+# ---------------------------------------------------------------------------------------------- server, CLI
+
+
+def test_cli_flags_build_the_speculative_config():
+    import argparse
+
+    from inflight.llm_args import LlmArgs, add_cli_arguments
+
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    args = LlmArgs.from_cli(
+        parser.parse_args(
+            ["--speculative-method", "ngram", "--max-draft-len", "6", "--prompt-lookup-max", "3"]
+        ),
+        model="m",
+    )
+    assert args.speculative_config == SpeculativeConfig(method="ngram", max_draft_len=6, prompt_lookup_max=3)
+    args = LlmArgs.from_cli(parser.parse_args(["--draft-model", "/x/draft"]), model="m")
+    assert (
+        args.speculative_config.method == "draft_model" and args.speculative_config.draft_model == "/x/draft"
+    )
+    assert not LlmArgs.from_cli(parser.parse_args([]), model="m").speculative_config.enabled
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-method", "medusa"])
+
+
+def test_server_prediction_usage_and_metrics(tiny_model_dir):
+    from serve_utils import LiveServer
+
+    from inflight import LLM
+
+    llm = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=LLM_TPB),
+        speculative_config=NGRAM,
+    )
+    server = LiveServer(llm)
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "hello there"}]
+        extra = {"ignore_eos": True}
+        ref = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=30, temperature=0, extra_body=extra
+        )
+        assert (
+            ref.usage.completion_tokens_details is None
+            or not ref.usage.completion_tokens_details.accepted_prediction_tokens
+        )
+        text = ref.choices[0].message.content
+        got = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            prediction={"type": "content", "content": text},
+            extra_body=extra,
+        )
+        assert got.choices[0].message.content == text
+        details = got.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0  # random tokens re-encode loosely from text
+        assert details.rejected_prediction_tokens >= 0
+        # The streamed form reports the same usage; content given as text parts.
+        stream = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=30,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                prediction={"type": "content", "content": [{"type": "text", "text": text}]},
+                extra_body=extra,
+            )
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+        assert (
+            stream[-1].usage.completion_tokens_details.accepted_prediction_tokens
+            == details.accepted_prediction_tokens
+        )
+        # Completions accept it too.
+        comp = server.http.post(
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 8, "prediction": {"type": "content", "content": "x y z"}},
+        )
+        assert comp.status_code == 200 and "completion_tokens_details" in comp.json()["usage"]
+        for bad in (
+            {"type": "text", "content": "x"},
+            {"type": "content", "content": [{"type": "image"}]},
+            "x",
+        ):
+            resp = server.http.post(
+                "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "prediction": bad}
+            )
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["param"] == "prediction"
+        server.wait_idle()
+        m = server.metrics()
+        assert (
+            m["inflight:spec_decode_num_draft_tokens_total"]
+            >= m["inflight:spec_decode_num_accepted_tokens_total"]
+        )
+        assert m["inflight:spec_decode_num_accepted_tokens_total"] >= 2 * details.accepted_prediction_tokens
+    finally:
+        server.stop()
+        llm.shutdown()

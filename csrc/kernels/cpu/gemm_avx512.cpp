@@ -6,7 +6,7 @@
 // across lanes once at the end; loaded x vectors are reused by the kNR weight rows and dequantised
 // weight vectors by the MR x rows.
 //
-//  - int4: decode (m < 4) and bf16 x through W4Dot (bf16-exact nibbles, VDPBF16PS); batched fp32 /
+//  - int4: decode (fp32 x: one row) and bf16 x through W4Dot (bf16-exact nibbles, VDPBF16PS); batched fp32 /
 //    fp16 x through the tiled FMA kernels (VPERMPS lookup); batched bf16 x through bf16 panels and the
 //    dense kernel. Rows too long for W4Dot's buffer (k beyond ~16K): W4Fma (fp32 / fp16 x) and
 //    W4Bf16Dot (bf16 x).

@@ -18,7 +18,10 @@ namespace {
 // int4 dequantisation is a table lookup: per row and group, the 16 possible weights q * scale + offset
 // (one FMA, the same rounding as the reference) sit in a register, and VPERMPS picks 16 of them by the
 // nibbles: no convert and no FMA per weight vector. int8: convert, multiply by the scale.
-constexpr std::int64_t kTiledMinM = 4;
+// From 2 rows on (a speculative step's 1 + k, a small batch) the tiled kernels are ahead: fp32 x costs
+// W4Dot two dot products per value and its tiles hold at most 2 rows (3 rows took it 2.2x the time of
+// one; the tiled kernel 1.1x), and W8Tiled edges out W8Fma (SmolLM2's Q8_0 head, Xeon, 2 threads).
+constexpr std::int64_t kTiledMinM = 2;
 constexpr std::size_t kTiledScratchBytes = 96 * 1024;
 constexpr std::int64_t kTiledMaxGroups = 512;  // >= 96 KiB / (4 bytes * 2 rows) / 32
 

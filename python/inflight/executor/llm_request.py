@@ -99,6 +99,10 @@ def request_metrics(req) -> dict[str, float]:
         m["ttft"] = req.py_first_token_time - req.py_arrival_time
     if req.py_finish_time is not None:
         m["e2e_latency"] = req.py_finish_time - req.py_arrival_time
+    spec = getattr(req, "py_spec", None)
+    if spec is not None:  # speculative decoding: draft tokens scored, and of those kept
+        m["num_draft_tokens"] = spec.num_drafted
+        m["num_accepted_draft_tokens"] = spec.num_accepted
     return m
 
 

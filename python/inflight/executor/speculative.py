@@ -21,9 +21,15 @@ One step, for a generation request that drafts (docs/architecture.md, "Speculati
 5. The executor appends the kept tokens one by one with stop checks, then rewinds the KV cache by
    the drafts that were not kept (:meth:`Speculator.after_verify`).
 
-A request whose drafts keep failing stops paying for them: its draft length follows what was
-accepted (one more than the accepted run, one more again after a full acceptance), and after
-repeated steps with nothing accepted it stops drafting for a number of steps that doubles each time.
+A request whose drafts keep failing stops paying for them. Each request keeps an estimate of the
+probability that a draft token is accepted (decayed counts of verified draft positions, one trial
+per position up to the first rejection). It drafts only while that estimate reaches
+``min_acceptance``, the break-even of the device (on a CPU a row of ``1 + k`` tokens costs well
+above one decode step; on a GPU nearly the same). While it does not draft, a cheap drafter (n-gram,
+prediction) still proposes, for free, and the proposal is checked against the token the model then
+produces, so the estimate follows the text and drafting resumes when the text turns repetitive; a
+draft model is instead probed again after a pause that doubles each time. The draft length follows
+what was accepted: one more than the accepted run, one more again after a full acceptance.
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ logger = logging.getLogger("inflight")
 
 # The draft length of a request with a prediction when the engine has no speculative config.
 PREDICTION_MAX_DRAFT_LEN = 8
-# Drafting pauses after this many consecutive steps with no draft accepted ...
-MISSES_BEFORE_BACKOFF = 2
-# ... for 1, 2, 4, ... steps, at most this many.
+# A draft model whose drafts are not worth it is probed again after 1, 2, 4, ... steps, at most this many.
 MAX_BACKOFF_STEPS = 32
+# The acceptance estimate's prior (successes, trials): optimistic, so a request drafts from its first
+# step; and the decay of the old counts at each new observation (about the last 10 count).
+PRIOR = (2.0, 3.0)
+DECAY = 0.9
+# Break-even acceptance probability by device type (measured: benchmarks/bench_speculative.py).
+MIN_ACCEPTANCE = {"cpu": 0.5, "cuda": 0.15}
 # Seconds between two log lines of the acceptance statistics.
 LOG_EVERY_S = 10.0
 
@@ -63,9 +73,23 @@ class SpecState:
     """A request's speculative bookkeeping (``ExecutorRequest.py_spec``)."""
 
     draft_len: int  # the adaptive k: what the next step asks the drafter for
-    misses: int = 0  # consecutive drafting steps with nothing accepted
-    skip: int = 0  # steps left without drafting (backoff)
+    # Decayed counts of verified draft positions: accepted, and trials (positions up to the first
+    # rejection). Their ratio estimates the probability that a draft token is accepted.
+    successes: float = PRIOR[0]
+    trials: float = PRIOR[1]
+    skip: int = 0  # draft model: steps left without drafting (backoff)
     backoff: int = 1  # the next backoff's length
+    # A cheap drafter's proposal while not drafting: (tokens generated then, the proposal).
+    shadow: tuple[int, list[int]] | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / self.trials
+
+    def observe(self, accepted: int, trials: int) -> None:
+        self.successes = self.successes * DECAY + accepted
+        self.trials = self.trials * DECAY + trials
+
     prediction: np.ndarray | None = None  # the tokens of OpenAI's predicted output
     prediction_cursor: int = 0  # where in the prediction the output is believed to be
     prompt: np.ndarray | None = None  # the original prompt, as int64 (cached for the n-gram search)
@@ -124,6 +148,9 @@ class Drafter(abc.ABC):
     """Proposes draft tokens for scheduled generation requests."""
 
     name: str = "abstract"
+    # Proposing costs next to nothing (no model): proposals are also made, and checked, while the
+    # request does not draft (the acceptance estimate keeps learning).
+    cheap: bool = False
 
     @abc.abstractmethod
     def propose(self, requests: Sequence, max_lens: Sequence[int]) -> list[Draft]:
@@ -144,6 +171,7 @@ class NgramDrafter(Drafter):
     ``prompt_lookup_min`` tokens found earlier in its prompt or output propose what followed them."""
 
     name = "ngram"
+    cheap = True
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
         self.n_min = prompt_lookup_min
@@ -162,6 +190,7 @@ class PredictionDrafter(Drafter):
     prediction's beginning; then what follows the output's last tokens in the prediction."""
 
     name = "prediction"
+    cheap = True
 
     def __init__(self, n_min: int = 1, n_max: int = 8) -> None:
         self.n_min = n_min
@@ -252,9 +281,10 @@ class Speculator:
     the most drafts one request carries in a step.
     """
 
-    def __init__(self, drafter: Drafter | None, max_draft_len: int) -> None:
+    def __init__(self, drafter: Drafter | None, max_draft_len: int, min_acceptance: float = 0.5) -> None:
         self.drafter = drafter
         self.max_draft_len = max_draft_len
+        self.min_acceptance = min_acceptance
         self.prediction = PredictionDrafter()
         self.stats = SpecStats()
 
@@ -287,19 +317,40 @@ class Speculator:
                 req.draft_tokens = []
 
     def _budget(self, req, max_seq_len: int) -> int:
-        if self._drafter_of(req) is None:
+        drafter = self._drafter_of(req)
+        if drafter is None:
             return 0
         spec = self._spec(req)
         if spec.prediction is None and getattr(req, "py_prediction", None) is not None:
             spec.prediction = np.asarray(req.py_prediction, dtype=np.int64)
             spec.draft_len = max(spec.draft_len, PREDICTION_MAX_DRAFT_LEN)
-        if spec.skip > 0:
-            spec.skip -= 1
-            return 0
         # Positions num_tokens - 1 .. num_tokens - 1 + k are written: all below max_seq_len; and no
         # draft past the last token the request may still generate.
         remaining = req.py_max_new_tokens - req.py_num_output_tokens
-        return max(0, min(spec.draft_len, max_seq_len - req.num_tokens, remaining - 1))
+        k = max(0, min(spec.draft_len, max_seq_len - req.num_tokens, remaining - 1))
+        if drafter.cheap:
+            self._check_shadow(req, spec)
+            if k and spec.acceptance < self.min_acceptance:
+                # Not worth a draft now: propose anyway (for free) and learn from what comes next.
+                proposal = drafter.propose([req], [1])[0].tokens
+                spec.shadow = (req.py_sampling_state.num_generated, proposal) if proposal else None
+                return 0
+            return k
+        if spec.skip > 0:
+            spec.skip -= 1
+            return 0
+        return k
+
+    @staticmethod
+    def _check_shadow(req, spec: SpecState) -> None:
+        """Scores last step's free proposal against the token the model produced instead."""
+        if spec.shadow is None:
+            return
+        at, tokens = spec.shadow
+        spec.shadow = None
+        out = req.py_sampling_state.output_token_ids_array()
+        if len(out) > at:
+            spec.observe(int(out[at] == tokens[0]), 1)
 
     def fill(self, generation_requests: Sequence) -> None:
         """The drafters' tokens in place of the placeholders of the scheduled generation requests."""
@@ -422,15 +473,16 @@ class Speculator:
             spec.draft_len = min(spec.draft_len + 1, cap)
         else:
             spec.draft_len = max(1, num_accepted + 1)
-        if num_accepted == 0:
-            spec.misses += 1
-            if spec.misses >= MISSES_BEFORE_BACKOFF:
+        # One trial per draft position up to the first rejection.
+        spec.observe(num_accepted, num_accepted + (num_accepted < num_drafted))
+        drafter = self._drafter_of(req)
+        if drafter is not None and not drafter.cheap:
+            if spec.acceptance < self.min_acceptance:
                 spec.skip = spec.backoff
                 spec.backoff = min(spec.backoff * 2, MAX_BACKOFF_STEPS)
-        else:
-            spec.misses = 0
-            spec.backoff = 1
-        drafter = self._drafter_of(req)
+                spec.successes, spec.trials = PRIOR  # the probe after the pause starts afresh
+            else:
+                spec.backoff = 1
         if drafter is not None:
             drafter.after_verify(req, num_drafted, num_accepted)
 

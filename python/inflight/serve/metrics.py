@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -118,6 +118,18 @@ class _EngineCollector:
             "Fraction of looked-up KV blocks found in the prefix cache (0-1).",
             kv.get("cache_hit_rate", 0.0) or 0.0,
         )
+        spec = last.get("spec_decode")
+        if spec is not None:  # speculative decoding (the engine's running totals)
+            yield CounterMetricFamily(
+                "inflight:spec_decode_num_draft_tokens",
+                "Draft tokens scored by the model (speculative decoding).",
+                value=float(spec.get("num_draft_tokens_total", 0)),
+            )
+            yield CounterMetricFamily(
+                "inflight:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted (kept in the output).",
+                value=float(spec.get("num_accepted_tokens_total", 0)),
+            )
 
 
 class ServerMetrics:

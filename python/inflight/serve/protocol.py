@@ -111,6 +111,36 @@ StopField = Annotated[
     ),
 ]
 TokenIdsField = Annotated[Any, WithJsonSchema({"anyOf": [_TOKEN_IDS, {"type": "null"}]})]
+PredictionField = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "type": {"const": "content"},
+                        "content": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                                        "required": ["type", "text"],
+                                    },
+                                },
+                            ]
+                        },
+                    },
+                    "required": ["type", "content"],
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 
 
 class _Strict(BaseModel):
@@ -148,6 +178,8 @@ class _Request(BaseModel):
     stop_token_ids: TokenIdsField = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's predicted outputs: {"type": "content", "content": str | [{"type": "text", "text": str}]}
+    prediction: PredictionField = None
 
 
 class CompletionRequest(_Request):
@@ -180,7 +212,6 @@ _NOOP: dict[str, Any] = {
     "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
-    "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
     "store": (False,),
@@ -234,6 +265,37 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
         if not isinstance(p, str) and any(t < 0 for t in p):
             raise bad_request(f"prompt token ids must be >= 0, got {min(p)}", param="prompt")
     return items
+
+
+def parse_prediction(prediction: Any) -> str | None:
+    """OpenAI's ``prediction`` -> the predicted text (its tokens become draft tokens), or None."""
+    if prediction is None:
+        return None
+    if (
+        not isinstance(prediction, dict)
+        or prediction.get("type") != "content"
+        or set(prediction) - {"type", "content"}
+    ):
+        raise bad_request(
+            f'prediction must be {{"type": "content", "content": ...}}, got {_short(prediction)}',
+            param="prediction",
+        )
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict)
+        and p.get("type") == "text"
+        and isinstance(p.get("text"), str)
+        and set(p) == {"type", "text"}
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise bad_request(
+        'prediction.content must be a string or a list of {"type": "text", "text": ...} parts, got '
+        f"{_short(content)}",
+        param="prediction",
+    )
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -336,6 +398,7 @@ def build_sampling_params(
         "logprobs": logprobs,
         "n": req.n,
         "skip_special_tokens": req.skip_special_tokens,
+        "prediction": parse_prediction(req.prediction),
     }
     try:
         return SamplingParams(**kwargs)

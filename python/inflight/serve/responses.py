@@ -14,12 +14,23 @@ def header(state: ServerState, kind: str, rid: str, created: int) -> dict:
     return {"id": rid, "object": kind, "created": created, "model": state.model_name}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, predicted_outputs=None) -> dict:
+    """OpenAI's usage object; ``predicted_outputs``: the finished outputs of a request with a
+    ``prediction``, whose draft-token counts become ``completion_tokens_details``."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if predicted_outputs is not None:
+        outs = [o for o in predicted_outputs if o is not None]
+        drafted = sum(o.metrics.get("num_draft_tokens", 0) for o in outs)
+        accepted = sum(o.metrics.get("num_accepted_draft_tokens", 0) for o in outs)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return out
 
 
 def failure(comp) -> APIError | None:

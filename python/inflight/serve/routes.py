@@ -174,7 +174,11 @@ async def completions(state: State, body: CompletionRequest, request: Request):
             if comp.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(state, comp.token_ids, comp.logprobs, 0)
             choices.append(choice)
-    total = usage(sum(job.prompt_lens), sum(len(c.token_ids) for o in outs for c in o.outputs))
+    total = usage(
+        sum(job.prompt_lens),
+        sum(len(c.token_ids) for o in outs for c in o.outputs),
+        outs if job.predicted else None,
+    )
     return JSONResponse({**head, "choices": choices, "usage": total})
 
 
@@ -243,7 +247,7 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
         if top_n is not None:
             choice["logprobs"] = chat_logprobs(state, comp.token_ids, comp.logprobs or [], top_n)
         choices.append(choice)
-    total = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+    total = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), outs if job.predicted else None)
     return JSONResponse(
         {
             **header(state, "chat.completion", rid, created),

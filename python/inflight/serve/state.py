@@ -211,7 +211,9 @@ class ServerState:
                     code="engine_dead",
                 ) from None
             raise
-        return Job(self, handles, [len(p) for p in prompts])
+        job = Job(self, handles, [len(p) for p in prompts])
+        job.predicted = any(sp.prediction is not None for sp in params)
+        return job
 
 
 class Job:
@@ -224,6 +226,7 @@ class Job:
         self.final: list[Any] = [None] * len(handles)
         self.seen = [0] * len(handles)
         self.closed = False
+        self.predicted = False  # the request carried a prediction (usage reports its draft tokens)
         state.jobs.add(self)
 
     def observe(self, i: int, out) -> None:

@@ -121,7 +121,8 @@ async def completion_stream(state: ServerState, job: Job, head: dict, n: int, in
                 }
                 yield sse({**head, "choices": [choice]})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(sum(job.prompt_lens), sum(job.seen))})
+            total = usage(sum(job.prompt_lens), sum(job.seen), job.final if job.predicted else None)
+            yield sse({**head, "choices": [], "usage": total})
         yield DONE
     except asyncio.CancelledError:
         raise
@@ -174,7 +175,8 @@ async def chat_stream(
                     finished.add(comp.index)
                 yield sse({**head, "choices": [choice]})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(sum(job.prompt_lens), sum(job.seen))})
+            total = usage(sum(job.prompt_lens), sum(job.seen), job.final if job.predicted else None)
+            yield sse({**head, "choices": [], "usage": total})
         yield DONE
     except asyncio.CancelledError:
         raise
