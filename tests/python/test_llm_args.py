@@ -108,10 +108,15 @@ def test_every_field_is_a_keyword_and_an_option():
         "--kv-cache-dtype",
         "--capacity-scheduler-policy",
         "--context-chunking-policy",
+        "--speculative-method",
+        "--max-draft-len",
+        "--prompt-lookup-min",
+        "--prompt-lookup-max",
+        "--draft-model",
     }
     assert nested <= options
     for f in dataclasses.fields(LlmArgs):
-        if f.metadata["cli"] and f.name not in ("kv_cache_config", "scheduler_config"):
+        if f.metadata["cli"] and f.name not in ("kv_cache_config", "scheduler_config", "speculative_config"):
             assert "--" + f.name.replace("_", "-") in options, f.name
     assert "--scheduler" not in options and "--model" not in options  # Python objects; the command's own
 

@@ -459,3 +459,21 @@ def test_tp2_on_two_gpus_nccl(models):
         _assert_equivalent(ref, got)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_speculative_decoding_across_ranks_changes_nothing(models, tp, pp):
+    """n-gram drafts under tensor parallelism (drafting rows through every rank's fused stack) and with
+    pipeline stages (drafts planned only for requests not in a launched micro-batch)."""
+    from inflight import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", max_draft_len=3)
+    ref_llm, ref = _generate(models["kv2"], 1)
+    ref_llm.shutdown()
+    llm, got = _generate(models["kv2"], tp, pp=pp, speculative_config=spec)
+    try:
+        _assert_equivalent(ref, got)
+        assert llm.get_stats()[-1]["spec_decode"]["num_draft_tokens_total"] > 0, "nothing was drafted"
+    finally:
+        llm.shutdown()
+    assert not _children()

@@ -133,3 +133,38 @@ def test_tensor_parallel_3_gives_the_tp1_greedy_text():
         assert rank0.fused_layers() is not None, "the TP ranks fell back to the Python layers"
     assert got == want
     assert all(want), want
+
+
+GROUNDED = (
+    "Repeat the following paragraph exactly, word for word:\n\n"
+    "The lighthouse stood on a rocky point at the edge of the bay. Every evening the keeper climbed the "
+    "spiral stairs, cleaned the great lens and lit the lamp, so that the fishing boats could find their "
+    "way home through the fog and the dark."
+)
+
+
+def test_speculative_ngram_greedy_identical_and_accepted_on_a_grounded_prompt():
+    """The default engine (4-bit weights, the fused C++ stack) with n-gram drafts: greedy tokens equal
+    the engine's without speculation on six prompts, and on a prompt whose answer copies its input
+    most drafts are accepted (mean acceptance length > 1.5 tokens per drafting step)."""
+    from inflight import SpeculativeConfig
+
+    kv = KvCacheConfig(max_tokens=4096, enable_block_reuse=False)
+    chats = [[{"role": "user", "content": t}] for t in (GROUNDED, *PROMPTS[:5])]
+    params = SamplingParams(max_tokens=64, temperature=0)
+    with LLM("smollm2", kv_cache_config=kv) as llm:
+        prompts = [
+            llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats
+        ]
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = SpeculativeConfig(method="ngram", max_draft_len=4)
+    with LLM("smollm2", kv_cache_config=kv, speculative_config=spec) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        before = len(llm.get_stats())
+        out = llm.generate(prompts[0], params, use_tqdm=False)
+        stats = llm.get_stats()[before:]
+    assert out.outputs[0].token_ids == want[0]
+    steps = sum(s["spec_decode"]["num_requests_with_drafts"] for s in stats)
+    accepted = sum(s["spec_decode"]["num_accepted_tokens"] for s in stats)
+    assert steps > 0 and 1 + accepted / steps > 1.5, (steps, accepted)

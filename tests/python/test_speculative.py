@@ -191,6 +191,23 @@ def test_stop_token_and_stop_string_inside_accepted_drafts(make_llm, echo_draft_
     _assert_kv_clean(llm)
 
 
+def test_eos_inside_accepted_drafts(make_llm, tiny_model_dir):
+    """The same weights with EOS set to a token the model produces at position 3 (inside the first
+    speculative step's accepted drafts, with the model as its own draft): the output ends there."""
+    ref = make_llm().generate(LLM_PROMPTS[0], greedy(20), use_tqdm=False).outputs[0].token_ids
+    eos = ref[3]
+    path = tiny_model_dir("llama", with_tokenizer=False, eos_token_id=eos)
+    cfg = SpeculativeConfig(method="draft_model", draft_model=str(path), max_draft_len=4)
+    llm = make_llm(model=path, speculative_config=cfg)
+    out = llm.generate(LLM_PROMPTS[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False).outputs[
+        0
+    ]
+    assert out.token_ids == ref[: ref.index(eos) + 1]
+    assert out.finish_reason == "stop"
+    assert _spec_totals(llm)["num_accepted_tokens_total"] > 0
+    _assert_kv_clean(llm)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 6, 7, 13])
 def test_max_tokens_and_max_seq_len_cap_the_drafts(make_llm, echo_draft_llm, max_tokens):
     prompt = LLM_PROMPTS[1]
