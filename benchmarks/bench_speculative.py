@@ -9,12 +9,14 @@ Task sets (chat-templated prompts, one request at a time, greedy):
             --max-tokens-open (default 128) new tokens.
 
 Configurations: the baseline (no speculative config) and ngram with max_draft_len k for each k of
---ks (prompt_lookup_min 1, prompt_lookup_max 4), one engine at a time, prefix reuse off so that
-repeats prefill again, one warm-up generate per engine. Per (task set, configuration):
+--ks (prompt_lookup_min 1, prompt_lookup_max 4), one engine each, all loaded at once, prefix reuse
+off so that repeats prefill again, one warm-up generate per engine; then --repeats rounds, each
+running every task set on every engine in turn (so that the machine's drift hits every configuration
+alike). Per (task set, configuration):
   decode tok/s            sum over the set's prompts of (tokens - 1) over the sum of (e2e_latency -
                           ttft), both from the request's metrics (taken on the executor thread);
                           median over --repeats
-  vs baseline             that over the baseline's, measured in the same run
+  vs baseline             median over the rounds of its ratio to the baseline's in the same round
   mean acceptance length  1 + accepted draft tokens / drafting steps (a request's step that carried
                           drafts), from the iteration stats (llm.get_stats()) of the runs
   acceptance rate         accepted / drafted tokens
@@ -23,7 +25,7 @@ repeats prefill again, one warm-up generate per engine. Per (task set, configura
 Goals (the issue): >= 1.6x single-stream decode on the grounded set with identical greedy output;
 <= 5% slower on the open set. Checked for the best k and for the default k=4.
 
-    python benchmarks/bench_speculative.py [--repeats 3] [--ks 1 2 3 4] [--threads N]
+    python benchmarks/bench_speculative.py [--repeats 5] [--ks 1 2 3 4] [--threads N]
         [--max-tokens-grounded 200] [--max-tokens-open 128] [--json out.json]
 """
 
@@ -133,17 +135,26 @@ def _one_run(llm, ids: list[int], params) -> dict:
     return run
 
 
-def measure(k: int | None, prompts: dict[str, list[list[int]]], max_tokens: dict, repeats: int) -> dict:
-    """Every task set on one engine (``k`` None: no speculation): per set, ``repeats`` rounds of one
-    run per prompt."""
-    from inflight import LLM, KvCacheConfig, SamplingParams, SpeculativeConfig
+def _engine(k: int | None):
+    from inflight import LLM, KvCacheConfig, SpeculativeConfig
 
     kwargs = {"kv_cache_config": KvCacheConfig(enable_block_reuse=False)}
     if k is not None:
         kwargs["speculative_config"] = SpeculativeConfig(
             method="ngram", max_draft_len=k, prompt_lookup_min=1, prompt_lookup_max=4
         )
-    llm = LLM("smollm2", **kwargs)
+    return LLM("smollm2", **kwargs)
+
+
+def measure(ks: list[int], prompts: dict[str, list[list[int]]], max_tokens: dict, repeats: int) -> dict:
+    """Every configuration on its own engine, all loaded at once, and measured in interleaved rounds:
+    per round, every task set on every engine in turn (the machine's drift hits all alike). Per
+    (configuration, task set): the decode rate of each round and its ratio to the baseline's in the
+    same round."""
+    from inflight import SamplingParams
+
+    names = {None: "baseline", **{k: f"ngram k={k}" for k in ks}}
+    engines = {k: _engine(k) for k in names}
     try:
         params = {
             task: SamplingParams(
@@ -151,34 +162,48 @@ def measure(k: int | None, prompts: dict[str, list[list[int]]], max_tokens: dict
             )
             for task in prompts
         }
-        _one_run(llm, prompts["grounded"][0], SamplingParams(temperature=0.0, max_tokens=32))  # warm-up
-        result = {}
-        for task, ids_list in prompts.items():
-            rounds = [[_one_run(llm, ids, params[task]) for ids in ids_list] for _ in range(repeats)]
-            tok_s = []
-            for runs in rounds:
-                decode_s = sum(r["decode_s"] for r in runs)
-                tok_s.append(sum(len(r["tokens"]) - 1 for r in runs) / decode_s if decode_s > 0 else 0.0)
-            drafted = sum(r["drafted"] for runs in rounds for r in runs)
-            accepted = sum(r["accepted"] for runs in rounds for r in runs)
-            steps = sum(r["drafting_steps"] for runs in rounds for r in runs)
-            result[task] = {
+        for llm in engines.values():  # warm-up
+            _one_run(llm, prompts["grounded"][0], SamplingParams(temperature=0.0, max_tokens=32))
+        runs = {(k, task): [] for k in names for task in prompts}  # per round: the runs of its prompts
+        for r in range(repeats):
+            print(f"round {r + 1}/{repeats}", flush=True)
+            for task, ids_list in prompts.items():
+                for k, llm in engines.items():
+                    runs[k, task].append([_one_run(llm, ids, params[task]) for ids in ids_list])
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+        engines.clear()
+        gc.collect()
+
+    def rate(round_runs: list[dict]) -> float:
+        decode_s = sum(x["decode_s"] for x in round_runs)
+        return sum(len(x["tokens"]) - 1 for x in round_runs) / decode_s if decode_s > 0 else 0.0
+
+    results: dict[str, dict] = {}
+    for k, name in names.items():
+        results[name] = {}
+        for task in prompts:
+            rounds = runs[k, task]
+            tok_s = [rate(rr) for rr in rounds]
+            base = [rate(rr) for rr in runs[None, task]]
+            drafted = sum(x["drafted"] for rr in rounds for x in rr)
+            accepted = sum(x["accepted"] for rr in rounds for x in rr)
+            steps = sum(x["drafting_steps"] for rr in rounds for x in rr)
+            results[name][task] = {
                 "decode_tok_s": statistics.median(tok_s),
                 "decode_tok_s_runs": tok_s,
+                "vs_baseline": statistics.median(t / b for t, b in zip(tok_s, base) if b > 0),
                 "drafted": drafted,
                 "accepted": accepted,
                 "drafting_steps": steps,
                 "mean_acceptance_length": 1 + accepted / steps if steps else None,
                 "acceptance_rate": accepted / drafted if drafted else None,
-                # per prompt, per repeat
-                "tokens": [[r["tokens"] for r in runs] for runs in zip(*rounds)],
-                "decode_s": [[r["decode_s"] for r in runs] for runs in zip(*rounds)],
+                # per prompt, per round
+                "tokens": [[x["tokens"] for x in rr] for rr in zip(*rounds)],
+                "decode_s": [[x["decode_s"] for x in rr] for rr in zip(*rounds)],
             }
-        return result
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
+    return results
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -204,7 +229,6 @@ def report(results: dict[str, dict], ks: list[int], prompt_lens: dict[str, list[
         print("|---|---:|---:|---:|---:|---|")
         for name, r in results.items():
             row = r[task]
-            row["vs_baseline"] = row["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else None
             same = [all(run == want[i] for run in runs) for i, runs in enumerate(row["tokens"])]
             row["identical_prompts"] = sum(same)
             row["identical"] = all(same)
@@ -251,7 +275,7 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per task set (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="max_draft_len values")
     parser.add_argument("--max-tokens-grounded", type=int, default=200)
     parser.add_argument("--max-tokens-open", type=int, default=128)
@@ -281,12 +305,8 @@ def main() -> None:
     header = _cpu_header()
     print(header, flush=True)
 
-    results: dict[str, dict] = {}
-    for k in [None, *ks]:
-        name = "baseline" if k is None else f"ngram k={k}"
-        print(f"{name}: measuring", flush=True)
-        results[name] = measure(k, prompts, max_tokens, args.repeats)
-    print(f"\n{header}; {args.repeats} repeats (medians) after a warm-up")
+    results = measure(ks, prompts, max_tokens, args.repeats)
+    print(f"\n{header}; {args.repeats} interleaved rounds (medians; ratios per round) after a warm-up")
     goals = report(results, ks, {t: [len(p) for p in ps] for t, ps in prompts.items()}, args)
 
     if args.json:

@@ -17,7 +17,7 @@ import torch
 from llm_utils import LLM_MAX_NEW, LLM_PROMPTS, LLM_TPB, greedy
 
 from inflight import KvCacheConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
-from inflight.executor.speculative import ngram_match
+from inflight.executor.speculative import DRAFT_COSTS, DraftCost, best_draft_len, ngram_match
 
 NGRAM = SpeculativeConfig(method="ngram", max_draft_len=4)
 # Prompts that repeat themselves: n-gram drafts get accepted (random tiny models also loop).
@@ -65,6 +65,27 @@ def test_ngram_match_in_another_corpus_follows_the_cursor():
     assert ngram_match(h, corpus, 1, 4, 2, cursor=0)[0].tolist() == [3, 9]
     assert ngram_match(h, corpus, 1, 4, 2, cursor=5)[0].tolist() == [4, 8]
     assert ngram_match(h, corpus, 1, 4, 2, cursor=8)[0].tolist() == [4, 8]  # none after: the last
+
+
+def test_the_draft_length_maximises_the_expected_gain():
+    cost = DraftCost(first=0.5, per_token=0.15, tile=8, batch_row=0.4, batch_draft=0.25)
+    assert cost.of(0) == 0 and cost.of(1) == 0.5 and cost.of(3) == pytest.approx(0.8)
+    assert cost.of(8) == pytest.approx(0.5 + 0.15 * 7 + 0.5)  # 9 rows: a second tile
+    assert cost.of(2, batch=8) == pytest.approx(2 * 0.25 * 8 / (1 + 0.4 * 7))
+    # Brute force over k of sum(a^j) - cost: the same choice.
+    for a in (0.0, 0.3, 0.5, 0.51, 0.7, 0.8, 0.95, 1.0):
+        for cap in (0, 1, 4, 8, 12):
+            for batch in (1, 2, 8, 64):
+                values = [sum(a**j for j in range(1, k + 1)) - cost.of(k, batch) for k in range(cap + 1)]
+                best = max(range(cap + 1), key=lambda k: (values[k] > 1e-12, values[k], -k))
+                assert best_draft_len(a, cap, cost, batch) == (best if values[best] > 1e-12 else 0)
+    cpu = DRAFT_COSTS["cpu"]
+    assert best_draft_len(0.4, 8, cpu) == 0  # below the CPU's break-even: no drafts
+    assert best_draft_len(0.9, 4, cpu) == 4
+    assert best_draft_len(0.9, 8, cpu) == 7  # 9 rows would start a second tile
+    assert (
+        best_draft_len(0.55, 4, cpu, batch=16) == 0 < best_draft_len(0.55, 4, DRAFT_COSTS["cuda"], batch=16)
+    )
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])

@@ -41,7 +41,7 @@ from inflight.executor.scheduler import (
     ScheduledRequests,
     SimpleScheduler,
 )
-from inflight.executor.speculative import MIN_ACCEPTANCE, NgramDrafter, Speculator
+from inflight.executor.speculative import DRAFT_COSTS, NgramDrafter, Speculator
 from inflight.executor.step_channel import PipeLink
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
@@ -277,7 +277,7 @@ def _make_speculator(args: LlmArgs, cfg: ModelConfig, loaded, device, budget, ma
             drafter.name,
             sc.max_draft_len,
         )
-    return Speculator(drafter, sc.max_draft_len, MIN_ACCEPTANCE.get(device.type, MIN_ACCEPTANCE["cuda"]))
+    return Speculator(drafter, sc.max_draft_len, DRAFT_COSTS.get(device.type, DRAFT_COSTS["cuda"]))
 
 
 def _make_scheduler(

@@ -21,15 +21,16 @@ One step, for a generation request that drafts (docs/architecture.md, "Speculati
 5. The executor appends the kept tokens one by one with stop checks, then rewinds the KV cache by
    the drafts that were not kept (:meth:`Speculator.after_verify`).
 
-A request whose drafts keep failing stops paying for them. Each request keeps an estimate of the
-probability that a draft token is accepted (decayed counts of verified draft positions, one trial
-per position up to the first rejection). It drafts only while that estimate reaches
-``min_acceptance``, the break-even of the device (on a CPU a row of ``1 + k`` tokens costs well
-above one decode step; on a GPU nearly the same). While it does not draft, a cheap drafter (n-gram,
-prediction) still proposes, for free, and the proposal is checked against the token the model then
-produces, so the estimate follows the text and drafting resumes when the text turns repetitive; a
-draft model is instead probed again after a pause that doubles each time. The draft length follows
-what was accepted: one more than the accepted run, one more again after a full acceptance.
+A request whose drafts keep failing stops paying for them. Each request keeps an estimate ``a`` of
+the probability that a draft token is accepted (decayed counts of verified draft positions, one trial
+per position up to the first rejection). Its draft length is the ``k`` that maximises the expected
+gain, ``a + a^2 + ... + a^k`` accepted tokens, less the cost of the longer row in decode steps
+(:class:`DraftCost`, per device: on a CPU the GEMMs are compute-bound and a drafting row costs well
+above one decode step; on a GPU nearly the same); no gain, no drafts. While a request does not
+draft, a cheap drafter (n-gram, prediction) still proposes, for free, and the proposal is checked
+against the token the model then produces, so the estimate follows the text and drafting resumes
+when the text turns repetitive; a draft model is instead probed again after a pause that doubles
+each time.
 """
 
 from __future__ import annotations
@@ -50,11 +51,62 @@ PREDICTION_MAX_DRAFT_LEN = 8
 # A draft model whose drafts are not worth it is probed again after 1, 2, 4, ... steps, at most this many.
 MAX_BACKOFF_STEPS = 32
 # The acceptance estimate's prior (successes, trials): optimistic, so a request drafts from its first
-# step; and the decay of the old counts at each new observation (about the last 10 count).
+# step (a failure brings it below break-even at once); and the decay of the old counts at each new
+# observation (about the last 10 count). Even odds and a longer memory measured worse on both task
+# sets of benchmarks/bench_speculative.py.
 PRIOR = (2.0, 3.0)
 DECAY = 0.9
-# Break-even acceptance probability by device type (measured: benchmarks/bench_speculative.py).
-MIN_ACCEPTANCE = {"cpu": 0.5, "cuda": 0.15}
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What ``k`` draft tokens of one request cost, in that request's decode steps.
+
+    Alone (a batch of one): ``first`` for going from one token to two (the one-row kernels give way to
+    the batched ones), ``per_token`` for each token after that, and ``first`` once more past ``tile``
+    tokens (the CPU kernels' register tile of x rows: a second tile dequantises every weight again).
+    In a batch of ``b`` decodes a step takes about ``1 + batch_row * (b - 1)`` one-token steps, a draft
+    row adds ``batch_draft`` of one, and it delays every request of the batch: each draft token costs
+    ``batch_draft * b / (1 + batch_row * (b - 1))`` of a request's share of the step."""
+
+    first: float
+    per_token: float
+    tile: int | None = None
+    batch_row: float = 0.0
+    batch_draft: float = 0.0
+
+    def of(self, k: int, batch: int = 1) -> float:
+        if k == 0:
+            return 0.0
+        if batch > 1:
+            return k * self.batch_draft * batch / (1 + self.batch_row * (batch - 1))
+        extra = self.first if self.tile is not None and 1 + k > self.tile else 0.0
+        return self.first + self.per_token * (k - 1) + extra
+
+
+# Measured on SmolLM2-135M (4-bit weights, fp32 activations), Xeon with AVX-512, 2 threads: a 2-token
+# row costs 1.5x a decode step, each further token ~0.15x more, 9 tokens well over 3x; 8 decodes take
+# ~3.7 one-token steps, and a draft row in such a batch ~0.25 of one. On a GPU a small-batch decode is
+# bound by reading the weights: extra rows are nearly free.
+DRAFT_COSTS = {
+    "cpu": DraftCost(0.5, 0.15, tile=8, batch_row=0.39, batch_draft=0.25),
+    "cuda": DraftCost(0.05, 0.02, batch_row=0.02, batch_draft=0.02),
+}
+
+
+def best_draft_len(acceptance: float, cap: int, cost: DraftCost, batch: int = 1) -> int:
+    """The k in [0, cap] of the largest expected gain ``sum_j acceptance^j - cost.of(k, batch)`` (0:
+    none), for a request among ``batch`` decodes."""
+    best_k, best, gain, p = 0, 0.0, 0.0, 1.0
+    for k in range(1, cap + 1):
+        p *= acceptance
+        gain += p
+        value = gain - cost.of(k, batch)
+        if value > best:
+            best_k, best = k, value
+    return best_k
+
+
 # Seconds between two log lines of the acceptance statistics.
 LOG_EVERY_S = 10.0
 
@@ -72,7 +124,7 @@ class Draft:
 class SpecState:
     """A request's speculative bookkeeping (``ExecutorRequest.py_spec``)."""
 
-    draft_len: int  # the adaptive k: what the next step asks the drafter for
+    draft_len: int  # the most drafts this request carries in a step
     # Decayed counts of verified draft positions: accepted, and trials (positions up to the first
     # rejection). Their ratio estimates the probability that a draft token is accepted.
     successes: float = PRIOR[0]
@@ -281,10 +333,13 @@ class Speculator:
     the most drafts one request carries in a step.
     """
 
-    def __init__(self, drafter: Drafter | None, max_draft_len: int, min_acceptance: float = 0.5) -> None:
+    def __init__(
+        self, drafter: Drafter | None, max_draft_len: int, cost: DraftCost = DRAFT_COSTS["cpu"]
+    ) -> None:
         self.drafter = drafter
         self.max_draft_len = max_draft_len
-        self.min_acceptance = min_acceptance
+        self.cost = cost
+        self._batch = 1  # generating requests this step (the cost model's batch)
         self.prediction = PredictionDrafter()
         self.stats = SpecStats()
 
@@ -305,6 +360,11 @@ class Speculator:
     def plan(self, active, max_seq_len: int, exclude: set[int] | frozenset[int] = frozenset()) -> None:
         """Placeholder drafts on the generating requests that draft this step (see the module doc)."""
         self.stats.begin_step()
+        self._batch = sum(
+            1
+            for r in active
+            if r.request_id not in exclude and r.is_generation_in_progress_state and not r.py_done
+        )
         for req in active:
             if req.request_id in exclude:
                 continue  # in a launched micro-batch: its drafts are verified when it lands
@@ -327,10 +387,12 @@ class Speculator:
         # Positions num_tokens - 1 .. num_tokens - 1 + k are written: all below max_seq_len; and no
         # draft past the last token the request may still generate.
         remaining = req.py_max_new_tokens - req.py_num_output_tokens
-        k = max(0, min(spec.draft_len, max_seq_len - req.num_tokens, remaining - 1))
+        cap = max(0, min(spec.draft_len, max_seq_len - req.num_tokens, remaining - 1))
         if drafter.cheap:
             self._check_shadow(req, spec)
-            if k and spec.acceptance < self.min_acceptance:
+        k = best_draft_len(spec.acceptance, cap, self.cost, self._batch)
+        if drafter.cheap:
+            if cap and not k:
                 # Not worth a draft now: propose anyway (for free) and learn from what comes next.
                 proposal = drafter.propose([req], [1])[0].tokens
                 spec.shadow = (req.py_sampling_state.num_generated, proposal) if proposal else None
@@ -468,16 +530,11 @@ class Speculator:
         spec.num_accepted += num_accepted
         spec.draft_probs = None
         self.stats.add(num_drafted, num_accepted)
-        cap = max(self.max_draft_len, PREDICTION_MAX_DRAFT_LEN if spec.prediction is not None else 0)
-        if num_accepted == num_drafted:
-            spec.draft_len = min(spec.draft_len + 1, cap)
-        else:
-            spec.draft_len = max(1, num_accepted + 1)
         # One trial per draft position up to the first rejection.
         spec.observe(num_accepted, num_accepted + (num_accepted < num_drafted))
         drafter = self._drafter_of(req)
         if drafter is not None and not drafter.cheap:
-            if spec.acceptance < self.min_acceptance:
+            if best_draft_len(spec.acceptance, spec.draft_len, self.cost, self._batch) == 0:
                 spec.skip = spec.backoff
                 spec.backoff = min(spec.backoff * 2, MAX_BACKOFF_STEPS)
                 spec.successes, spec.trials = PRIOR  # the probe after the pause starts afresh
