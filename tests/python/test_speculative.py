@@ -379,6 +379,29 @@ def test_sampling_params_fields_are_checked():
         SamplingParams(prediction=[1, 2])
 
 
+def test_a_failing_drafter_costs_the_drafts_only(make_llm, tiny_model_dir, monkeypatch):
+    from inflight.executor.draft_model import DraftModelDrafter
+
+    cfg = SpeculativeConfig(method="draft_model", draft_model=str(tiny_model_dir("llama")), max_draft_len=3)
+    llm = make_llm(speculative_config=cfg)
+    want = _ids(make_llm().generate(LLM_PROMPTS[:4], greedy(), use_tqdm=False))
+    calls = {"n": 0}
+    real = DraftModelDrafter.propose
+
+    def flaky(self, requests, max_lens):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("draft model out of memory")
+        return real(self, requests, max_lens)
+
+    monkeypatch.setattr(DraftModelDrafter, "propose", flaky)
+    assert _ids(llm.generate(LLM_PROMPTS[:4], greedy(), use_tqdm=False)) == want
+    assert calls["n"] > 2 and llm.is_alive
+    assert _spec_totals(llm)["num_accepted_tokens_total"] > 0
+    _assert_kv_clean(llm)
+    assert llm.executor.speculator.drafter.kv.impl.num_sequences == 0
+
+
 def test_stats_entries(make_llm):
     llm = make_llm(speculative_config=NGRAM)
     llm.generate(REPEATING[:2], greedy(LLM_MAX_NEW), use_tqdm=False)

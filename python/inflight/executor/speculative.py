@@ -214,6 +214,11 @@ class Drafter(abc.ABC):
     def free(self, request) -> None:
         """The request finished or was paused: drop what is held for it."""
 
+    def reset(self, requests: Sequence) -> None:
+        """A proposal for ``requests`` failed midway: forget what it held for them (they start afresh)."""
+        for req in requests:
+            self.free(req)
+
     def shutdown(self) -> None:
         """Releases memory."""
 
@@ -429,7 +434,13 @@ class Speculator:
             group[1].append(req)
             group[2].append(k)
         for drafter, reqs, ks in groups.values():
-            for req, draft in zip(reqs, drafter.propose(reqs, ks)):
+            try:
+                drafts = drafter.propose(reqs, ks)
+            except Exception:  # drafts are optional: the step runs without them
+                logger.exception("the %s drafter failed; this step decodes without drafts", drafter.name)
+                drafts = [Draft([]) for _ in reqs]
+                drafter.reset(reqs)
+            for req, draft in zip(reqs, drafts):
                 tokens = draft.tokens[: req.num_draft_tokens]
                 req.draft_tokens = tokens
                 req.py_spec.draft_probs = (
