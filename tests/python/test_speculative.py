@@ -17,7 +17,7 @@ import torch
 from llm_utils import LLM_MAX_NEW, LLM_PROMPTS, LLM_TPB, greedy
 
 from inflight import KvCacheConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
-from inflight.executor.speculative import DRAFT_COSTS, DraftCost, best_draft_len, ngram_match
+from inflight.executor.speculative import DRAFT_COSTS, DraftCost, MeasuredCost, best_draft_len, ngram_match
 
 NGRAM = SpeculativeConfig(method="ngram", max_draft_len=4)
 # Prompts that repeat themselves: n-gram drafts get accepted (random tiny models also loop).
@@ -86,6 +86,24 @@ def test_the_draft_length_maximises_the_expected_gain():
     assert (
         best_draft_len(0.55, 4, cpu, batch=16) == 0 < best_draft_len(0.55, 4, DRAFT_COSTS["cuda"], batch=16)
     )
+
+
+def test_the_measured_cost_replaces_the_model_once_sampled():
+    static = DRAFT_COSTS["cpu"]
+    cost = MeasuredCost(static)
+    for _ in range(MeasuredCost.MIN_SAMPLES - 1):
+        cost.observe(0, 0.010)
+        cost.observe(4, 0.012)
+    assert cost.of(4) == static.of(4)  # too few samples: the model
+    cost.observe(0, 0.010)
+    cost.observe(4, 0.012)
+    assert cost.of(4) == pytest.approx(0.2)  # 12 ms against 10 ms
+    assert cost.of(3) == static.of(3) and cost.of(4, batch=4) == static.of(4, batch=4)
+    # The cheaper measured rows make drafting pay where the model said it would not.
+    assert best_draft_len(0.4, 4, static) == 0 < best_draft_len(0.4, 4, cost)
+    for _ in range(200):  # the average follows a change
+        cost.observe(4, 0.030)
+    assert cost.of(4) == pytest.approx(2.0, rel=0.05)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
@@ -494,10 +512,9 @@ def test_server_prediction_usage_and_metrics(tiny_model_dir):
             )
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
-        assert (
-            stream[-1].usage.completion_tokens_details.accepted_prediction_tokens
-            == details.accepted_prediction_tokens
-        )
+        # (How many drafts a step carries follows measured step times: the counts may differ a little.)
+        streamed = stream[-1].usage.completion_tokens_details
+        assert streamed.accepted_prediction_tokens > 0 and streamed.rejected_prediction_tokens >= 0
         # Completions accept it too.
         comp = server.http.post(
             "/v1/completions",
@@ -520,7 +537,9 @@ def test_server_prediction_usage_and_metrics(tiny_model_dir):
             m["inflight:spec_decode_num_draft_tokens_total"]
             >= m["inflight:spec_decode_num_accepted_tokens_total"]
         )
-        assert m["inflight:spec_decode_num_accepted_tokens_total"] >= 2 * details.accepted_prediction_tokens
+        assert m["inflight:spec_decode_num_accepted_tokens_total"] >= (
+            details.accepted_prediction_tokens + streamed.accepted_prediction_tokens
+        )
     finally:
         server.stop()
         llm.shutdown()

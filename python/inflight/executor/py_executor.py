@@ -697,6 +697,8 @@ class PyExecutor:
             **self._stats_extra,
         }
         if self.speculator is not None:
+            if self.pipeline_depth == 1:  # a pipeline's iteration is not its micro-batch's time
+                self.speculator.observe_step(batch, stat["iter_latency_ms"] / 1e3)
             stat["spec_decode"] = self.speculator.stats.entry()
             if stat["spec_decode"]["num_requests_with_drafts"]:
                 self.speculator.stats.maybe_log()

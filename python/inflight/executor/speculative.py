@@ -26,7 +26,8 @@ the probability that a draft token is accepted (decayed counts of verified draft
 per position up to the first rejection). Its draft length is the ``k`` that maximises the expected
 gain, ``a + a^2 + ... + a^k`` accepted tokens, less the cost of the longer row in decode steps
 (:class:`DraftCost`, per device: on a CPU the GEMMs are compute-bound and a drafting row costs well
-above one decode step; on a GPU nearly the same); no gain, no drafts. While a request does not
+above one decode step; on a GPU nearly the same; :class:`MeasuredCost` replaces it by the engine's
+own iteration times for a request running alone); no gain, no drafts. While a request does not
 draft, a cheap drafter (n-gram, prediction) still proposes, for free, and the proposal is checked
 against the token the model then produces, so the estimate follows the text and drafting resumes
 when the text turns repetitive; a draft model is instead probed again after a pause that doubles
@@ -94,7 +95,43 @@ DRAFT_COSTS = {
 }
 
 
-def best_draft_len(acceptance: float, cap: int, cost: DraftCost, batch: int = 1) -> int:
+class MeasuredCost:
+    """:class:`DraftCost` corrected by what this engine measures: the iteration time of steps with a
+    single generating request (and no context), by its number of drafts. Once a draft length and the
+    plain decode both have ``MIN_SAMPLES`` steps, that length's cost alone is their measured ratio
+    (less one); the rest (other lengths, batches) keeps the static model. So the choice follows the
+    CPU it runs on; outputs never depend on it."""
+
+    MIN_SAMPLES = 4
+    EMA = 0.1  # weight of a new sample
+
+    def __init__(self, static: DraftCost) -> None:
+        self.static = static
+        self._times: dict[int, float] = {}
+        self._counts: dict[int, int] = {}
+
+    def observe(self, k: int, seconds: float) -> None:
+        n = self._counts.get(k, 0)
+        old = self._times.get(k, seconds)
+        # A plain mean for the first samples, then an exponential moving average.
+        w = 1.0 / (n + 1) if n < 1 / self.EMA else self.EMA
+        self._times[k] = old + w * (seconds - old)
+        self._counts[k] = n + 1
+
+    def measured(self, k: int) -> float | None:
+        if min(self._counts.get(k, 0), self._counts.get(0, 0)) < self.MIN_SAMPLES:
+            return None
+        return max(self._times[k] / self._times[0] - 1.0, 0.0)
+
+    def of(self, k: int, batch: int = 1) -> float:
+        if k and batch == 1:
+            m = self.measured(k)
+            if m is not None:
+                return m
+        return self.static.of(k, batch)
+
+
+def best_draft_len(acceptance: float, cap: int, cost: DraftCost | MeasuredCost, batch: int = 1) -> int:
     """The k in [0, cap] of the largest expected gain ``sum_j acceptance^j - cost.of(k, batch)`` (0:
     none), for a request among ``batch`` decodes."""
     best_k, best, gain, p = 0, 0.0, 0.0, 1.0
@@ -343,7 +380,7 @@ class Speculator:
     ) -> None:
         self.drafter = drafter
         self.max_draft_len = max_draft_len
-        self.cost = cost
+        self.cost = MeasuredCost(cost)
         self._batch = 1  # generating requests this step (the cost model's batch)
         self.prediction = PredictionDrafter()
         self.stats = SpecStats()
@@ -553,6 +590,12 @@ class Speculator:
                 spec.backoff = 1
         if drafter is not None:
             drafter.after_verify(req, num_drafted, num_accepted)
+
+    def observe_step(self, batch, seconds: float) -> None:
+        """One iteration's time, for the measured cost: only a step of one generating request."""
+        if len(batch.context_requests) or len(batch.generation_requests) != 1 or seconds <= 0:
+            return
+        self.cost.observe(batch.generation_requests[0].num_draft_tokens, seconds)
 
     def free(self, req) -> None:
         if self.drafter is not None:
