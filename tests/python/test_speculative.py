@@ -17,7 +17,8 @@ import torch
 from llm_utils import LLM_MAX_NEW, LLM_PROMPTS, LLM_TPB, greedy
 
 from inflight import KvCacheConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
-from inflight.executor.speculative import DRAFT_COSTS, DraftCost, MeasuredCost, best_draft_len, ngram_match
+from inflight.executor.draft_cost import DRAFT_COSTS, DraftCost, MeasuredCost, best_draft_len
+from inflight.executor.speculative import ngram_match
 
 NGRAM = SpeculativeConfig(method="ngram", max_draft_len=4)
 # Prompts that repeat themselves: n-gram drafts get accepted (random tiny models also loop).

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from inflight.batch_manager import ContextChunkingConfig, LlmRequest
+from inflight.executor.draft_cost import DRAFT_COSTS
 from inflight.executor.kv_cache_creator import KvBudget, cpu_kv_budget, gpu_kv_budget, kv_bytes_per_token
 from inflight.executor.llm_request import Response
 from inflight.executor.model_engine import ModelEngine
@@ -41,7 +42,7 @@ from inflight.executor.scheduler import (
     ScheduledRequests,
     SimpleScheduler,
 )
-from inflight.executor.speculative import DRAFT_COSTS, NgramDrafter, Speculator
+from inflight.executor.speculative import NgramDrafter, Speculator
 from inflight.executor.step_channel import PipeLink
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
