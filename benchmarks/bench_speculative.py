@@ -95,13 +95,8 @@ GOALS = {
 
 
 def _cpu_header() -> str:
-    from inflight import _C
+    from inflight.ops import describe_cpu
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        name = "?"
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -112,7 +107,7 @@ def _cpu_header() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return f"CPU: {name}, {torch.get_num_threads()} threads, kernels {_C.cpu_isa()}; inflight {commit}"
+    return f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads; inflight {commit}"
 
 
 def _one_run(llm, ids: list[int], params) -> dict:

@@ -15,10 +15,18 @@ enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512bf16 = false, avx512vnni = false;
+  bool avx512bf16 = false, avx512vnni = false, avx512fp16 = false;
+  // AMX: the CPU has it (CPUID), the OS saves its state (XCR0 bits 17-18) and Linux granted this
+  // process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM). A refusal means no AMX, never a crash.
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
+  bool amx_cpu = false;  // CPUID alone says AMX (before the OS and the permission)
+  std::string vendor;    // "GenuineIntel", "AuthenticAMD", ...
+  std::string model;     // the brand string, e.g. "Intel(R) Xeon(R) Processor"
+  int family = 0, model_id = 0, stepping = 0;
 };
 
 CpuFeatures const& cpu_features();
+// No kernel runs AMX yet: amx_* say whether one may (CPU, OS state and permission all present).
 // The best ISA this CPU supports (kAvx512 needs F/BW/VL/DQ/BF16/VNNI + FMA; kAvx2 needs AVX2/FMA/F16C).
 Isa best_isa();
 // What kernels use now: best_isa(), lowered by INFLIGHT_CPU_ISA or set_selected_isa().
