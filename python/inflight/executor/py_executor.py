@@ -559,7 +559,7 @@ class PyExecutor:
                 if reason != FinishReason.NOT_FINISHED:
                     break
             if n > 1:  # drafted n - 1 tokens; appended - 1 of them are now in the sequence
-                self.resource_manager.get("kv_cache_manager").rewind(req, (n - 1) - (appended - 1))
+                self.kv_cache_manager.rewind(req, n - appended)
                 self.speculator.after_verify(req, n - 1, kept - 1)
             if req.py_first_token_time is None:
                 req.py_first_token_time = now

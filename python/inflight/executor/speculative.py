@@ -345,19 +345,17 @@ class Speculator:
         # draft past the last token the request may still generate.
         remaining = req.py_max_new_tokens - req.py_num_output_tokens
         cap = max(0, min(spec.draft_len, max_seq_len - req.num_tokens, remaining - 1))
-        if drafter.cheap:
-            self._check_shadow(req, spec)
-        k = best_draft_len(spec.acceptance, cap, self.cost, self._batch)
-        if drafter.cheap:
-            if cap and not k:
-                # Not worth a draft now: propose anyway (for free) and learn from what comes next.
-                proposal = drafter.propose([req], [1])[0].tokens
-                spec.shadow = (req.py_sampling_state.num_generated, proposal) if proposal else None
+        if not drafter.cheap:  # a draft model: paused after drafts that did not pay
+            if spec.skip > 0:
+                spec.skip -= 1
                 return 0
-            return k
-        if spec.skip > 0:
-            spec.skip -= 1
-            return 0
+            return best_draft_len(spec.acceptance, cap, self.cost, self._batch)
+        self._check_shadow(req, spec)
+        k = best_draft_len(spec.acceptance, cap, self.cost, self._batch)
+        if cap and not k:
+            # Not worth a draft now: propose anyway (for free) and learn from what comes next.
+            proposal = drafter.propose([req], [1])[0].tokens
+            spec.shadow = (req.py_sampling_state.num_generated, proposal) if proposal else None
         return k
 
     @staticmethod
