@@ -19,7 +19,7 @@ from pathlib import Path
 # (layer, module prefixes in their order, peers), top first. A module belongs to the longest prefix
 # that matches it ("inflight" alone is the package's __init__).
 LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
-    ("entry points", ("inflight.__main__", "inflight.cli", "inflight.serve"), False),
+    ("entry points", ("inflight.__main__", "inflight.cli", "inflight.perplexity", "inflight.serve"), False),
     ("LLM API", ("inflight", "inflight.llm", "inflight.request_handle", "inflight.detokenizer"), False),
     ("executor", ("inflight.executor",), False),
     ("configs", ("inflight.llm_args", "inflight.sampling_params", "inflight.outputs"), True),

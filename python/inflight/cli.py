@@ -1,8 +1,8 @@
-"""The ``inflight`` command: ``inflight generate``, ``inflight quantize``, ``inflight serve`` and
-``inflight bench serve``.
+"""The ``inflight`` command: ``inflight generate``, ``inflight quantize``, ``inflight perplexity``,
+``inflight serve`` and ``inflight bench serve``.
 
-``generate`` and ``quantize`` are defined here; ``serve`` and ``bench`` are mounted from
-:mod:`inflight.serve.server` and :mod:`inflight.serve.bench`, which own their arguments and their
+``generate`` and ``quantize`` are defined here; ``perplexity``, ``serve`` and ``bench`` are mounted
+from :mod:`inflight.perplexity`, :mod:`inflight.serve.server` and :mod:`inflight.serve.bench`, which own their arguments and their
 command functions. The engine options of ``generate`` and ``serve`` are the fields of
 :class:`~inflight.llm_args.LlmArgs` (:func:`~inflight.llm_args.add_cli_arguments`), so an engine
 argument added there reaches both commands. Imports flow one way, this module -> ``inflight.serve``
@@ -17,6 +17,7 @@ import asyncio
 import sys
 import time
 
+from inflight import perplexity
 from inflight.llm import LLM
 from inflight.llm_args import LlmArgs, add_cli_arguments
 from inflight.models.config import ModelConfig
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_quantize_parser(sub)
+    perplexity.add_parser(sub)
     server.add_parser(sub)
     bench.add_parser(sub)
     return parser

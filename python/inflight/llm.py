@@ -186,11 +186,12 @@ class LLM:
             )
         if params.n > self.args.max_n:
             raise RequestError("n", f"n must be <= max_n={self.args.max_n}, got {params.n}")
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise RequestError(
-                "logprobs",
-                f"logprobs must be <= max_logprobs={self.args.max_logprobs}, got {params.logprobs}",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.args.max_logprobs:
+                raise RequestError(
+                    name, f"{name} must be <= max_logprobs={self.args.max_logprobs}, got {value}"
+                )
         max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
         limit = self.args.max_request_tokens
         if limit is not None and params.n * max_new > limit:
@@ -246,6 +247,8 @@ class LLM:
             report_each_token = streaming or bool(params.stop)
             child = ExecutorRequest(rid, ids, max_new, state, report_each_token, priority)
             child.py_prediction = prediction
+            if i == 0 and params.prompt_logprobs is not None:  # the prompt is the same for all n
+                child.py_prompt_logprobs = [None]
             children.append(child)
         handle = RequestHandle(
             [c.request_id for c in children],

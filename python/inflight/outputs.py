@@ -35,3 +35,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: logprob} per
+    # prompt token (the prompt's own token first, then the top ones); None when not asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -64,6 +64,7 @@ class RequestHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
         self._metrics: dict[str, float] = {}
+        self._prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs (from sequence 0)
 
     # -- executor thread
     def on_responses(self, responses: list[Response]) -> None:
@@ -77,6 +78,8 @@ class RequestHandle:
                 if seq.finished:
                     continue  # e.g. the cancellation that follows a stop string found here
                 changed = True
+                if resp.prompt_logprobs is not None and self._prompt_logprobs is None:
+                    self._prompt_logprobs = resp.prompt_logprobs
                 if seq.update(resp):
                     stopped.append(resp.request_id)
                 if resp.finished and resp.metrics:
@@ -107,7 +110,13 @@ class RequestHandle:
     def _snapshot(self, finished: bool, diff: bool) -> RequestOutput:
         outs = [s.output(diff) for s in self._seqs]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outs, finished, dict(self._metrics)
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            finished,
+            dict(self._metrics),
+            self._prompt_logprobs,  # complete when it arrives; shared, not copied per output
         )
 
     # -- synchronous use

@@ -86,6 +86,11 @@ class SamplingParams:
       as tuples; ``include_stop_str_in_output``.
     - ``logprobs`` (None, or N >= 0 top log-probabilities per token; 0: only the sampled token's; the LLM bounds N
       by ``max_logprobs``, 20 by default).
+    - ``prompt_logprobs`` (None, or N >= 0, vLLM's): the log-probability of every prompt token after
+      the first given the tokens before it, with the top N at each position (0: the prompt token's
+      only), from the model's raw logits; ``RequestOutput.prompt_logprobs`` holds them (None first).
+      A request that asks for them computes its whole prompt (no prefix reuse) and pays the LM head
+      at every prompt position. Bounded by ``max_logprobs`` like ``logprobs``.
     - ``n`` (>= 1; n > 1 needs random sampling, temperature > 0), ``skip_special_tokens``,
       ``detokenize``.
     - ``speculative`` (default True): False keeps this request out of speculative decoding (no draft
@@ -112,6 +117,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -189,6 +195,11 @@ class SamplingParams:
             put(
                 "logprobs",
                 _check_int("logprobs", self.logprobs, 0, what=">= 0 (or None)"),
+            )
+        if self.prompt_logprobs is not None:
+            put(
+                "prompt_logprobs",
+                _check_int("prompt_logprobs", self.prompt_logprobs, 0, what=">= 0 (or None)"),
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
         if self.prediction is not None and not isinstance(self.prediction, str):

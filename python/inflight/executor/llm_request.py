@@ -44,6 +44,11 @@ class ExecutorRequest(LlmRequest):
         self.py_num_returned = 0  # output tokens already sent in a response
         self.py_logprobs: list[dict[int, float]] = []  # one dict per output token, when requested
         self.py_cumulative_logprob = 0.0
+        # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per prompt
+        # token as its positions are computed (None: not asked for). ``py_prompt_rows_planned``: the
+        # prompt positions a prepared step already scores (chunks ahead of their outputs, overlap).
+        self.py_prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.py_prompt_rows_planned = 0
         self.py_stop_reason: int | None = None  # the stop token id, when one ended the request
         self.py_error: str | None = None
         self.py_num_preemptions = 0
@@ -86,6 +91,7 @@ class Response:
     stop_reason: int | str | None = None
     new_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the request's first response
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 

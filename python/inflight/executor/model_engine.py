@@ -5,7 +5,8 @@ tokens (speculative decoding: one causal row of ``1 + k`` tokens each, the newes
 drafts), then one token per other decode request (flattened, no padding), their positions, and the
 :class:`AttentionMetadata` (block tables written by the C++ KV manager in one call, slot mapping,
 lengths). Only rows whose logits are needed (a context's last chunk, every decode token, every
-position of a drafting row) go through the LM head.
+position of a drafting row; after those, the prompt positions of a request that asked for its
+prompt's log-probabilities) go through the LM head.
 
 Per-request state on the device is indexed by the request's sequence slot (``seq_slot``, from the
 SeqSlotManager), as TensorRT-LLM indexes its decoder state: ``new_tokens[slot]`` is the newest token
@@ -39,6 +40,11 @@ class ModelInputs:
     # Speculative decoding: logits rows per sampled request (1, or 1 + k for one with k drafts),
     # None when no request of the step carries drafts.
     num_rows: list[int] | None = None
+    # SamplingParams.prompt_logprobs: logits rows after the sampled ones (``num_sampled_rows``), one
+    # per scored prompt position; per request (request, its first position, the target tokens: the
+    # prompt token after each position), in row order.
+    num_sampled_rows: int = 0
+    prompt_rows: list[tuple] | None = None
 
 
 def build_metadata(
@@ -111,9 +117,11 @@ class ModelEngine:
         kv_lens: list[int] = []
         logits_indices: list[int] = []
         sampled = []
+        prompt_rows: list[tuple] = []  # (request, first position, count, first flattened token)
         for req in batch.context_requests:
             start = req.context_current_position
             chunk = req.context_chunk_size
+            base = len(ids)
             ids.extend(req.get_tokens(start, start + chunk))
             positions.extend(range(start, start + chunk))
             seq_lens.append(chunk)
@@ -121,6 +129,14 @@ class ModelEngine:
             if req.is_last_context_chunk:
                 logits_indices.append(len(ids) - 1)
                 sampled.append(req)
+            if getattr(req, "py_prompt_logprobs", None) is not None:
+                # Position p scores prompt token p + 1; the last prompt position is the sampled row.
+                # A chunk computed again (a paused request's resume) scores nothing twice.
+                lo = max(start, req.py_prompt_rows_planned)
+                hi = min(start + chunk, req.orig_prompt_len - 1)
+                if hi > lo:
+                    prompt_rows.append((req, lo, hi - lo, base + lo - start))
+                    req.py_prompt_rows_planned = hi
         gens = batch.generation_requests
         drafting = [r for r in gens if r.has_draft_tokens]
         num_rows = None
@@ -160,6 +176,9 @@ class ModelEngine:
             if num_rows is not None:
                 num_rows.append(1)
 
+        num_sampled_rows = len(logits_indices)
+        for _, _, count, first in prompt_rows:
+            logits_indices.extend(range(first, first + count))
         order = batch.all_requests if num_rows is None else list(batch.context_requests) + gens
         meta = build_metadata(
             self.kv,
@@ -176,6 +195,12 @@ class ModelEngine:
         slots = torch.tensor([r.seq_slot for r in sampled], dtype=torch.int64, device=dev)
         inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled, slots)
         inputs.num_rows = num_rows
+        inputs.num_sampled_rows = num_sampled_rows
+        if prompt_rows:
+            # With each position's target: the prompt token after it.
+            inputs.prompt_rows = [
+                (req, lo, req.get_tokens(lo + 1, lo + 1 + count)) for req, lo, count, _ in prompt_rows
+            ]
         if dst:
             inputs.pending_dst = torch.tensor(dst, dtype=torch.int64, device=dev)
             inputs.pending_slots = torch.tensor(src, dtype=torch.int64, device=dev)
@@ -183,7 +208,8 @@ class ModelEngine:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The logits of the sampled rows, ``[len(inputs.sampled_requests), vocab]``."""
+        """The logits of the sampled rows (``[inputs.num_sampled_rows, vocab]``), then those of the
+        scored prompt positions (``inputs.prompt_rows``)."""
         input_ids = inputs.input_ids
         if inputs.pending_dst is not None:
             input_ids = input_ids.index_copy(

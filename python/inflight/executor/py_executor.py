@@ -43,7 +43,7 @@ from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.llm_request import ExecutorRequest, Response, format_iteration_stats, request_metrics
 from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
-from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput
+from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput, prompt_logprob_entries
 from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
 from inflight.executor.speculative import Speculator
 from inflight.executor.timeline import Timelines
@@ -78,6 +78,7 @@ class _InFlight:
     future: Any = None  # overlap: the forward's Future; pipeline: the launched micro-batch's handle
     output: SamplerOutput | None = None
     processed: set[int] = field(default_factory=set)  # request ids whose token was taken
+    prompts_taken: set[int] = field(default_factory=set)  # ... whose prompt logprobs were taken
     finished_contexts: list = field(default_factory=list)  # pipeline: contexts whose last chunk ran
 
     def pending_ids(self) -> set[int]:
@@ -485,6 +486,10 @@ class PyExecutor:
         return self._sample(self.model_engine.forward(inputs), inputs)
 
     def _sample(self, logits, inputs: ModelInputs) -> SamplerOutput:
+        prompt_logprobs = None
+        if inputs.prompt_rows:
+            prompt_logprobs = self._score_prompts(logits[inputs.num_sampled_rows :], inputs.prompt_rows)
+            logits = logits[: inputs.num_sampled_rows]
         if inputs.num_rows is not None:  # drafting rows: one state per position
             states = Speculator.row_states(inputs)
         else:
@@ -500,7 +505,23 @@ class PyExecutor:
             self.speculator.verify(logits, inputs, output, self.sampler, states)
         if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
             self.model_engine.store_new_tokens(inputs, output.token_ids)
+        output.prompt_logprobs = prompt_logprobs
         return output
+
+    @staticmethod
+    def _score_prompts(logits, prompt_rows) -> list[tuple]:
+        """SamplingParams.prompt_logprobs: each request's entries for its scored prompt positions; a
+        failure fails that request only."""
+        scored, row = [], 0
+        for req, _, targets in prompt_rows:
+            part = logits[row : row + len(targets)]
+            row += len(targets)
+            try:
+                num_top = req.py_sampling_state.params.prompt_logprobs or 0
+                scored.append((req, prompt_logprob_entries(part, targets, num_top)))
+            except Exception as exc:  # noqa: BLE001
+                scored.append((req, exc))
+        return scored
 
     def _update_request_states(self, batch: ScheduledRequests) -> list:
         finished_contexts = []
@@ -526,6 +547,17 @@ class PyExecutor:
         num_rows = step.inputs.num_rows
         num_kept = output.num_kept
         now = time.monotonic()
+        for req, entries in output.prompt_logprobs or ():
+            if (only is not None and req.request_id != only) or req.py_done:
+                continue
+            if req.request_id in step.prompts_taken:
+                continue
+            step.prompts_taken.add(req.request_id)
+            if isinstance(entries, BaseException):
+                self._finish(req, FinishReason.NOT_FINISHED, f"prompt_logprobs failed: {entries}")
+                self._deferred_free.append(req)
+            else:
+                req.py_prompt_logprobs.extend(entries)
         row = 0
         for i, req in enumerate(step.inputs.sampled_requests):
             first = row
@@ -606,6 +638,8 @@ class PyExecutor:
             else None,
             error=req.py_error,
         )
+        if req.py_prompt_logprobs is not None and start == 0:  # sent once, with the first tokens
+            resp.prompt_logprobs = req.py_prompt_logprobs
         if req.py_done:
             resp.metrics = request_metrics(req)
         # Sent at the end of the step, once finished requests are freed and the step's stats are

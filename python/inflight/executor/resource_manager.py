@@ -153,8 +153,11 @@ class KVCacheResourceManager(BaseResourceManager):
         kv = self.impl
         for req in batch.context_requests:
             if not kv.has_sequence(req.request_id):
-                # With reuse this may move the request's context position past cached blocks.
-                kv.add_sequence(req.request_id, req.prompt_len, 1, req)
+                # With reuse this may move the request's context position past cached blocks; a
+                # request that wants its prompt's log-probabilities computes every position (no
+                # lookup), as vLLM does.
+                lookup = req if getattr(req, "py_prompt_logprobs", None) is None else None
+                kv.add_sequence(req.request_id, req.prompt_len, 1, lookup)
         for req in batch.generation_requests:
             k = req.num_draft_tokens
             if k == 0:

@@ -177,6 +177,9 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
     # Speculative decoding: tokens kept per sampled request (its rows' first ones); None: one each.
     num_kept: list[int] | None = None
+    # SamplingParams.prompt_logprobs: (request, one {token: logprob} per scored prompt position, or
+    # the error that failed the request), from prompt_logprob_entries.
+    prompt_logprobs: list[tuple] | None = None
 
 
 class Sampler:
@@ -428,3 +431,31 @@ class LogprobRows:
             for tid, val in zip(self.top_ids[row][:num_top], self.top_values[row][:num_top]):
                 entry.setdefault(tid, val)
         return entry
+
+
+# Rows per block when scoring prompt positions: bounds the float32 temporaries to a few MB per row
+# block whatever the chunk length.
+PROMPT_LOGPROB_BLOCK = 256
+
+
+def prompt_logprob_entries(logits: torch.Tensor, targets: list[int], num_top: int) -> list[dict[int, float]]:
+    """``{target: logprob}`` plus the ``num_top`` most likely tokens for each row of ``logits``
+    (``[len(targets), V]``), under the raw model distribution (log-softmax of the logits)."""
+    entries: list[dict[int, float]] = []
+    num_top = min(num_top, logits.shape[-1])
+    for lo in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
+        block = logits[lo : lo + PROMPT_LOGPROB_BLOCK].float()
+        tgt = torch.tensor(targets[lo : lo + PROMPT_LOGPROB_BLOCK], dtype=torch.int64, device=block.device)
+        lse = torch.logsumexp(block, dim=-1)
+        chosen = (block.gather(1, tgt.unsqueeze(1)).squeeze(1) - lse).tolist()
+        if num_top:
+            values, ids = block.topk(num_top, dim=-1)
+            values = (values - lse.unsqueeze(1)).tolist()
+            ids = ids.tolist()
+        for i, tok in enumerate(tgt.tolist()):
+            entry = {tok: chosen[i]}
+            if num_top:
+                for tid, val in zip(ids[i], values[i]):
+                    entry.setdefault(tid, val)
+            entries.append(entry)
+    return entries
