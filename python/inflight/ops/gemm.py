@@ -1,4 +1,5 @@
-"""CPU GEMMs: weight-only-quantised (W4A16, W8A16) and dense; typed wrappers over the C++ kernels.
+"""CPU GEMMs: weight-only-quantised (W4A16, W8A16), W8A8 (int8 activations too) and dense; typed
+wrappers over the C++ kernels.
 
 Formats (the canonical interchange layout, shared with the CUDA kernels):
 
@@ -31,7 +32,7 @@ from inflight import _C
 from inflight.cuda import require_cuda_module
 from inflight.ops.reference import gemm as reference
 
-__all__ = ["W4A16Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
+__all__ = ["W4A16Weight", "W8A8Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
 
 
 def _cuda(x: torch.Tensor) -> bool:
@@ -159,6 +160,35 @@ class W8A16Weight:
             _cap(qweight), _cap(scales), group_size, None if bias is None else _cap(bias)
         )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out, out_cap = _out(out, x, self.n)
+        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
+        return out
+
+
+class W8A8Weight:
+    """W8A8 (SmoothQuant) weights packed once for the CPU kernel: int8 ``qweight [N, K]``, fp32
+    ``scales [N]`` per output channel, optional fp32 ``smooth [K]`` (multipliers of x: SmoothQuant's
+    ``1 / s``) and ``bias [N]``. ``weight(x, out=None)`` quantises each row of x to int8 (its own
+    scale), sums the products exactly in int32 (AVX512-VNNI where the CPU has it, else a portable
+    loop: the same bits) and returns ``x``'s dtype; :func:`inflight.ops.reference.gemm.w8a8_gemm` is
+    its plain-torch twin. The tensors are copied into the packed layout (not kept)."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        smooth: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        self._w = _C.W8A8Weight(
+            _cap(qweight),
+            _cap(scales),
+            None if smooth is None else _cap(smooth),
+            None if bias is None else _cap(bias),
+        )
+        self.n, self.k = self._w.n, self._w.k
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out, out_cap = _out(out, x, self.n)

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_gemm", "dequantize_w4", "dequantize_w8", "unpack_int4", "w4a16_gemm", "w8a16_gemm"]
+__all__ = [
+    "dense_gemm",
+    "dequantize_w4",
+    "dequantize_w8",
+    "quantize_w8a8_activations",
+    "unpack_int4",
+    "w4a16_gemm",
+    "w8a8_gemm",
+    "w8a16_gemm",
+]
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -101,3 +110,37 @@ def dense_gemm(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in fp32, rounded once to ``x``'s dtype (or written into ``out``)."""
     return _linear_fp32(x, weight.to(torch.float32), bias, out)
+
+
+def quantize_w8a8_activations(
+    x: torch.Tensor, smooth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's per-token quantisation: ``(q [M, K] int8, row_scales [M] fp32)`` with
+    ``xs = x * smooth``, ``row_scale = max|xs| / 127`` and ``q = round_half_even(xs * (127 / max|xs|))``
+    (q = 0 for an all-zero row), the float operations the C++ kernel does, in its order."""
+    xs = x.float()
+    if smooth is not None:
+        xs = xs * smooth.float()
+    amax = xs.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xs * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def w8a8_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ (scales[:, None] * qweight).T (+ bias)`` with x quantised per token to int8 first
+    (:func:`quantize_w8a8_activations`), the products summed exactly (int64 here), then
+    ``float(sum) * (row_scale * scale) (+ bias)`` rounded once to x's dtype: bit for bit what the
+    C++ W8A8 kernel returns."""
+    q, row_scales = quantize_w8a8_activations(x, smooth)
+    acc = (q.to(torch.int64) @ qweight.to(torch.int64).T).to(torch.float32)
+    out = acc * (row_scales.unsqueeze(1) * scales.float().unsqueeze(0))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
