@@ -148,9 +148,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
         vs = f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.3f}%" if ref else "-"
-        print(f"| {name} | {r['perplexity']:.4f} ± {r['stderr']:.4f} | {r['nll']:.5f} | {vs} | {r['tok_s']:.0f} |")
+        print(
+            f"| {name} | {r['perplexity']:.4f} ± {r['stderr']:.4f} | {r['nll']:.5f} | {vs} | {r['tok_s']:.0f} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"header": header, "args": vars(args), "results": results}, indent=1)
+        )
         print(f"wrote {args.json}")
 
 

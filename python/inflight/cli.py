@@ -21,7 +21,7 @@ from inflight import perplexity
 from inflight.llm import LLM
 from inflight.llm_args import LlmArgs, add_cli_arguments
 from inflight.models.config import ModelConfig
-from inflight.quantization import GROUP_SIZES, quantize_checkpoint
+from inflight.quantization import GROUP_SIZES, quantize_checkpoint, quantize_smoothquant
 from inflight.sampling_params import SamplingParams
 from inflight.serve import bench, server
 
@@ -117,9 +117,15 @@ async def _stream(llm: LLM, prompt, params: SamplingParams, has_tokenizer: bool)
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
-    q = subparsers.add_parser("quantize", help="round-to-nearest W4A16 of a Hugging Face model directory")
+    q = subparsers.add_parser(
+        "quantize", help="W4A16 (round-to-nearest) or SmoothQuant W8A8 copy of a Hugging Face model directory"
+    )
     q.add_argument("--model", required=True, help="a Hugging Face model directory (safetensors)")
     q.add_argument("--out", required=True, help="output directory (loadable with LLM(model=OUT))")
+    q.add_argument("--method", choices=("w4a16", "smoothquant"), default="w4a16")
+    q.add_argument("--alpha", type=float, default=0.5, help="smoothquant: migration strength in [0, 1]")
+    q.add_argument("--calib-file", default=None, help="smoothquant: calibration text (UTF-8), required")
+    q.add_argument("--calib-tokens", type=int, default=2048, help="smoothquant: tokens of it to use")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
     q.add_argument(
         "--symmetric", action="store_true", help="w = scale * (q - 8) instead of scale * q + offset"
@@ -136,6 +142,20 @@ def cmd_quantize(args) -> int:
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
     t0 = time.perf_counter()
+    if args.method == "smoothquant":
+        if not args.calib_file:
+            raise ValueError("--method smoothquant needs --calib-file FILE (calibration text)")
+        with open(args.calib_file, encoding="utf-8") as f:
+            text = f.read()
+        out = quantize_smoothquant(
+            args.model, args.out, text, alpha=args.alpha, calib_tokens=args.calib_tokens
+        )
+        print(
+            f"wrote W8A8 (SmoothQuant, alpha {args.alpha}) checkpoint to {out} in "
+            f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
+        return 0
     out = quantize_checkpoint(args.model, args.out, group_size=args.group_size, symmetric=args.symmetric)
     kind = "symmetric" if args.symmetric else "asymmetric"
     print(

@@ -115,7 +115,8 @@ void int_gemm_portable(std::uint8_t const* qa, std::int64_t m, W8A8PackedWeight 
         }
       }
       std::int32_t* cr = c + r * np + b * kW8A8Block;
-      for (int col = 0; col < kW8A8Block; ++col) cr[col] = acc[col] - w.wsum[static_cast<std::size_t>(b * kW8A8Block + col)];
+      for (int col = 0; col < kW8A8Block; ++col)
+        cr[col] = acc[col] - w.wsum[static_cast<std::size_t>(b * kW8A8Block + col)];
     }
   }
 }
@@ -141,7 +142,8 @@ void launch_w8a8_gemm(W8A8GemmParams const& p, ThreadPool& pool) {
                                             align(static_cast<std::size_t>(p.m) * sizeof(float)));
   {  // The activations by rows (each row's scale depends on that row alone).
     std::size_t const row_bytes = static_cast<std::size_t>(w.k) * scalar_type_size(p.dtype);
-    int const qthreads = static_cast<int>(std::min<std::int64_t>({p.num_threads, p.m, std::max<std::int64_t>((p.m * w.k) >> 14, 1)}));
+    int const qthreads =
+        static_cast<int>(std::min<std::int64_t>({p.num_threads, p.m, std::max<std::int64_t>((p.m * w.k) >> 14, 1)}));
     auto quantize = [&](int i, int n) {
       std::int64_t const lo = p.m * i / n, hi = p.m * (i + 1) / n;
       if (lo >= hi) return;
@@ -157,7 +159,8 @@ void launch_w8a8_gemm(W8A8GemmParams const& p, ThreadPool& pool) {
   // only with enough work (~64k multiply-adds).
   std::int64_t const groups = (nb + 3) / 4;
   std::int64_t const work = p.m * w.n_padded() * w.k4 * 4;
-  int threads = static_cast<int>(std::min<std::int64_t>({p.num_threads, groups, std::max<std::int64_t>(work >> 16, 1)}));
+  int threads =
+      static_cast<int>(std::min<std::int64_t>({p.num_threads, groups, std::max<std::int64_t>(work >> 16, 1)}));
   threads = std::max(threads, 1);
   auto task = [&](int i, int n) {
     std::int64_t const g_lo = groups * i / n, g_hi = groups * (i + 1) / n;
@@ -171,7 +174,8 @@ void launch_w8a8_gemm(W8A8GemmParams const& p, ThreadPool& pool) {
   };
   pool.run(threads, TaskRef(task));
   // The epilogue by rows (each row's columns in one pass).
-  int const ethreads = static_cast<int>(std::min<std::int64_t>({p.num_threads, p.m, std::max<std::int64_t>((p.m * w.n) >> 14, 1)}));
+  int const ethreads =
+      static_cast<int>(std::min<std::int64_t>({p.num_threads, p.m, std::max<std::int64_t>((p.m * w.n) >> 14, 1)}));
   auto epilogue = [&](int i, int n) {
     std::int64_t const lo = p.m * i / n, hi = p.m * (i + 1) / n;
     switch (p.dtype) {

@@ -45,14 +45,14 @@ struct W8A8PackedWeight {
 W8A8PackedWeight pack_w8a8_weight(std::int8_t const* qweight, float const* scales, std::int64_t n, std::int64_t k);
 
 struct W8A8GemmParams {
-  void const* x = nullptr;                    // [m, k], dtype, row-major contiguous
-  W8A8PackedWeight const* weight = nullptr;   // packed once
-  float const* smooth = nullptr;              // [k] multipliers of x (SmoothQuant's 1 / s); nullptr: none
-  float const* bias = nullptr;                // [n] fp32; nullptr: none
-  void* out = nullptr;                        // [m, n], dtype, row-major contiguous
-  void* workspace = nullptr;                  // w8a8_workspace_bytes(m, weight) bytes, 64-byte aligned
+  void const* x = nullptr;                   // [m, k], dtype, row-major contiguous
+  W8A8PackedWeight const* weight = nullptr;  // packed once
+  float const* smooth = nullptr;             // [k] multipliers of x (SmoothQuant's 1 / s); nullptr: none
+  float const* bias = nullptr;               // [n] fp32; nullptr: none
+  void* out = nullptr;                       // [m, n], dtype, row-major contiguous
+  void* workspace = nullptr;                 // w8a8_workspace_bytes(m, weight) bytes, 64-byte aligned
   std::int64_t m = 0;
-  ScalarType dtype = ScalarType::kFloat32;    // of x and out
+  ScalarType dtype = ScalarType::kFloat32;  // of x and out
   int num_threads = 1;
 };
 

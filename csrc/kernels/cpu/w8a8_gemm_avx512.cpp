@@ -11,8 +11,8 @@ namespace inflight::kernels::cpu::w8a8_detail {
 namespace {
 
 template <int kRows, int kBlocks>
-void tile(std::uint8_t const* qa, std::int64_t lda, std::int8_t const* wb, std::int64_t block_stride,
-          std::int64_t k4, std::int32_t const* wsum, std::int32_t* c, std::int64_t ldc) {
+void tile(std::uint8_t const* qa, std::int64_t lda, std::int8_t const* wb, std::int64_t block_stride, std::int64_t k4,
+          std::int32_t const* wsum, std::int32_t* c, std::int64_t ldc) {
   __m512i acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r) {
     for (int j = 0; j < kBlocks; ++j) acc[r][j] = _mm512_set1_epi32(0);

@@ -3,6 +3,9 @@
 - :class:`W4A16Linear`: int4 weights (canonical layout of :mod:`inflight.ops.gemm`), scales (and
   offsets when asymmetric) per group; fused projections (q/k/v, gate/up) are loaded shard by shard.
 - :class:`W8A16Linear`: int8 weights, one scale per group.
+- :class:`W8A8Linear`: SmoothQuant's W8A8: int8 weights with one scale per output channel, int8
+  activations quantised per token inside the kernel (after SmoothQuant's per-input-channel multipliers,
+  ``smooth``); the products are summed exactly in int32.
 - :class:`W8A16Embedding`: an int8 token embedding that is also the tied LM head: the lookup gathers
   int8 rows and dequantises only those; the head is a W8A16 GEMM over the whole vocabulary.
 
@@ -18,10 +21,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from inflight.ops.gemm import W4A16Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
+from inflight.ops.gemm import W4A16Weight, W8A8Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
+from inflight.ops.reference.gemm import w8a8_gemm
 from inflight.quantization.w4a16 import GROUP_SIZES, quantize_w4, quantize_w8
 
-__all__ = ["W4A16Linear", "W8A16Embedding", "W8A16Linear"]
+__all__ = ["W4A16Linear", "W8A8Linear", "W8A16Embedding", "W8A16Linear"]
 
 
 def _check_group(in_features: int, group_size: int) -> None:
@@ -245,6 +249,73 @@ class W8A16Linear(_FusedRows):
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
             f"bias={self.bias is not None}"
+        )
+
+
+class W8A8Linear(_FusedRows):
+    """``y = (x * smooth) @ (scales[:, None] * qweight).T + b`` with x quantised per token to int8
+    (:class:`~inflight.ops.gemm.W8A8Weight`); tensors ``qweight [N, K]`` int8, ``scales [N]`` fp32,
+    ``smooth [K]`` fp32 (shared by the fused shards: they read the same input), ``bias``. Every row
+    count runs the W8A8 kernel (it is faster than W8A16 at each one measured, decode included), so a
+    token's result never depends on the batch."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(in_features, output_sizes)
+        self.dtype = dtype
+        n, k = self.out_features, in_features
+        self.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(n, dtype=torch.float32, device=device))
+        self.register_buffer("smooth", torch.ones(k, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
+        self._smooth_loaded = False
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("qweight", "scales", "smooth") + (("bias",) if self.bias is not None else ())
+
+    @torch.no_grad()
+    def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if name != "smooth":
+            super().load_shard(shard, name, tensor)
+            return
+        if tuple(tensor.shape) != (self.in_features,):
+            raise ValueError(
+                f"shape mismatch for smooth: expected ({self.in_features},), got {tuple(tensor.shape)}"
+            )
+        tensor = tensor.to(torch.float32)
+        if self._smooth_loaded and not torch.equal(self.smooth, tensor.to(self.smooth.device)):
+            raise ValueError(
+                "the fused shards of a W8A8 layer must share one smooth vector (they read the same input); "
+                f"shard {shard} differs"
+            )
+        self.smooth.copy_(tensor)
+        self._smooth_loaded = True
+        self._packed = None
+
+    def kernel_weight(self) -> W8A8Weight:
+        if self._packed is None:
+            bias = None if self.bias is None else self.bias.float()
+            self._packed = W8A8Weight(self.qweight, self.scales, self.smooth, bias)
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu":
+            y = self.kernel_weight()(x2.contiguous())
+        else:  # no device kernel yet: the exact twin
+            y = w8a8_gemm(x2, self.qweight, self.scales, self.smooth, self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes}, bias={self.bias is not None}"
         )
 
 

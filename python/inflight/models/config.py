@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.quantization.w4a16 import GROUP_SIZES, QUANT_METHOD
 
 # HF architecture name -> model_type. One model class covers all three: they differ only in which
@@ -69,7 +70,8 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
     model_type: str = field(default="", compare=False)
     # Weight-only quantisation of the checkpoint's linear layers, or None (float weights). The only
-    # method: {"quant_method": "inflight_w4a16", "group_size": 32 | 64 | 128, "symmetric": bool}
+    # method: {"quant_method": "inflight_w4a16", "group_size": 32 | 64 | 128, "symmetric": bool}, or
+    # {"quant_method": "inflight_w8a8", "alpha": float} (SmoothQuant)
     # (written by `inflight quantize`). Treat as read-only.
     quantization: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -249,9 +251,12 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
     if not q:
         return None
     method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    if method == W8A8_METHOD:
+        return {"quant_method": method, "alpha": q.get("alpha")}
     if method != QUANT_METHOD:
         raise ValueError(
-            f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r})"
+            f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r} "
+            f"and {W8A8_METHOD!r})"
         )
     group_size = q.get("group_size")
     if group_size not in GROUP_SIZES:

@@ -17,13 +17,14 @@ import torch
 from inflight.cuda import cuda_compiled
 from inflight.layers.attention import AttentionBackend
 from inflight.layers.native_attention import NativeAttentionBackend
-from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding
+from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Embedding
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import PipelineStage
+from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
 
@@ -173,7 +174,15 @@ def load_model(
         if mode == "gguf":
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
         config = ModelConfig.from_hf_dir(path)
-        if config.quantization is not None:
+        if config.quantization is not None and config.quantization["quant_method"] == W8A8_METHOD:
+            if tp.size > 1:
+                raise ValueError(
+                    "a W8A8 (SmoothQuant) checkpoint runs with tensor_parallel_size=1 only, for now"
+                )
+            factories["linear_factory"] = W8A8Linear
+            if dtype is None and device.type == "cpu":
+                dtype = QUANTIZED_CPU_DTYPE
+        elif config.quantization is not None:
             factories["linear_factory"] = partial(
                 W4A16Linear,
                 group_size=config.quantization["group_size"],

@@ -1,0 +1,150 @@
+"""SmoothQuant W8A8 checkpoints: the smoothing factors by hand, the written tensors, the W8A8 layer,
+and a W8A8 model through the engine against its float model (transformers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_utils import load_hf_reference
+from safetensors.torch import load_file
+
+from inflight import SamplingParams
+from inflight.cli import main as cli_main
+from inflight.layers.quantized_linear import W8A8Linear
+from inflight.ops.reference.gemm import w8a8_gemm
+from inflight.perplexity import perplexity
+from inflight.quantization.smoothquant import calibrate_act_max, quantize_per_channel, smoothing_factors
+
+CALIB = "the quick brown fox jumps over the lazy dog; a cat sat on the mat and looked at the moon. " * 20
+
+
+def test_smoothing_factors_by_hand():
+    act_max = torch.tensor([4.0, 1.0, 0.25])
+    w1 = torch.tensor([[1.0, -2.0, 0.5], [0.5, 1.0, -4.0]])
+    w2 = torch.tensor([[-3.0, 0.5, 1.0]])
+    s = smoothing_factors(act_max, [w1, w2], alpha=0.5)
+    # w_max per column over both projections: [3, 2, 4]; s = sqrt(act_max) / sqrt(w_max).
+    want = torch.tensor([2.0 / 3.0**0.5, 1.0 / 2.0**0.5, 0.5 / 2.0])
+    assert torch.allclose(s, want)
+    assert torch.allclose(smoothing_factors(act_max, [w1], alpha=1.0), act_max)
+    assert torch.allclose(smoothing_factors(act_max, [w1], alpha=0.0), 1.0 / torch.tensor([1.0, 2.0, 4.0]))
+
+
+def test_quantize_per_channel():
+    w = torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.01]])
+    q, scales = quantize_per_channel(w)
+    assert scales.tolist() == pytest.approx([0.01, 0.02])
+    assert q.tolist() == [[50, -127, 0], [127, 50, 0]]
+
+
+def test_w8a8_linear_loads_fused_shards_and_checks_smooth():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(24, 40, generator=gen), torch.randn(8, 40, generator=gen)
+    smooth = torch.rand(40, generator=gen) + 0.5
+    layer = W8A8Linear(40, (24, 8))
+    for i, w in enumerate((a, b)):
+        q, s = quantize_per_channel(w)
+        layer.load_shard(i, "qweight", q)
+        layer.load_shard(i, "scales", s)
+        layer.load_shard(i, "smooth", smooth)
+    x = torch.randn(5, 40, generator=gen)
+    assert torch.equal(layer(x), w8a8_gemm(x, layer.qweight, layer.scales, smooth))
+    with pytest.raises(ValueError, match="share one smooth vector"):
+        layer.load_shard(1, "smooth", smooth * 2)
+
+
+@pytest.fixture(scope="module")
+def w8a8_dir(tiny_model_dir, tmp_path_factory):
+    src = tiny_model_dir("llama")
+    out = tmp_path_factory.mktemp("w8a8")
+    calib = out / "calib.txt"
+    calib.write_text(CALIB)
+    rc = cli_main(
+        [
+            "quantize",
+            "--model",
+            str(src),
+            "--out",
+            str(out / "m"),
+            "--method",
+            "smoothquant",
+            "--alpha",
+            "0.5",
+            "--calib-file",
+            str(calib),
+        ]
+    )
+    assert rc == 0
+    return src, out / "m"
+
+
+def test_smoothquant_checkpoint_tensors(w8a8_dir):
+    src, out = w8a8_dir
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "inflight_w8a8", "alpha": 0.5}
+    tensors = load_file(str(out / "model.safetensors"))
+    orig = load_file(str(src / "model.safetensors"))
+    act = calibrate_act_max(src, CALIB)
+    layer = "model.layers.0"
+    q = tensors[f"{layer}.self_attn.q_proj.qweight"]
+    assert q.dtype == torch.int8 and f"{layer}.self_attn.q_proj.weight" not in tensors
+    # q, k and v share one smooth vector (one input), from their joint column maxima.
+    smooth = tensors[f"{layer}.self_attn.q_proj.smooth"]
+    assert torch.equal(smooth, tensors[f"{layer}.self_attn.v_proj.smooth"])
+    s = smoothing_factors(
+        act[f"{layer}.self_attn.q_proj"],
+        [orig[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"],
+        0.5,
+    )
+    assert torch.allclose(smooth, 1.0 / s)
+    # Dequantised and un-smoothed, the weights are the original ones up to int8 rounding.
+    w = orig[f"{layer}.mlp.down_proj.weight"]
+    deq = (
+        tensors[f"{layer}.mlp.down_proj.qweight"].float() * tensors[f"{layer}.mlp.down_proj.scales"][:, None]
+    )
+    back = deq * tensors[f"{layer}.mlp.down_proj.smooth"][None, :]
+    bound = (
+        0.5
+        * tensors[f"{layer}.mlp.down_proj.scales"][:, None]
+        * tensors[f"{layer}.mlp.down_proj.smooth"][None, :]
+    )
+    assert ((back - w).abs() <= bound * 1.001 + 1e-7).all()
+    assert torch.equal(tensors["model.norm.weight"], orig["model.norm.weight"])
+
+
+def test_w8a8_model_through_the_engine(w8a8_dir, make_llm):
+    src, out = w8a8_dir
+    hf = load_hf_reference(src)
+    llm = make_llm(model=out, dtype=None)
+    model = llm.executor.model_engine.model
+    assert all(
+        type(layer.qkv_proj) is W8A8Linear and type(layer.down_proj) is W8A8Linear for layer in model.layers
+    )
+    tokens = [(13 * i * i + 7 * i + 5) % 380 + 3 for i in range(192)]
+    ppl_q = perplexity(llm, token_ids=tokens, context=64, progress=False).perplexity
+    ref = make_llm(model=src)
+    ppl_f = perplexity(ref, token_ids=tokens, context=64, progress=False).perplexity
+    assert abs(ppl_q / ppl_f - 1) < 0.05
+    # Greedy tokens start as the float model's (a random tiny model: near-ties may part them later).
+    prompt = tokens[:20]
+    got = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    with torch.no_grad():
+        first = hf(torch.tensor([prompt])).logits[0, -1].argmax().item()
+    assert got.outputs[0].token_ids[0] == first
+
+
+def test_smoothquant_needs_a_calibration_file(tiny_model_dir, tmp_path, capsys):
+    rc = cli_main(
+        [
+            "quantize",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--out",
+            str(tmp_path / "o"),
+            "--method",
+            "smoothquant",
+        ]
+    )
+    assert rc == 2 and "--calib-file" in capsys.readouterr().err
