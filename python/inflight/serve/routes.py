@@ -33,7 +33,14 @@ from inflight.serve.protocol import (
     parse_prompt,
 )
 from inflight.serve.protocol import chat_logprobs as requested_top_logprobs
-from inflight.serve.responses import chat_logprobs, completion_logprobs, failure, header, usage
+from inflight.serve.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    failure,
+    header,
+    prompt_logprobs,
+    usage,
+)
 from inflight.serve.state import ServerState
 from inflight.serve.streaming import SSEResponse, chat_stream, completion_stream
 
@@ -173,6 +180,8 @@ async def completions(state: State, body: CompletionRequest, request: Request):
             }
             if comp.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(state, comp.token_ids, comp.logprobs, 0)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(state, out.prompt_logprobs)
             choices.append(choice)
     total = usage(
         sum(job.prompt_lens),
@@ -246,6 +255,8 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
         }
         if top_n is not None:
             choice["logprobs"] = chat_logprobs(state, comp.token_ids, comp.logprobs or [], top_n)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(state, out.prompt_logprobs)
         choices.append(choice)
     total = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), outs if job.predicted else None)
     return JSONResponse(

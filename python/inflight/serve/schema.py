@@ -42,6 +42,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int]
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with the request's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -65,6 +66,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int]
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with the request's prompt_logprobs
 
 
 class ChatCompletionResponse(BaseModel):
@@ -154,6 +156,7 @@ def _ranges(vocab_size: int, max_seq_len: int, max_n: int, max_logprobs: int) ->
         "presence_penalty": {"minimum": -2, "maximum": 2},
         "frequency_penalty": {"minimum": -2, "maximum": 2},
         "logprobs": {"minimum": 0, "maximum": max_logprobs},
+        "prompt_logprobs": {"minimum": 0, "maximum": max_logprobs},
         "top_logprobs": {"minimum": 0, "maximum": max_logprobs},
         "seed": {"minimum": 0, "maximum": 2**63 - 1},
         "prompt": {
