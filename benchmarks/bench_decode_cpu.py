@@ -111,17 +111,23 @@ def _batched_row(system: str, runs: list[tuple[float, int]]) -> dict:
 # ---------------------------------------------------------------------------------------------- inflight
 # inflight's variants: the default (dtype "auto": 4-bit weights, fp32 activations) and 4-bit weights
 # with bf16 activations (LLM(dtype="bfloat16", quantization="gguf")).
-INFLIGHT_VARIANTS = {"fp32": ("inflight", "auto", None), "bf16": ("inflight-bf16", "bfloat16", "gguf")}
+# With --w8a8 DIR also "inflight-w8a8": a SmoothQuant W8A8 checkpoint of the same model (inflight
+# quantize --method smoothquant of the GGUF dequantised to a Hugging Face directory), int8 activations.
+INFLIGHT_VARIANTS = {
+    "fp32": ("inflight", "auto", None),
+    "bf16": ("inflight-bf16", "bfloat16", "gguf"),
+    "w8a8": ("inflight-w8a8", "auto", None),
+}
 
 
 class InflightRunner:
-    def __init__(self, max_kv_tokens: int, activations: str = "fp32"):
+    def __init__(self, max_kv_tokens: int, activations: str = "fp32", model: str = "smollm2"):
         from inflight import LLM, KvCacheConfig
 
         self.name, dtype, quantization = INFLIGHT_VARIANTS[activations]
         # No prefix reuse: a repeat of the same prompt must prefill again, as it does in llama.cpp.
         kv = KvCacheConfig(max_tokens=max_kv_tokens, enable_block_reuse=False)
-        self.llm = LLM("smollm2", dtype=dtype, quantization=quantization, kv_cache_config=kv)
+        self.llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_config=kv)
 
     def _params(self, n: int):
         from inflight import SamplingParams
@@ -610,6 +616,12 @@ def main() -> None:
         "and/or bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf')",
     )
     parser.add_argument(
+        "--w8a8",
+        default=None,
+        metavar="DIR",
+        help="also run this SmoothQuant W8A8 checkpoint of SmolLM2 (inflight quantize --method smoothquant)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="also profile inflight's single-stream decode step"
     )
     parser.add_argument("--profile-steps", type=int, default=32)
@@ -647,6 +659,9 @@ def main() -> None:
             log("llama.cpp: skipped (llama_cpp is not importable; pip install 'inflight-llm[llamacpp]')")
             args.skip_llamacpp = True
 
+    from inflight.ops import describe_cpu
+
+    log(f"CPU: {describe_cpu()}")
     load_start = os.getloadavg()
     log(
         f"model {path.name}; threads {args.threads}; {args.repeats} repeats (medians) after a warm-up; "
@@ -662,7 +677,12 @@ def main() -> None:
     factories: list[tuple[str, Callable[[], object]]] = []
     if not args.skip_inflight:
         for act in args.inflight_activations:
-            factories.append((INFLIGHT_VARIANTS[act][0], lambda act=act: InflightRunner(max_kv_tokens, act)))
+            if act != "w8a8":
+                factories.append(
+                    (INFLIGHT_VARIANTS[act][0], lambda act=act: InflightRunner(max_kv_tokens, act))
+                )
+        if args.w8a8:
+            factories.append(("inflight-w8a8", lambda: InflightRunner(max_kv_tokens, "w8a8", args.w8a8)))
     if not args.skip_transformers:
         factories.append(("transformers", lambda: TransformersRunner(path)))
     # llama.cpp last: its ggml OpenMP threads share torch's libgomp (one soname per process), and torch

@@ -116,6 +116,9 @@ class LlamaLayerStack {
     w.o = linear_op(o, where + "o", shape_.q_size(), shape_.hidden);
     w.gate_up = linear_op(gate_up, where + "gate_up", shape_.hidden, 2 * shape_.intermediate);
     w.down = linear_op(down, where + "down", shape_.intermediate, shape_.hidden);
+    for (kc::LinearOp const* op : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
+      shape_.w8a8 = shape_.w8a8 || op->kind == kc::LinearOp::Kind::kW8A8;
+    }
     layers_.push_back(w);
     norms_.push_back(std::move(input_norm));
     norms_.push_back(std::move(post_norm));
@@ -314,6 +317,11 @@ class LlamaLayerStack {
       check(w.k(), w.n(), w.has_bias(), w.bias_type());
       op.kind = kc::LinearOp::Kind::kW8A16;
       op.w8 = w.params();
+    } else if (nb::isinstance<W8A8Weight>(obj)) {
+      W8A8Weight const& w = nb::cast<W8A8Weight const&>(obj);
+      check(w.k(), w.n(), false, t);  // its bias is fp32, inside the packed weight
+      op.kind = kc::LinearOp::Kind::kW8A8;
+      op.w8a8 = w.params();
     } else if (nb::isinstance<DenseWeight>(obj)) {
       DenseWeight const& w = nb::cast<DenseWeight const&>(obj);
       if (w.dtype() != t) {
@@ -324,7 +332,7 @@ class LlamaLayerStack {
       op.kind = kc::LinearOp::Kind::kDense;
       op.dense = w.params();
     } else {
-      throw_type_error(name + " must be a W4A16Weight, W8A16Weight or DenseWeight, got " +
+      throw_type_error(name + " must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got " +
                        nb::cast<std::string>(nb::str(nb::handle(obj.type()).attr("__name__"))));
     }
     op.n = n;

@@ -64,10 +64,15 @@ _STEPS = [
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weights", ["w4a16", "dense"])
+@pytest.mark.parametrize("weights", ["w4a16", "w8a8", "dense"])
 def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, weights):
     if weights == "w4a16":
         path = _quantized_dir(tmp_path, arch, **overrides)
+    elif weights == "w8a8":
+        from inflight.quantization import quantize_smoothquant
+
+        src = make_tiny_model(tmp_path, arch, **overrides)
+        path = quantize_smoothquant(src, tmp_path / f"{arch}-w8a8", "the cat sat on the mat. " * 40)
     else:
         path = make_tiny_model(tmp_path, arch, with_tokenizer=False, **overrides)
     model = _load(path, dtype)

@@ -118,8 +118,22 @@ void silu_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads
   });
 }
 
-void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType dtype, Threads threads) {
+// scratch: the step's shared scratch (the paged-attention partials' region, not in use during a
+// projection), large enough for a W8A8 projection of the step's tokens.
+void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType dtype, Threads threads,
+            void* scratch) {
   switch (op.kind) {
+    case LinearOp::Kind::kW8A8: {
+      W8A8GemmParams p = op.w8a8;
+      p.x = x;
+      p.out = out;
+      p.m = m;
+      p.dtype = dtype;
+      p.workspace = scratch;
+      p.num_threads = threads.num;
+      launch_w8a8_gemm(p, threads.pool);
+      return;
+    }
     case LinearOp::Kind::kW4A16: {
       W4A16GemmParams p = op.w4;
       p.x = x;
@@ -204,6 +218,13 @@ Layout layout(LlamaShape const& s, LlamaStep const& step, int num_threads) {
   if (step.dec_batch > 0) {
     l.paged_bytes = std::size_t(paged_attention_workspace_size(decode_params(s, step, num_threads)));
   }
+  if (s.w8a8) {  // the widest W8A8 projection's scratch (w8a8_workspace_bytes), sharing the region
+    std::size_t const k = std::size_t(std::max({s.hidden, s.q_size(), s.intermediate}));
+    std::size_t const n = std::size_t(std::max(s.q_size() + 2 * s.kv_size(), 2 * s.intermediate));
+    std::size_t const w8a8 = aligned(t * ((k + 3) / 4 * 4)) + aligned(t * sizeof(float)) +
+                             t * ((n + kW8A8Block - 1) / kW8A8Block * kW8A8Block) * sizeof(std::int32_t);
+    l.paged_bytes = std::max(l.paged_bytes, w8a8);
+  }
   return l;
 }
 
@@ -258,12 +279,13 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   dec.q = qkv + std::int64_t(step.num_ctx_tokens) * qkv_n;
   dec.out = attn + std::int64_t(step.num_ctx_tokens) * s.q_size();
   dec.workspace = l.paged_bytes ? base : nullptr;
+  void* const scratch = l.paged_bytes ? base : nullptr;
   dec.workspace_bytes = std::int64_t(l.paged_bytes);
 
   for (int li = 0; li < params.num_layers; ++li) {
     LlamaLayerWeights const& L = params.layers[li];
     rms_norm<T>(hidden, static_cast<T const*>(L.input_norm), normed, nt, d, s.eps, threads);
-    linear(L.qkv, normed, qkv, nt, s.dtype, threads);
+    linear(L.qkv, normed, qkv, nt, s.dtype, threads, scratch);
     rope<T>(qkv, qkv_n, cos_sin, nt, s.num_heads + s.num_kv_heads, s.head_dim, threads);
     store.kv_cache = L.kv_cache;
     launch_store_kv(store, pool);
@@ -275,13 +297,13 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
       dec.kv_cache = L.kv_cache;
       launch_paged_attention(dec, pool);
     }
-    linear(L.o, attn, proj, nt, s.dtype, threads);
+    linear(L.o, attn, proj, nt, s.dtype, threads, scratch);
     if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
     add_into<T>(hidden, proj, nt, d, threads);
     rms_norm<T>(hidden, static_cast<T const*>(L.post_norm), normed, nt, d, s.eps, threads);
-    linear(L.gate_up, normed, gate_up, nt, s.dtype, threads);
+    linear(L.gate_up, normed, gate_up, nt, s.dtype, threads, scratch);
     silu_mul<T>(gate_up, inter, nt, s.intermediate, threads);
-    linear(L.down, inter, proj, nt, s.dtype, threads);
+    linear(L.down, inter, proj, nt, s.dtype, threads, scratch);
     if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
     add_into<T>(hidden, proj, nt, d, threads);
   }

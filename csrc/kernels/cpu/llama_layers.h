@@ -23,17 +23,19 @@
 #include "attention.h"
 #include "dense_gemm.h"
 #include "gemm.h"
+#include "w8a8_gemm.h"
 
 namespace inflight::kernels::cpu {
 
 // One linear projection: which kernel, and its weight-side params (x, out, m, dtype and num_threads
 // are filled per call).
 struct LinearOp {
-  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2 };
+  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2, kW8A8 = 3 };
   Kind kind = Kind::kW4A16;
   W4A16GemmParams w4;
   W8A16GemmParams w8;
   DenseGemmParams dense;  // weight in the model dtype
+  W8A8GemmParams w8a8;    // its workspace is the step's shared scratch (LlamaShape::w8a8)
   std::int64_t n = 0, k = 0;
 };
 
@@ -53,6 +55,7 @@ struct LlamaShape {
   float scale = 1.0f;                        // attention softmax scale
   ScalarType dtype = ScalarType::kFloat32;   // the model dtype: float32, bfloat16 or float16
   int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
+  bool w8a8 = false;                         // some projection is W8A8: the workspace holds its scratch
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };

@@ -8,7 +8,8 @@ between the ops. The final norm and the LM head stay in Python (a few ops per st
 
 It is used by the ``native`` attention backend on the CPU when every projection is a kernel-backed
 weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
-:class:`~inflight.layers.quantized_linear.W8A16Linear`, or a dense
+:class:`~inflight.layers.quantized_linear.W8A16Linear` / :class:`~inflight.layers.quantized_linear.W8A8Linear`,
+or a dense
 :class:`~inflight.layers.linear.Linear` in the model dtype through ``dense_gemm``) and the KV cache
 has the model dtype; any other configuration runs the Python layers, which remain the reference.
 With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
@@ -31,7 +32,7 @@ from inflight import _C
 from inflight.layers.attention import AttentionMetadata
 from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
-from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
+from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Linear
 from inflight.utils.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["FusedCpuLayers", "fused_layers_enabled"]
@@ -47,8 +48,8 @@ DENSE_MAX_TOKENS = 64
 
 
 def _kernel_weight(layer: torch.nn.Module):
-    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight or DenseWeight)."""
-    if isinstance(layer, (W4A16Linear, W8A16Linear)):
+    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight)."""
+    if isinstance(layer, (W4A16Linear, W8A16Linear, W8A8Linear)):
         return layer.kernel_weight()._w
     return layer.kernel_weight()
 
@@ -85,7 +86,7 @@ class FusedCpuLayers:
         for i, layer in enumerate(model.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 proj = getattr(layer, name)
-                if isinstance(proj, (W4A16Linear, W8A16Linear)):
+                if isinstance(proj, (W4A16Linear, W8A16Linear, W8A8Linear)):
                     weight = proj.qweight
                 elif isinstance(proj, Linear):
                     weight = proj.weight
