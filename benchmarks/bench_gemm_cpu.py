@@ -1,4 +1,4 @@
-"""W4A16 / W8A16 CPU GEMMs vs torch ``F.linear`` (fp32 and bf16 weights) at SmolLM2-135M shapes.
+"""W4A16 / W8A16 / W8A8 CPU GEMMs vs torch ``F.linear`` (fp32 and bf16 weights) at SmolLM2-135M shapes.
 
 Each row is one projection shape and batch size, all variants in the same run, with the ratio of
 torch fp32 to the quantised layer. Variants go through the same objects the model uses (the layers'
@@ -6,7 +6,10 @@ prepared-weight path, including the binding's per-call cost):
 
 - ``torch fp32`` / ``torch bf16``: ``F.linear`` with fp32 / bf16 weights and activations;
 - ``w4 fp32x`` / ``w4 bf16x``: W4A16 weights (group 32, asymmetric: GGUF Q4_1's layout) with fp32 /
-  bf16 activations (W8A16, group 32, for the 576 x 49152 LM head).
+  bf16 activations (W8A16, group 32, for the 576 x 49152 LM head);
+- ``w8a8 fp32x``: W8A8 (SmoothQuant's kernel: int8 weights per output channel, fp32 activations
+  quantised per token to int8 inside the call, int32 sums; no smoothing vector here);
+  ``q/w8a8`` is the best weight-only variant's time over it.
 
 ``--cache hot`` reuses one weight (it stays in L2/L3: kernel throughput); ``--cache cold`` (default)
 cycles through enough copies to exceed the L3 cache, as a decode step does (every layer's weights
@@ -28,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from inflight.ops.gemm import W4A16Weight, W8A16Weight
+from inflight.ops.gemm import W4A16Weight, W8A8Weight, W8A16Weight
 from inflight.quantization import quantize_w4, quantize_w8
 
 # (name, K = in_features, N = out_features, kind); the last is the tied LM head (Q8_0 in the GGUF).
@@ -84,6 +87,9 @@ def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repea
     def copies(nbytes: int) -> int:
         return 1 if cache == "hot" else max(1, -(-COLD_BYTES // nbytes))
 
+    w8_scales = w.abs().amax(dim=1) / 127
+    w8_q = torch.round(w / w8_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    wa8 = [W8A8Weight(w8_q, w8_scales) for _ in range(copies(w8_q.numel()))]
     w32 = [w.clone() for _ in range(copies(w.numel() * 4))]
     w16 = [w.to(torch.bfloat16) for _ in range(copies(w.numel() * 2))]
     wq = [make_q() for _ in range(copies(qbytes))]
@@ -92,12 +98,13 @@ def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repea
         x32 = torch.randn(m, k, generator=gen)
         x16 = x32.to(torch.bfloat16)
         iters = max(3, min(100, int(1e8 / (n * k * max(m, 4)))))
-        n32, n16, nq = _cycle(w32), _cycle(w16), _cycle(wq)
+        n32, n16, nq, na8 = _cycle(w32), _cycle(w16), _cycle(wq), _cycle(wa8)
         t = {
             "torch fp32": _time(lambda: F.linear(x32, n32()), iters, repeats),
             "torch bf16": _time(lambda: F.linear(x16, n16()), iters, repeats),
             f"{kind} fp32x": _time(lambda: nq()(x32), iters, repeats),
             f"{kind} bf16x": _time(lambda: nq()(x16), iters, repeats),
+            "w8a8 fp32x": _time(lambda: na8()(x32), iters, repeats),
         }
         rows.append({"k": k, "n": n, "m": m, "kind": kind, "cache": cache, "us": t})
     return rows
@@ -106,7 +113,7 @@ def bench_shape(k: int, n: int, kind: str, batches: list[int], cache: str, repea
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'shape':<24}{'cache':>6}{'M':>4}{'torch fp32':>12}{'torch bf16':>12}{'q fp32x':>10}{'q bf16x':>10}"
-        f"{'fp32/q':>9}{'bf16/q':>9}   (us; q = w4, or w8 for the head)"
+        f"{'fp32/q':>9}{'bf16/q':>9}{'w8a8':>9}{'q/w8a8':>8}   (us; q = w4, or w8 for the head)"
     )
     names = {(s[1], s[2]): s[0] for s in SHAPES}
     for r in rows:
@@ -116,6 +123,7 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{names[(r['k'], r['n'])]:<24}{r['cache']:>6}{r['m']:>4}{t['torch fp32']:>12.1f}{t['torch bf16']:>12.1f}"
             f"{q32:>10.1f}{q16:>10.1f}{t['torch fp32'] / best_q:>8.2f}x{t['torch bf16'] / best_q:>8.2f}x"
+            f"{t['w8a8 fp32x']:>9.1f}{best_q / t['w8a8 fp32x']:>7.2f}x"
         )
 
 
@@ -219,10 +227,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
 
-    print(
-        f"threads: {torch.get_num_threads()}, torch {torch.__version__}, cpu isa: "
-        f"{__import__('inflight')._C.cpu_isa()}"
-    )
+    from inflight.ops import describe_cpu
+
+    print(f"CPU: {describe_cpu()}; threads: {torch.get_num_threads()}, torch {torch.__version__}")
     rows = []
     caches = ["cold", "hot"] if args.cache == "both" else [args.cache]
     for cache in caches:

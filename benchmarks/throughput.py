@@ -7,7 +7,11 @@ Cases:
       order, each to its longest requested output, and only the requested tokens count
   (c) one prompt, 128 new tokens
 
-    python benchmarks/throughput.py [--dtypes float32 bfloat16 auto q4-bfloat16] [--cases a b c] [--json out.json]
+    python benchmarks/throughput.py [--dtypes float32 bfloat16 auto q4-bfloat16] [--cases a b c]
+        [--w8a8 DIR] [--json out.json]
+
+--w8a8 DIR adds the row "w8a8": a SmoothQuant W8A8 checkpoint of SmolLM2 (`inflight quantize --method
+smoothquant` of the GGUF dequantised to a Hugging Face directory), against transformers fp32.
 """
 
 from __future__ import annotations
@@ -85,8 +89,11 @@ def main() -> None:
     )
     parser.add_argument("--cases", nargs="+", default=["a", "b", "c"])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--w8a8", metavar="DIR", help="also a SmoothQuant W8A8 checkpoint (row 'w8a8')")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.w8a8:
+        args.dtypes = [*args.dtypes, "w8a8"]
 
     from transformers import AutoModelForCausalLM, GgufConfig
 
@@ -96,7 +103,9 @@ def main() -> None:
     path = resolve_known_model("smollm2")
     cases = make_cases()
     rows = []
-    print(f"threads: {torch.get_num_threads()}")
+    from inflight.ops import describe_cpu
+
+    print(f"CPU: {describe_cpu()}; threads: {torch.get_num_threads()}")
     print(f"{'case':>4} {'dtype':>11} {'inflight tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for dtype in args.dtypes:
         # "auto": inflight's default for the GGUF (4-bit weights run natively, fp32 activations),
@@ -111,6 +120,8 @@ def main() -> None:
                 quantization="gguf",
                 kv_cache_config=KvCacheConfig(max_tokens=64 * 1024),
             )
+        elif dtype == "w8a8":
+            llm = LLM(args.w8a8, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
         else:
             llm = LLM("smollm2", dtype=dtype, kv_cache_config=KvCacheConfig(max_tokens=64 * 1024))
         run_inflight(llm, [(cases["c"][0][0], 8)])  # warm-up
@@ -120,9 +131,9 @@ def main() -> None:
         gc.collect()
         hf_results = {}
         if not args.skip_transformers:
-            hf_dtype = {"auto": torch.float32, "q4-bfloat16": torch.bfloat16}.get(dtype) or getattr(
-                torch, dtype
-            )
+            hf_dtype = {"auto": torch.float32, "w8a8": torch.float32, "q4-bfloat16": torch.bfloat16}.get(
+                dtype
+            ) or getattr(torch, dtype)
             # Dense weights in hf_dtype (transformers may otherwise keep GGUF blocks packed).
             hf = AutoModelForCausalLM.from_pretrained(
                 str(path.parent),

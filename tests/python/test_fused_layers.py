@@ -194,7 +194,9 @@ def test_layer_stack_rejects_bad_arguments(tmp_path):
         stack.set_kv_caches(
             [to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))]
         )
-    with pytest.raises(TypeError, match="qkv must be a W4A16Weight, W8A16Weight or DenseWeight, got Tensor"):
+    with pytest.raises(
+        TypeError, match="qkv must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got Tensor"
+    ):
         w = torch.ones(c.hidden_size)
         stack.add_layer(
             to_dlpack(w), to_dlpack(w), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3)

@@ -84,7 +84,8 @@ def w8a8_dir(tiny_model_dir, tmp_path_factory):
 def test_smoothquant_checkpoint_tensors(w8a8_dir):
     src, out = w8a8_dir
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "inflight_w8a8", "alpha": 0.5}
+    # The tiny llama's embedding is not tied: it stays float (the tied case is tested below).
+    assert config["quantization_config"] == {"quant_method": "inflight_w8a8", "alpha": 0.5, "embedding": None}
     tensors = load_file(str(out / "model.safetensors"))
     orig = load_file(str(src / "model.safetensors"))
     act = calibrate_act_max(src, CALIB)
@@ -113,6 +114,27 @@ def test_smoothquant_checkpoint_tensors(w8a8_dir):
     )
     assert ((back - w).abs() <= bound * 1.001 + 1e-7).all()
     assert torch.equal(tensors["model.norm.weight"], orig["model.norm.weight"])
+    assert torch.equal(tensors["model.embed_tokens.weight"], orig["model.embed_tokens.weight"])
+
+
+def test_smoothquant_tied_embedding_becomes_int8(tiny_model_dir, tmp_path, make_llm):
+    from inflight.quantization import quantize_smoothquant
+
+    src = tiny_model_dir("llama", tie_word_embeddings=True)
+    out = quantize_smoothquant(src, tmp_path / "m", CALIB)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["embedding"] == "w8a16-g32"
+    tensors = load_file(str(out / "model.safetensors"))
+    emb = load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"]
+    qe, se = tensors["model.embed_tokens.qweight"], tensors["model.embed_tokens.scales"]
+    assert qe.dtype == torch.int8 and se.shape == (emb.shape[0], emb.shape[1] // 32)
+    deq_e = qe.float() * se.float().repeat_interleave(32, dim=1)
+    assert (deq_e - emb).abs().max() <= se.float().max() * 0.5 + 1e-3
+    assert "model.embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
+    llm = make_llm(model=out, dtype=None)
+    assert type(llm.executor.model_engine.model.embedding).__name__ == "W8A16Embedding"
+    assert (
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].length == 3
+    )
 
 
 def test_w8a8_model_through_the_engine(w8a8_dir, make_llm):

@@ -252,7 +252,10 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
         return None
     method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
     if method == W8A8_METHOD:
-        return {"quant_method": method, "alpha": q.get("alpha")}
+        embedding = q.get("embedding")
+        if embedding not in (None, "w8a16-g32"):
+            raise ValueError(f"quantization_config.embedding must be None or 'w8a16-g32', got {embedding!r}")
+        return {"quant_method": method, "alpha": q.get("alpha"), "embedding": embedding}
     if method != QUANT_METHOD:
         raise ValueError(
             f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r} "

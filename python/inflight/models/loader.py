@@ -180,6 +180,8 @@ def load_model(
                     "a W8A8 (SmoothQuant) checkpoint runs with tensor_parallel_size=1 only, for now"
                 )
             factories["linear_factory"] = W8A8Linear
+            if config.quantization.get("embedding") == "w8a16-g32":
+                factories["embedding_factory"] = partial(W8A16Embedding, group_size=32)
             if dtype is None and device.type == "cpu":
                 dtype = QUANTIZED_CPU_DTYPE
         elif config.quantization is not None:

@@ -15,8 +15,10 @@ so ``x' @ W'.T == x @ W.T``. ``W'`` is quantised to int8 with one symmetric scal
 and down_proj included, is smoothed).
 
 Output: ``<proj>.qweight`` int8 [N, K], ``<proj>.scales`` fp32 [N], ``<proj>.smooth`` fp32 [K] for the
-seven projections of every layer; everything else unchanged; ``quantization_config =
-{"quant_method": "inflight_w8a8", "alpha": alpha}``.
+seven projections of every layer; a tied embedding (the LM head too) as int8 rows with an fp16 scale
+per 32 values (``model.embed_tokens.qweight`` / ``.scales``: weight-only, GGUF Q8_0's form, read by
+``W8A16Embedding``); everything else unchanged; ``quantization_config = {"quant_method":
+"inflight_w8a8", "alpha": alpha, "embedding": "w8a16-g32" | None}``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from inflight.quantization.w4a16 import quantize_w8
 from inflight.utils.checkpoint_files import iter_safetensors
 
 __all__ = ["W8A8_METHOD", "calibrate_act_max", "quantize_smoothquant", "smoothing_factors"]
 
 W8A8_METHOD = "inflight_w8a8"
+EMBEDDING_GROUP = 32
 # Projections that read the same input, by the checkpoint names of a llama-family layer.
 GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -139,12 +143,21 @@ def quantize_smoothquant(
         raise ValueError(
             f"no llama-family projections (model.layers.*.self_attn.q_proj.weight, ...) in {str(src)!r}"
         )
+    # A tied embedding (also the LM head, read whole every step) becomes int8 rows with a scale per
+    # 32 values, as GGUF's Q8_0 stores it: the engine's W8A16Embedding (the head is weight-only int8).
+    embedding = None
+    tied = config.get("tie_word_embeddings", False) and "lm_head.weight" not in tensors
+    if tied and "model.embed_tokens.weight" in tensors:
+        q, scales = quantize_w8(tensors["model.embed_tokens.weight"].float(), EMBEDDING_GROUP, torch.float16)
+        out["model.embed_tokens.qweight"], out["model.embed_tokens.scales"] = q, scales
+        replaced.add("model.embed_tokens.weight")
+        embedding = f"w8a16-g{EMBEDDING_GROUP}"
     for name, t in tensors.items():
         if name not in replaced:
             out[name] = t.contiguous()
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": W8A8_METHOD, "alpha": alpha}
+    config["quantization_config"] = {"quant_method": W8A8_METHOD, "alpha": alpha, "embedding": embedding}
     with open(dst / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     for item in src.iterdir():
