@@ -8,13 +8,14 @@ from inflight.llm import LLM, RequestError
 from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig, SpeculativeConfig
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.request_handle import RequestHandle
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import GuidedDecodingParams, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "LlmArgs",
     "RequestError",

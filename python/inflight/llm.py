@@ -192,6 +192,8 @@ class LLM:
                 raise RequestError(
                     name, f"{name} must be <= max_logprobs={self.args.max_logprobs}, got {value}"
                 )
+        if params.guided_decoding is not None:
+            self._check_guided(params.guided_decoding, params)
         max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
         limit = self.args.max_request_tokens
         if limit is not None and params.n * max_new > limit:
@@ -202,6 +204,25 @@ class LLM:
                 f"max_request_tokens={limit}",
             )
         return max_new
+
+    def _check_guided(self, guided, params: SamplingParams) -> None:
+        """A guided request needs the grammar backend, and a grammar that is well formed."""
+        decoder = getattr(self.executor, "guided", None)
+        if decoder is None:
+            raise RequestError(
+                "guided_decoding",
+                "guided_decoding needs llguidance (pip install 'inflight-llm[structured]') and a model "
+                "with a fast tokenizer",
+            )
+        kind, _ = guided.kind()
+        if params.min_tokens:
+            raise RequestError(
+                "min_tokens",
+                "min_tokens cannot be combined with guided_decoding (the grammar decides the end)",
+            )
+        error = decoder.backend.validate(guided)
+        if error is not None:
+            raise RequestError("guided_decoding", f"guided_decoding.{kind} is not valid: {error}")
 
     def _prediction_ids(self, params: SamplingParams) -> list[int] | None:
         """The tokens of ``params.prediction`` (no special tokens), bounded like a prompt."""

@@ -68,6 +68,72 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Structured output (TensorRT-LLM's names): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is a JSON value it validates;
+    - ``json_object=True``: any JSON object;
+    - ``regex``: the output full-matches the regular expression;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: an EBNF grammar (llama.cpp's GBNF: ``root ::= ...``); the output derives from it.
+
+    ``whitespace_flexible`` (JSON only, default False): allow free whitespace between JSON tokens;
+    off, the JSON is compact and a model cannot loop on newlines inside it.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        elif self.json_object is not False:
+            raise ValueError(f"guided_decoding.json_object must be a bool, got {self.json_object!r}")
+        if len(given) != 1:
+            raise ValueError(
+                "guided_decoding must set exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(
+                f"guided_decoding.json must be a JSON schema (dict or str), got {type(self.json).__name__}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"guided_decoding.{name} must be a non-empty str, got {value!r}")
+        if self.choice is not None:
+            if (
+                isinstance(self.choice, str)
+                or not all(isinstance(c, str) and c for c in self.choice)
+                or not self.choice
+            ):
+                raise ValueError(
+                    f"guided_decoding.choice must be a list of non-empty str, got {self.choice!r}"
+                )
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.whitespace_flexible, bool):
+            raise ValueError(
+                f"guided_decoding.whitespace_flexible must be a bool, got {self.whitespace_flexible!r}"
+            )
+
+    def kind(self) -> tuple[str, Any]:
+        """(the field set, its value)."""
+        if self.json_object:
+            return "json_object", True
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        raise AssertionError("unreachable: validated in __post_init__")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's output tokens (names and ranges as in vLLM / TensorRT-LLM).
 
@@ -95,6 +161,9 @@ class SamplingParams:
       ``detokenize``.
     - ``speculative`` (default True): False keeps this request out of speculative decoding (no draft
       tokens), for requests where drafting cannot pay.
+    - ``guided_decoding`` (:class:`GuidedDecodingParams`, or None): structured output — a JSON schema,
+      any JSON object, a regex, a choice or an EBNF grammar the output must follow (a token mask per
+      step; the request stops once the grammar is complete). Such a request does not draft tokens.
     - ``prediction`` (str, or None): OpenAI's predicted output — text the output is expected to
       repeat largely (an edit of a given document); its tokens are offered as draft tokens, with or
       without a speculative engine. Never changes the output, only the speed.
@@ -123,6 +192,7 @@ class SamplingParams:
     detokenize: bool = True
     speculative: bool = True
     prediction: str | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalized values go in through object.__setattr__, once, here.
@@ -202,6 +272,10 @@ class SamplingParams:
                 _check_int("prompt_logprobs", self.prompt_logprobs, 0, what=">= 0 (or None)"),
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(
+                f"guided_decoding must be a GuidedDecodingParams or None, got {type(self.guided_decoding).__name__}"
+            )
         if self.prediction is not None and not isinstance(self.prediction, str):
             raise ValueError(
                 f"prediction must be a str (the predicted output) or None, got {self.prediction!r}"

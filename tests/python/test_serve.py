@@ -366,11 +366,34 @@ INVALID = [
     (
         "chat-response_format",
         _CHAT,
-        {**_M, "response_format": {"type": "json_object"}},
+        {**_M, "response_format": {"type": "xml"}},
         400,
         "response_format",
-        "response_format",
+        "response_format must be",
     ),
+    (
+        "chat-bad-json-schema",
+        _CHAT,
+        {
+            **_M,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+            },
+        },
+        400,
+        "response_format",
+        "guided_decoding.json is not valid",
+    ),
+    (
+        "chat-two-guided-fields",
+        _CHAT,
+        {**_M, "guided_regex": "a+", "guided_choice": ["a"]},
+        400,
+        "guided_regex",
+        "at most one",
+    ),
+    ("chat-bad-guided-regex", _CHAT, {**_M, "guided_regex": "[a-"}, 400, "guided_regex", "not valid"),
     ("chat-top_logprobs-without-logprobs", _CHAT, {**_M, "top_logprobs": 3}, 400, "top_logprobs", "logprobs"),
     (
         "chat-top_logprobs-too-large",

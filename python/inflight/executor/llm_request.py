@@ -56,6 +56,8 @@ class ExecutorRequest(LlmRequest):
         # drafting state (created by the Speculator on first use).
         self.py_prediction: list[int] | None = None
         self.py_spec = None
+        # Structured output: the request's GrammarMatcher, once its grammar is compiled.
+        self.py_guided = None
         self.py_arrival_time = time.monotonic()
         self.py_first_scheduled_time: float | None = None
         self.py_first_token_time: float | None = None

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
+from inflight.executor.guided_decoder import GuidedDecoder, apply_masks
 from inflight.executor.llm_request import ExecutorRequest, Response, format_iteration_stats, request_metrics
 from inflight.executor.model_engine import ModelEngine, ModelInputs
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
@@ -67,6 +68,10 @@ class _Fatal:
 
 class _Shutdown:
     """Queue item: finish everything queued before this, then stop."""
+
+
+class _Wake:
+    """Queue item: something finished off the loop (a grammar compiled): look again."""
 
 
 @dataclass
@@ -104,6 +109,7 @@ class PyExecutor:
         stats_extra: dict | None = None,
         pipeline_depth: int = 1,
         speculator: Speculator | None = None,
+        guided_decoder: GuidedDecoder | None = None,
     ):
         self.model_engine = model_engine
         self.resource_manager = resource_manager
@@ -118,6 +124,9 @@ class PyExecutor:
         # In overlap mode the next step is planned before this one's tokens are known: no drafting
         # there (a request's prediction is then ignored).
         self.speculator = speculator if not self.overlap else None
+        # Structured output: grammars compile off the loop; their requests wait here until then.
+        self.guided = guided_decoder
+        self._compiling: list[tuple[ExecutorRequest, concurrent.futures.Future]] = []
         self.log_stats_every = log_stats_every
         self._stats_extra = dict(stats_extra or {})  # constant keys of every stats entry
         self.timelines = Timelines()  # the recent requests' timelines (the engine dashboard)
@@ -244,6 +253,8 @@ class PyExecutor:
             self._forward_pool.shutdown(wait=True)
         if self.speculator is not None:
             self.speculator.shutdown()
+        if self.guided is not None:
+            self.guided.shutdown()
         self.resource_manager.shutdown()
         self.model_engine.shutdown()
 
@@ -311,7 +322,10 @@ class PyExecutor:
             try:
                 inputs = self._prepare(batch, prev.pending_ids() if prev else frozenset())
                 launched = _InFlight(batch, inputs)
-                launched.future = self._forward_pool.submit(self._forward_and_sample, inputs)
+                # A grammar's mask needs the previous step's token: sample after its host work.
+                guided = any(r.py_guided is not None for r in inputs.sampled_requests)
+                work = self.model_engine.forward if guided else self._forward_and_sample
+                launched.future = self._forward_pool.submit(work, inputs)
             except Exception as exc:  # noqa: BLE001
                 self._fail_batch(batch, exc)
                 launched = None
@@ -321,7 +335,10 @@ class PyExecutor:
         self._prev = None
         if launched is not None:
             try:
-                launched.output = launched.future.result()
+                result = launched.future.result()
+                if not isinstance(result, SamplerOutput):  # logits of a guided batch
+                    result = self._sample(result, launched.inputs)
+                launched.output = result
                 self._prev = launched
             except Exception as exc:  # noqa: BLE001
                 self._fail_batch(launched.batch, exc)
@@ -389,7 +406,10 @@ class PyExecutor:
     def _fetch_new_requests(self, block: bool) -> bool:
         """Moves queued requests into the waiting queue and (up to the limit) into the active list.
         With ``block``, waits while there is nothing to do. Returns False when the loop should stop."""
-        idle = len(self.active) == 0 and not self._waiting and self._nothing_in_flight()
+        self._take_compiled()
+        idle = (
+            len(self.active) == 0 and not self._waiting and not self._compiling and self._nothing_in_flight()
+        )
         # Block only while nothing is running and no shutdown is pending: once the marker has been
         # taken (while requests were still running), nothing else may ever arrive.
         block = block and idle and not self._draining
@@ -415,15 +435,51 @@ class PyExecutor:
                 stop = True  # drain: keep stepping until everything queued before it is done
             elif isinstance(item, _Cancel):
                 self._cancel(item.request_ids)
+            elif isinstance(item, _Wake):
+                self._take_compiled()
             else:
                 self._waiting.append(item)
                 self.timelines.queued(item.request_id, item.prompt_len, item.py_arrival_time)
         while self._waiting and len(self.active) < self.max_num_active_requests:
-            self._admit(self._waiting.popleft())
+            req = self._waiting.popleft()
+            if req.py_sampling_state.params.guided_decoding is not None and req.py_guided is None:
+                self._compile(req)
+            else:
+                self._admit(req)
         if stop:
             self._draining = True
-        idle = len(self.active) == 0 and not self._waiting and self._nothing_in_flight()
+        idle = (
+            len(self.active) == 0 and not self._waiting and not self._compiling and self._nothing_in_flight()
+        )
         return not (self._draining and idle and self._queue.empty())
+
+    def _compile(self, req: ExecutorRequest) -> None:
+        """Starts compiling the request's grammar; it joins the active list once compiled."""
+        if self.guided is None:
+            self._finish(
+                req, FinishReason.NOT_FINISHED, "guided_decoding: this engine has no grammar backend"
+            )
+            return
+        future = self.guided.start(req.py_sampling_state.params.guided_decoding)
+        self._compiling.append((req, future))
+        future.add_done_callback(lambda _f: self._queue.put(_Wake()))
+
+    def _take_compiled(self) -> None:
+        """Admits the requests whose grammar compiled; fails those whose grammar did not."""
+        if not self._compiling:
+            return
+        pending = []
+        for req, future in self._compiling:
+            if not future.done():
+                pending.append((req, future))
+            elif req.py_done:
+                pass  # cancelled while compiling
+            elif future.exception() is not None:
+                self._finish(req, FinishReason.NOT_FINISHED, f"guided_decoding: {future.exception()}")
+            else:
+                req.py_guided = future.result()
+                self._admit(req)
+        self._compiling = pending
 
     def _admit(self, req: ExecutorRequest) -> None:
         """Inserts into the active list: descending priority, FIFO within equal priority, but never
@@ -441,6 +497,9 @@ class PyExecutor:
         active.insert(pos, req)
 
     def _cancel(self, request_ids: frozenset[int]) -> None:
+        for req, _ in self._compiling:
+            if req.request_id in request_ids and not req.py_done:
+                self._finish(req, FinishReason.CANCELLED)
         if any(req.request_id in request_ids for req in self._waiting):
             kept = collections.deque()
             for req in self._waiting:
@@ -490,6 +549,8 @@ class PyExecutor:
         if inputs.prompt_rows:
             prompt_logprobs = self._score_prompts(logits[inputs.num_sampled_rows :], inputs.prompt_rows)
             logits = logits[: inputs.num_sampled_rows]
+        if self.guided is not None:
+            logits = self._mask_grammars(logits, inputs)
         if inputs.num_rows is not None:  # drafting rows: one state per position
             states = Speculator.row_states(inputs)
         else:
@@ -507,6 +568,17 @@ class PyExecutor:
             self.model_engine.store_new_tokens(inputs, output.token_ids)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    @staticmethod
+    def _mask_grammars(logits, inputs: ModelInputs):
+        """Structured output: the rows of grammar-guided requests masked to what their grammar
+        allows next (a request with a grammar never drafts: one row each)."""
+        rows, row = [], 0
+        for i, req in enumerate(inputs.sampled_requests):
+            if req.py_guided is not None:
+                rows.append((row, req.py_guided))
+            row += inputs.num_rows[i] if inputs.num_rows is not None else 1
+        return apply_masks(logits, rows) if rows else logits
 
     @staticmethod
     def _score_prompts(logits, prompt_rows) -> list[tuple]:
@@ -588,6 +660,8 @@ class PyExecutor:
                     req.py_logprobs.append(entry)
                     req.py_cumulative_logprob += entry[tok]
                 reason, stop_reason = self._stop_condition(req, tok)
+                if req.py_guided is not None and not req.py_guided.accept(tok):
+                    reason = None  # an error: the grammar refused a token its mask allowed
                 if reason != FinishReason.NOT_FINISHED:
                     break
             if n > 1:  # drafted n - 1 tokens; appended - 1 of them are now in the sequence
@@ -595,7 +669,10 @@ class PyExecutor:
                 self.speculator.after_verify(req, n - 1, kept - 1)
             if req.py_first_token_time is None:
                 req.py_first_token_time = now
-            if reason != FinishReason.NOT_FINISHED:
+            if reason is None:
+                self._finish(req, FinishReason.NOT_FINISHED, f"guided_decoding: {req.py_guided.error()}")
+                self._deferred_free.append(req)
+            elif reason != FinishReason.NOT_FINISHED:
                 req.py_stop_reason = stop_reason
                 self._finish(req, reason)
                 self._deferred_free.append(req)
@@ -693,7 +770,7 @@ class PyExecutor:
 
     def _fail_everything(self, exc: BaseException) -> None:
         message = f"executor loop died: {type(exc).__name__}: {exc}"
-        pending = list(self.active) + list(self._waiting)
+        pending = list(self.active) + list(self._waiting) + [req for req, _ in self._compiling]
         while True:
             try:
                 item = self._queue.get_nowait()

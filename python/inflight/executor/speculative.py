@@ -308,7 +308,8 @@ class Speculator:
         return spec
 
     def _drafter_of(self, req) -> Drafter | None:
-        if not req.py_sampling_state.params.speculative:
+        params = req.py_sampling_state.params
+        if not params.speculative or params.guided_decoding is not None:  # a grammar masks each step
             return None
         if getattr(req, "py_prediction", None) is not None:
             return self.prediction

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema
 
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import GuidedDecodingParams, SamplingParams
 
 # OpenAI's default for /v1/completions (chat has no default: until EOS or the context is full).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -111,6 +111,44 @@ StopField = Annotated[
     ),
 ]
 TokenIdsField = Annotated[Any, WithJsonSchema({"anyOf": [_TOKEN_IDS, {"type": "null"}]})]
+GuidedField = Annotated[
+    Any, WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "string"}, {"type": "null"}]})
+]
+ResponseFormatField = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"type": {"enum": ["text", "json_object"]}},
+                    "required": ["type"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {
+                        "type": {"const": "json_schema"},
+                        "json_schema": {
+                            "type": "object",
+                            "properties": {
+                                "name": {"type": "string"},
+                                "schema": {"type": "object"},
+                                "strict": {"type": "boolean"},
+                                "description": {"type": "string"},
+                            },
+                            "required": ["schema"],
+                            "additionalProperties": False,
+                        },
+                    },
+                    "required": ["type", "json_schema"],
+                    "additionalProperties": False,
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 PredictionField = Annotated[
     Any,
     WithJsonSchema(
@@ -181,6 +219,12 @@ class _Request(BaseModel):
     # OpenAI's predicted outputs: {"type": "content", "content": str | [{"type": "text", "text": str}]}
     prediction: PredictionField = None
     prompt_logprobs: Integer | None = None  # vLLM's: the prompt's log-probabilities (not with stream)
+    # Structured output: OpenAI's response_format, and vLLM's guided_* fields (checked by parse_guided).
+    response_format: ResponseFormatField = None
+    guided_json: GuidedField = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -210,7 +254,6 @@ _NOOP: dict[str, Any] = {
     "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "reasoning_effort": (),
@@ -268,6 +311,59 @@ def parse_prompt(prompt: Any) -> list[str | list[int]]:
         if not isinstance(p, str) and any(t < 0 for t in p):
             raise bad_request(f"prompt token ids must be >= 0, got {min(p)}", param="prompt")
     return items
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_field(req: _Request) -> str | None:
+    """The request field that carries its structured-output constraint, if one does."""
+    return next((n for n in GUIDED_FIELDS if getattr(req, n) is not None), None)
+
+
+def parse_guided(req: _Request) -> GuidedDecodingParams | None:
+    """The request's structured-output constraint: OpenAI's ``response_format`` (``json_schema``
+    with its ``schema``, ``json_object``, or ``text``: none) or one of vLLM's ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one of them."""
+    given = {name: getattr(req, name) for name in GUIDED_FIELDS if getattr(req, name) is not None}
+    fmt = given.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and set(fmt) == {"type"}:
+        del given["response_format"]  # plain text: no constraint
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(
+            f"at most one of response_format, guided_json, guided_regex, guided_choice, guided_grammar may be "
+            f"set, got {sorted(given)}",
+            param=sorted(given)[1],
+        )
+    ((name, value),) = given.items()
+    try:
+        if name == "response_format":
+            kind = value.get("type") if isinstance(value, dict) else None
+            if kind == "json_object" and set(value) == {"type"}:
+                return GuidedDecodingParams(json_object=True)
+            if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+                spec = value["json_schema"]
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+                extra = set(spec) - {"name", "schema", "strict", "description"}
+                if extra:
+                    raise ValueError(f"response_format.json_schema has unknown fields {sorted(extra)}")
+                return GuidedDecodingParams(json=spec["schema"])
+            raise ValueError(
+                'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                f'"json_schema": {{"name": ..., "schema": {{...}}}}}}, got {_short(value)}'
+            )
+        field = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        return GuidedDecodingParams(**{field[name]: value})
+    except ValueError as exc:
+        raise bad_request(str(exc).replace("guided_decoding", name), param=name) from None
 
 
 def parse_prediction(prediction: Any) -> str | None:
@@ -404,6 +500,7 @@ def build_sampling_params(
         "n": req.n,
         "skip_special_tokens": req.skip_special_tokens,
         "prediction": parse_prediction(req.prediction),
+        "guided_decoding": parse_guided(req),
     }
     try:
         return SamplingParams(**kwargs)

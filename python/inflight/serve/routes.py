@@ -29,6 +29,7 @@ from inflight.serve.protocol import (
     build_sampling_params,
     check_extra_fields,
     error_body,
+    guided_field,
     parse_messages,
     parse_prompt,
 )
@@ -151,7 +152,7 @@ async def completions(state: State, body: CompletionRequest, request: Request):
     prompts = [await state.tokenize(p) if isinstance(p, str) else p for p in items]
     explicit = "max_tokens" in body.model_fields_set
     params = [state.check_fit(ids, base, explicit, "prompt", "max_tokens") for ids in prompts]
-    job = state.submit(prompts, params, body.stream, "prompt")
+    job = state.submit(prompts, params, body.stream, "prompt", guided_field(body))
     head = header(state, "text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()))
     n = base.n
     if body.stream:
@@ -228,7 +229,7 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
     )
     ids = await _chat_prompt(state, messages, body.add_generation_prompt)
     params = state.check_fit(ids, params, True, "messages", max_field)
-    job = state.submit([ids], [params], body.stream, "messages")
+    job = state.submit([ids], [params], body.stream, "messages", guided_field(body))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         head = header(state, "chat.completion.chunk", rid, created)

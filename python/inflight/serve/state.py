@@ -184,7 +184,12 @@ class ServerState:
         return params
 
     def submit(
-        self, prompts: list[list[int]], params: list[SamplingParams], stream: bool, prompt_field: str
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        stream: bool,
+        prompt_field: str,
+        guided_field: str | None = None,
     ) -> Job:
         """Admits one HTTP request and submits its prompts (one engine request each)."""
         self.admit()
@@ -202,6 +207,8 @@ class ServerState:
                     param = prompt_field
                 elif param == "logprobs" and prompt_field == "messages":  # chat's field is top_logprobs
                     param, msg = "top_logprobs", "top_logprobs" + msg[len("logprobs") :]
+                elif param == "guided_decoding":  # the request's own field (response_format, guided_*)
+                    param = guided_field or param
                 raise bad_request(msg, param=param) from None
             if isinstance(exc, RuntimeError):
                 raise APIError(
