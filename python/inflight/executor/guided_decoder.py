@@ -246,12 +246,9 @@ def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) ->
     import llguidance.torch
 
     n, vocab = logits.shape
-    bitmask = llguidance.torch.allocate_token_bitmask(n, vocab)
+    bitmask = llguidance.torch.allocate_token_bitmask(n, vocab)  # every bit set: all allowed
     for row, matcher in rows:
         matcher.fill_mask(bitmask, row)
-    out = logits.float().clone()
-    # Bit t of word t // 32 allows token t; rows without a matcher keep every bit set.
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).to(torch.bool).reshape(n, -1)[:, :vocab]
-    out.masked_fill_(~allowed, float("-inf"))
+    out = logits.float().clone() if logits.device.type == "cpu" else logits.clone()
+    llguidance.torch.apply_token_bitmask_inplace(out, bitmask.to(out.device))
     return out
