@@ -423,11 +423,53 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   }
 }
 
+SizeType32 KVCacheManager::cow_blocks(Sequence const& seq) const {
+  if (seq.num_tokens % tokens_per_block_ == 0 || seq.block_ids.empty()) return 0;  // the next token starts a block
+  return blocks_[static_cast<std::size_t>(seq.block_ids.back())].ref_count > 1 ? 1 : 0;
+}
+
+void KVCacheManager::copy_on_write(Sequence& seq) {
+  BlockIdType const shared = seq.block_ids.back();
+  BlockIdType const fresh = allocate_block(seq.retention_priority);
+  --blocks_[static_cast<std::size_t>(shared)].ref_count;  // still >= 1: another sequence holds it
+  seq.block_ids.back() = fresh;
+  block_copies_.emplace_back(shared, fresh);
+  ++alloc_total_blocks_;
+  ++alloc_new_blocks_;
+}
+
+void KVCacheManager::fork_sequence(RequestIdType src_id, RequestIdType dst_id) {
+  Sequence const& src = sequence(src_id, "fork_sequence");
+  if (sequences_.count(dst_id) != 0) {
+    throw std::invalid_argument(concat("fork_sequence: request_id ", dst_id, " is already in the KV cache manager"));
+  }
+  Sequence dst;
+  dst.num_tokens = src.num_tokens;
+  dst.retention_priority = src.retention_priority;
+  dst.block_ids.reserve(static_cast<std::size_t>(std::min(max_blocks_per_seq(), num_blocks_)));
+  dst.block_ids = src.block_ids;
+  for (BlockIdType b : dst.block_ids) ++blocks_[static_cast<std::size_t>(b)].ref_count;
+  sequences_.emplace(dst_id, std::move(dst));
+}
+
+std::vector<std::pair<BlockIdType, BlockIdType>> KVCacheManager::take_block_copies() {
+  std::vector<std::pair<BlockIdType, BlockIdType>> out;
+  out.swap(block_copies_);
+  return out;
+}
+
 void KVCacheManager::add_token(RequestIdType request_id) {
   Sequence& seq = sequence(request_id, "add_token");
   if (seq.num_tokens >= max_seq_len_) {
     throw std::invalid_argument(concat("add_token: request_id ", request_id, " already holds ", seq.num_tokens,
                                        " tokens, max_seq_len is ", max_seq_len_));
+  }
+  if (cow_blocks(seq) != 0) {  // the token lands in a last block another sequence holds
+    if (num_free_ == 0) {
+      throw std::runtime_error(
+          concat("add_token: not enough free KV blocks for request_id ", request_id, ": need 1, free 0"));
+    }
+    copy_on_write(seq);
   }
   // The new token (number num_tokens + 1) starts a block when num_tokens is a multiple of tpb.
   if (seq.num_tokens % tokens_per_block_ == 0) {
@@ -451,10 +493,12 @@ void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
   }
   SizeType32 const blocks_after = ceil_div(seq.num_tokens + n, tokens_per_block_);
   SizeType32 const needed = blocks_after - static_cast<SizeType32>(seq.block_ids.size());
-  if (needed > num_free_) {
+  SizeType32 const cow = n > 0 ? cow_blocks(seq) : 0;
+  if (needed + cow > num_free_) {
     throw std::runtime_error(concat("add_tokens: not enough free KV blocks for request_id ", request_id, ": need ",
-                                    needed, ", free ", num_free_));
+                                    needed + cow, ", free ", num_free_));
   }
+  if (cow != 0) copy_on_write(seq);
   for (SizeType32 i = 0; i < needed; ++i) {
     seq.block_ids.push_back(allocate_block(seq.retention_priority));
   }

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unordered_set.h>
@@ -381,6 +382,10 @@ void bind_batch_manager(nb::module_& m) {
            "n more tokens at once (a speculative step's 1 + k), all or nothing.")
       .def("rewind", &bm::KVCacheManager::rewind, "request_id"_a, "n"_a,
            "Pops the last n tokens; blocks left empty are released, last first.")
+      .def("fork_sequence", &bm::KVCacheManager::fork_sequence, "src_id"_a, "dst_id"_a,
+           "Beam search: dst_id holds src_id's blocks (shared, ref-counted) and token count.")
+      .def("take_block_copies", &bm::KVCacheManager::take_block_copies,
+           "The (src_block, dst_block) copy-on-writes since the last call, to execute before the forward.")
       .def("remove_sequence", &bm::KVCacheManager::remove_sequence, "request_id"_a,
            nb::arg("request").none() = nb::none())
       .def("store_context_blocks", &bm::KVCacheManager::store_context_blocks, "request"_a)

@@ -215,11 +215,11 @@ class LLM:
                 "with a fast tokenizer",
             )
         kind, _ = guided.kind()
-        if params.min_tokens:
-            raise RequestError(
-                "min_tokens",
-                "min_tokens cannot be combined with guided_decoding (the grammar decides the end)",
-            )
+        for name in ("min_tokens", "ignore_eos"):
+            if getattr(params, name):
+                raise RequestError(
+                    name, f"{name} cannot be combined with guided_decoding (the grammar decides the end)"
+                )
         error = decoder.backend.validate(guided)
         if error is not None:
             raise RequestError("guided_decoding", f"guided_decoding.{kind} is not valid: {error}")

@@ -164,6 +164,10 @@ class SamplingParams:
     - ``guided_decoding`` (:class:`GuidedDecodingParams`, or None): structured output — a JSON schema,
       any JSON object, a regex, a choice or an EBNF grammar the output must follow (a token mask per
       step; the request stops once the grammar is complete). Such a request does not draft tokens.
+    - ``logits_processors`` (list of callables ``fn(output_token_ids: list[int], logits: Tensor[V]) ->
+      Tensor[V]``, vLLM's offline form): applied in order to the request's logits row each step, after
+      a grammar's mask and before penalties and the draw. Python per row and step: slower than the
+      built-in knobs. An exception in one fails that request only.
     - ``prediction`` (str, or None): OpenAI's predicted output — text the output is expected to
       repeat largely (an edit of a given document); its tokens are offered as draft tokens, with or
       without a speculative engine. Never changes the output, only the speed.
@@ -193,6 +197,8 @@ class SamplingParams:
     speculative: bool = True
     prediction: str | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    # Accepts any sequence of callables; stored as a tuple.
+    logits_processors: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalized values go in through object.__setattr__, once, here.
@@ -272,6 +278,17 @@ class SamplingParams:
                 _check_int("prompt_logprobs", self.prompt_logprobs, 0, what=">= 0 (or None)"),
             )
         put("n", _check_int("n", self.n, 1, what=">= 1"))
+        procs = () if self.logits_processors is None else self.logits_processors
+        if (
+            isinstance(procs, (str, bytes))
+            or not isinstance(procs, Sequence)
+            or not all(callable(f) for f in procs)
+        ):
+            raise ValueError(
+                "logits_processors must be a list of callables fn(output_token_ids, logits) -> logits, "
+                f"got {self.logits_processors!r}"
+            )
+        put("logits_processors", tuple(procs))
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise ValueError(
                 f"guided_decoding must be a GuidedDecodingParams or None, got {type(self.guided_decoding).__name__}"

@@ -327,6 +327,58 @@ TEST(KVCacheManager, RewindToOneTokenAndGrowAgain) {
   kv.check_integrity();
 }
 
+// ----------------------------------------------------------------------------------------------
+// Beam search: forked sequences share blocks; a write into a shared partly filled block copies it.
+
+TEST(KVCacheManager, ForkSharesEveryBlockAndCopiesOnWrite) {
+  KVCacheManager kv(8, 4, 64);
+  kv.add_sequence(1, 6, 1);  // blocks 0 (full), 1 (2 of 4 tokens)
+  kv.fork_sequence(1, 2);
+  kv.fork_sequence(1, 3);
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{0, 1}));
+  EXPECT_EQ(kv.get_num_tokens(3), 6);
+  EXPECT_EQ(kv.num_free_blocks(), 6);  // nothing allocated: blocks 0 and 1 have ref_count 3
+  kv.check_integrity();
+  kv.add_token(2);  // lands in block 1, shared: 2 gets a copy (block 2), 1 and 3 keep block 1
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{0, 2}));
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1}));
+  kv.add_tokens(3, 3);  // 9 tokens: a copy of block 1 (block 3), then block 4 for the 9th
+  EXPECT_EQ(kv.get_block_ids(3), (Ids{0, 3, 4}));
+  kv.add_token(1);  // block 1 is 1's alone now: no copy
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1}));
+  using Copies = std::vector<std::pair<BlockIdType, BlockIdType>>;
+  EXPECT_EQ(kv.take_block_copies(), (Copies{{1, 2}, {1, 3}}));
+  EXPECT_TRUE(kv.take_block_copies().empty());  // taken once
+  kv.check_integrity();
+  // A full last block is never copied: the next token starts a new block.
+  kv.fork_sequence(1, 4);
+  kv.add_tokens(4, 1);  // 8 tokens: block 1 (shared, partly filled) is copied into block 5
+  kv.fork_sequence(4, 5);
+  kv.add_token(5);  // its 9th token starts a new block (6); the full shared block 5 stays shared
+  EXPECT_EQ(kv.get_block_ids(5), (Ids{0, 5, 6}));
+  EXPECT_EQ(kv.take_block_copies(), (Copies{{1, 5}}));
+  // Removing frees a block only when its last holder goes.
+  SizeType32 const free_before = kv.num_free_blocks();
+  kv.remove_sequence(4);
+  EXPECT_EQ(kv.num_free_blocks(), free_before);  // 0 and 5 are still held by 1/2/3 and 5
+  kv.remove_sequence(5);
+  EXPECT_EQ(kv.num_free_blocks(), free_before + 2);  // 6 and 5
+  kv.check_integrity();
+  EXPECT_THROW(kv.fork_sequence(1, 2), std::invalid_argument);   // 2 exists
+  EXPECT_THROW(kv.fork_sequence(9, 10), std::invalid_argument);  // 9 does not
+}
+
+TEST(KVCacheManager, CopyOnWriteNeedsAFreeBlock) {
+  KVCacheManager kv(2, 4, 64);
+  kv.add_sequence(1, 6, 1);  // both blocks
+  kv.fork_sequence(1, 2);
+  EXPECT_THROW(kv.add_token(2), std::runtime_error);
+  EXPECT_THROW(kv.add_tokens(2, 1), std::runtime_error);
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{0, 1}));  // unchanged
+  EXPECT_TRUE(kv.take_block_copies().empty());
+  kv.check_integrity();
+}
+
 TEST(KVCacheManager, AddTokensAndRewindErrorsLeaveStateUnchanged) {
   KVCacheManager kv(3, 4, 12);
   kv.add_sequence(1, 5, 1);  // blocks 0, 1

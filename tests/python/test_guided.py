@@ -135,9 +135,11 @@ def test_bad_grammars_are_refused_by_name(make_llm):
         GuidedDecodingParams()
     with pytest.raises(ValueError, match="choice must be a list of non-empty str"):
         GuidedDecodingParams(choice="abc")
+    gd = GuidedDecodingParams(regex="a+")
     with pytest.raises(RequestError, match="min_tokens cannot be combined"):
-        gd = GuidedDecodingParams(regex="a+")
         llm.generate([PROMPTS[0]], SamplingParams(min_tokens=2, guided_decoding=gd), use_tqdm=False)
+    with pytest.raises(RequestError, match="ignore_eos cannot be combined"):
+        llm.generate([PROMPTS[0]], SamplingParams(ignore_eos=True, guided_decoding=gd), use_tqdm=False)
     # The engine serves on.
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].length == 3
 

@@ -715,3 +715,42 @@ def test_cuda_matches_cpu_decisions():
         a = Sampler(V).sample(row, [s_alone]).token_ids.item()
         b = Sampler(V).sample(torch.cat([fixed_logits(1, seed=50 + step).to(dev), row]), batch).token_ids[1]
         assert a == b.item()
+
+
+def test_logits_processors_apply_in_order_and_fail_alone(make_llm):
+    import torch as _torch
+
+    from inflight import SamplingParams as _SP
+
+    llm = make_llm()
+    seen = []
+
+    def only_even(history, logits):
+        seen.append(len(history))
+        out = _torch.full_like(logits, float("-inf"))
+        out[::2] = logits[::2]
+        return out
+
+    def prefer_ten(history, logits):
+        out = logits.clone()
+        out[10] = out.max() + 5.0 if len(history) % 2 == 0 else out[10]
+        return out
+
+    def boom(history, logits):
+        raise RuntimeError("no")
+
+    prompt = [5, 6, 7, 8]
+    good = _SP(max_tokens=6, temperature=0.0, logits_processors=[only_even, prefer_ten])
+    bad = _SP(max_tokens=6, temperature=0.0, logits_processors=[boom])
+    plain = _SP(max_tokens=6, temperature=0.0)
+    outs = llm.generate([prompt, prompt, prompt], [good, bad, plain], use_tqdm=False)
+    toks = outs[0].outputs[0].token_ids
+    assert all(t % 2 == 0 for t in toks) and toks[0] == 10 and toks[2] == 10
+    assert seen[:3] == [0, 1, 2]
+    assert (
+        outs[1].outputs[0].finish_reason == "error" and "logits processor failed" in outs[1].outputs[0].error
+    )
+    alone = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == alone
+    with pytest.raises(ValueError, match="logits_processors must be a list of callables"):
+        _SP(logits_processors=[1])

@@ -63,5 +63,7 @@ def test_the_fuzzing_reached_the_engine():
     total = sum(STATUSES.values())
     print(f"schemathesis: {total} requests, statuses {dict(sorted(STATUSES.items()))}")  # pytest -s shows it
     assert total >= 200, STATUSES
-    assert STATUSES.get(200, 0) >= 50, STATUSES
+    # Fewer random bodies are valid since the structured-output fields came (at most one of five, none
+    # with min_tokens or ignore_eos): ~50 of ~1000 reach the engine; 40 leaves room for the generator.
+    assert STATUSES.get(200, 0) >= 40, STATUSES
     assert not any(code >= 500 for code in STATUSES), STATUSES

@@ -611,8 +611,15 @@ def _kv_op_trace(seed: int, steps: int = 400) -> list[tuple]:
             ops.append(("add_token", rng.choice(live)))
         elif roll < 0.65:
             ops.append(("add_tokens", rng.choice(live), rng.randint(-1, 5)))
-        elif roll < 0.88:
+        elif roll < 0.8:
             ops.append(("rewind", rng.choice(live), rng.randint(-1, 6)))
+        elif roll < 0.9:  # beam search: a sequence forked (sharing its blocks), the copy-on-writes taken
+            src = rng.choice(live)
+            dst = next_id if rng.random() < 0.9 else src  # sometimes an id already present (an error)
+            ops.append(("fork", dst, src))
+            if dst == next_id:
+                live.append(next_id)
+                next_id += 1
         else:
             rid = rng.choice(live)
             live.remove(rid)
@@ -640,8 +647,10 @@ def _run_kv_ops(module, ops: list[tuple]) -> list:
                 kv.add_tokens(rid, op[2])
             elif kind == "rewind":
                 kv.rewind(rid, op[2])
+            elif kind == "fork":
+                kv.fork_sequence(op[2], rid)  # a beam: removed without a request (never stored)
             else:
-                kv.remove_sequence(rid, requests[rid] if op[2] else None)
+                kv.remove_sequence(rid, requests.get(rid) if op[2] else None)
             result = "ok"
         except (ValueError, RuntimeError) as exc:
             result = f"{type(exc).__name__}: {exc}"
@@ -655,6 +664,7 @@ def _run_kv_ops(module, ops: list[tuple]) -> list:
                 kv.get_num_tokens(rid) if kv.has_sequence(rid) else None,
                 kv.num_free_blocks,
                 {name: getattr(stats, name) for name in STAT_NAMES},
+                kv.take_block_copies(),
             )
         )
     return seen
@@ -669,7 +679,14 @@ def test_add_tokens_and_rewind_traces_agree(seed: int) -> None:
     for a, b in zip(cpp, twin):
         assert a == b, f"C++ {a} != twin {b}"
     kinds = {row[0][0] for row in cpp if row[1] == "ok"}
-    assert {"add_tokens", "rewind"} <= kinds and any(row[1] != "ok" for row in cpp)
+    assert {"add_tokens", "rewind", "fork"} <= kinds and any(row[1] != "ok" for row in cpp)
+
+
+def test_the_traces_copy_shared_blocks_on_write() -> None:
+    """Across the traces above, forked sequences were written into shared blocks: copy-on-writes
+    happened (and agreed, block for block, between the C++ manager and its twin)."""
+    copies = [row[-1] for seed in range(6) for row in _run_kv_ops(bm, _kv_op_trace(seed)) if row[-1]]
+    assert len(copies) >= 5
 
 
 def test_planning_counts_a_generating_request_s_drafts() -> None:

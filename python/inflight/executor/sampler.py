@@ -2,6 +2,7 @@
 
 Order of processing (as vLLM), every stage batched over rows with per-row parameters:
 
+0. ``logits_processors`` (the user's callables, row by row, in order; a raising one fails its row);
 1. log-probabilities, when any row asks: ``log_softmax`` of the *raw* logits (vLLM v1's default
    ``raw_logprobs``), so they describe the model, not the sampling knobs;
 2. penalties: repetition over tokens of prompt + output (a positive logit is divided by the penalty,
@@ -194,6 +195,40 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         logits = self._check_logits(logits, states)
+        errors: dict[int, str] = {}
+        if any(s.params.logits_processors for s in states):
+            logits = self._apply_processors(logits, states, errors)
+        out = self._sample(logits, states)
+        out.errors.update(errors)
+        return out
+
+    @staticmethod
+    def _apply_processors(
+        logits: torch.Tensor, states: Sequence[SamplingState], errors: dict
+    ) -> torch.Tensor:
+        """SamplingParams.logits_processors, row by row on a copy; a row whose processor raises (or
+        returns the wrong shape) keeps its logits and is reported in ``errors``."""
+        logits = logits.clone()
+        for i, state in enumerate(states):
+            procs = state.params.logits_processors
+            if not procs:
+                continue
+            row = logits[i]
+            try:
+                history = state.output_token_ids
+                for fn in procs:
+                    row = fn(history, row)
+                    if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                        raise ValueError(
+                            f"a logits processor must return a tensor of shape {tuple(logits[i].shape)}, got "
+                            f"{getattr(row, 'shape', type(row).__name__)}"
+                        )
+                logits[i] = row
+            except Exception as exc:  # noqa: BLE001  (the user's code: this row fails, the others go on)
+                errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
+        return logits
+
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         if self._plain_greedy(states):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
@@ -243,6 +278,9 @@ class Sampler:
             except Exception as exc:  # noqa: BLE001  (this row fails, the others go on)
                 out.errors[i] = f"{type(exc).__name__}: {exc}"
                 continue
+            if row.errors:
+                out.errors[i] = row.errors[0]
+                continue
             out.token_ids[i] = row.token_ids[0]
             if row.logprobs is not None and out.logprobs is not None:
                 out.logprobs[i] = row.logprobs[0]
@@ -260,6 +298,8 @@ class Sampler:
         a draw from their softmax). A fresh float32 tensor; ``logits`` is not modified.
         """
         logits = self._check_logits(logits, states)
+        if any(s.params.logits_processors for s in states):
+            logits = self._apply_processors(logits, states, {})
         return self._process(logits, states)
 
     # -- stages -------------------------------------------------------------------------------

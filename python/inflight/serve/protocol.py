@@ -149,6 +149,17 @@ ResponseFormatField = Annotated[
         }
     ),
 ]
+ChoiceField = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 PredictionField = Annotated[
     Any,
     WithJsonSchema(
@@ -223,7 +234,7 @@ class _Request(BaseModel):
     response_format: ResponseFormatField = None
     guided_json: GuidedField = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: ChoiceField = None
     guided_grammar: str | None = None
 
 

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "inflight/batch_manager/llm_request.h"
@@ -74,6 +75,16 @@ class KVCacheManager {
   // Rewound tokens are never stored for reuse (remove_sequence publishes only the tokens held). Throws
   // std::invalid_argument for an unknown id or n outside [0, num_tokens - 1] (a sequence keeps a token).
   void rewind(RequestIdType request_id, SizeType32 n);
+  // Beam search: dst_id (new) holds the very blocks of src_id, each one's ref_count + 1, and its token
+  // count and retention priority. Nothing is copied now: a later write into a shared, partly filled last
+  // block copies it first (copy-on-write, see take_block_copies). Throws std::invalid_argument for an
+  // unknown src_id or a dst_id already present.
+  void fork_sequence(RequestIdType src_id, RequestIdType dst_id);
+  // The block copies the engine must execute before the next forward, in order, and forgets them:
+  // (src_block, dst_block) for each copy-on-write since the last call. add_token / add_tokens make one
+  // when the token they add lands in a last block another sequence also holds (the sequence then holds
+  // a fresh block, the other keeps the original); it counts as one more block needed.
+  std::vector<std::pair<BlockIdType, BlockIdType>> take_block_copies();
   // Frees the blocks, last block first. With reuse and a request, first stores the full blocks of
   // the tokens the sequence holds (capped, for a request still in context, at the tokens already
   // computed: context_current_position). Throws for an unknown id.
@@ -134,6 +145,10 @@ class KVCacheManager {
   void set_key(BlockIdType block_id, BlockIdType parent, std::uint64_t hash, TokenIdType const* tokens);
   void store_blocks(std::vector<TokenIdType> const& tokens, SizeType32 num_tokens,
                     std::vector<BlockIdType> const& block_ids, SizeType32 retention_priority);
+  // 1 when the next token of seq lands in a last block another sequence also holds (copy-on-write).
+  SizeType32 cow_blocks(Sequence const& seq) const;
+  // Gives seq a private copy of its shared last block (call after checking a block is free).
+  void copy_on_write(Sequence& seq);
   Sequence& sequence(RequestIdType request_id, char const* caller);
   Sequence const& sequence(RequestIdType request_id, char const* caller) const;
 
@@ -157,6 +172,7 @@ class KVCacheManager {
   std::int64_t reused_blocks_ = 0;
   std::int64_t missed_blocks_ = 0;
   std::unique_ptr<ReuseIndex> reuse_;
+  std::vector<std::pair<BlockIdType, BlockIdType>> block_copies_;  // pending copy-on-writes
 };
 
 }  // namespace inflight::batch_manager

@@ -102,6 +102,7 @@ class KVCacheManager:
         self._scheduling_num_free_blocks = num_blocks
         self._alloc_total_blocks = 0
         self._alloc_new_blocks = 0
+        self._block_copies: list[tuple[int, int]] = []  # pending copy-on-writes (take_block_copies)
         self._reused_blocks = 0
         self._missed_blocks = 0
 
@@ -199,6 +200,37 @@ class KVCacheManager:
         if hits:
             request.set_prepopulated_prompt_len(len(hits) * self._tokens_per_block)
 
+    def _cow_blocks(self, sequence) -> int:
+        """1 when the next token lands in a last block another sequence also holds."""
+        if sequence.num_tokens % self._tokens_per_block == 0 or not sequence.block_ids:
+            return 0
+        return 1 if self._blocks[sequence.block_ids[-1]].ref_count > 1 else 0
+
+    def _copy_on_write(self, sequence) -> None:
+        shared = sequence.block_ids[-1]
+        fresh = self._allocate_block(sequence.retention_priority)
+        self._blocks[shared].ref_count -= 1  # still >= 1: another sequence holds it
+        sequence.block_ids[-1] = fresh
+        self._block_copies.append((shared, fresh))
+        self._alloc_total_blocks += 1
+        self._alloc_new_blocks += 1
+
+    def fork_sequence(self, src_id: int, dst_id: int) -> None:
+        """Beam search: ``dst_id`` holds the very blocks of ``src_id`` (each ref_count + 1) and its token
+        count; a later write into the shared, partly filled last block copies it first."""
+        src = self._sequence(src_id, "fork_sequence")
+        if dst_id in self._sequences:
+            raise ValueError(f"fork_sequence: request_id {dst_id} is already in the KV cache manager")
+        dst = _Sequence(list(src.block_ids), src.num_tokens, src.retention_priority)
+        for block_id in dst.block_ids:
+            self._blocks[block_id].ref_count += 1
+        self._sequences[dst_id] = dst
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src_block, dst_block) copy-on-writes since the last call, in order (then forgotten)."""
+        out, self._block_copies = self._block_copies, []
+        return out
+
     def add_token(self, request_id: int) -> None:
         """One more token; a new block (of the sequence's retention priority) when it starts one."""
         sequence = self._sequence(request_id, "add_token")
@@ -207,6 +239,12 @@ class KVCacheManager:
                 f"add_token: request_id {request_id} already holds {sequence.num_tokens} tokens, "
                 f"max_seq_len is {self._max_seq_len}"
             )
+        if self._cow_blocks(sequence):
+            if self.num_free_blocks == 0:
+                raise RuntimeError(
+                    f"add_token: not enough free KV blocks for request_id {request_id}: need 1, free 0"
+                )
+            self._copy_on_write(sequence)
         if sequence.num_tokens % self._tokens_per_block == 0:  # the new token starts a block
             if self.num_free_blocks == 0:
                 raise RuntimeError(
@@ -229,11 +267,14 @@ class KVCacheManager:
             )
         tpb = self._tokens_per_block
         needed = -(-(sequence.num_tokens + n) // tpb) - len(sequence.block_ids)
-        if needed > self.num_free_blocks:
+        cow = self._cow_blocks(sequence) if n > 0 else 0
+        if needed + cow > self.num_free_blocks:
             raise RuntimeError(
-                f"add_tokens: not enough free KV blocks for request_id {request_id}: need {needed}, "
+                f"add_tokens: not enough free KV blocks for request_id {request_id}: need {needed + cow}, "
                 f"free {self.num_free_blocks}"
             )
+        if cow:
+            self._copy_on_write(sequence)
         for _ in range(needed):
             sequence.block_ids.append(self._allocate_block(sequence.retention_priority))
         self._alloc_total_blocks += needed
