@@ -163,7 +163,7 @@ class SamplingParams:
       tokens), for requests where drafting cannot pay.
     - ``guided_decoding`` (:class:`GuidedDecodingParams`, or None): structured output — a JSON schema,
       any JSON object, a regex, a choice or an EBNF grammar the output must follow (a token mask per
-      step; the request stops once the grammar is complete). Such a request does not draft tokens.
+      step; the request ends on EOS once the grammar is complete).
     - ``logits_processors`` (list of callables ``fn(output_token_ids: list[int], logits: Tensor[V]) ->
       Tensor[V]``, vLLM's offline form): applied in order to the request's logits row each step, after
       a grammar's mask and before penalties and the draw. Python per row and step: slower than the

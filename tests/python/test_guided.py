@@ -212,3 +212,29 @@ def test_smollm2_json_schema_outputs_validate():
             comp = out.outputs[0]
             assert comp.finish_reason == "stop", comp.text
             jsonschema.validate(json.loads(comp.text), schema)
+
+
+def test_guided_with_drafts_gives_the_same_tokens(make_llm):
+    """Speculative decoding under a grammar: one mask per draft position (the matcher rolled back
+    after), so drafts change only the speed: a predicted output (OpenAI's prediction) of the right
+    JSON is accepted, a wrong one rejected, and the tokens are those without drafts."""
+    from inflight import SpeculativeConfig
+
+    gd = GuidedDecodingParams(json=SCHEMA)
+    plain = make_llm()
+    want = plain.generate(
+        PROMPTS[:3], SamplingParams(max_tokens=80, temperature=0.0, guided_decoding=gd), use_tqdm=False
+    )
+    spec = make_llm(speculative_config=SpeculativeConfig(method="ngram", max_draft_len=4))
+    for out_w, prompt in zip(want, PROMPTS[:3]):
+        text = out_w.outputs[0].text
+        for prediction in (text, text[::-1], '{"name":"zz"'):
+            params = SamplingParams(max_tokens=80, temperature=0.0, guided_decoding=gd, prediction=prediction)
+            got = spec.generate([prompt], params, use_tqdm=False)[0]
+            assert got.outputs[0].token_ids == out_w.outputs[0].token_ids, prediction
+            if prediction == text:
+                assert got.metrics["num_accepted_draft_tokens"] > 0
+    seeded = SamplingParams(max_tokens=80, temperature=1.0, seed=11, guided_decoding=gd)
+    a = plain.generate(PROMPTS[:3], seeded, use_tqdm=False)
+    b = spec.generate(PROMPTS[:3], seeded, use_tqdm=False)
+    assert _texts(a) == _texts(b)

@@ -5,6 +5,8 @@ A request with ``SamplingParams(guided_decoding=GuidedDecodingParams(...))`` car
 to the tokens the grammar allows next (EOS only where the grammar may end, and nothing but EOS once
 it is complete); each token it keeps advances the matcher. So a guided request ends as any other: on
 EOS (finish reason "stop") or at ``max_tokens`` ("length", its text a prefix of a valid output).
+With draft tokens (speculative decoding), the row of each draft position gets the mask after the
+drafts before it (:meth:`GrammarMatcher.fill_masks`: a trial advance, then a rollback).
 
 The backend (:class:`GrammarBackend`) is llguidance (``pip install "inflight-llm[structured]"``):
 JSON schemas, regular expressions, choices, EBNF grammars (llama.cpp's GBNF) and "any JSON object".
@@ -48,6 +50,30 @@ class GrammarMatcher(abc.ABC):
     @abc.abstractmethod
     def accept(self, token: int) -> bool:
         """Advances by ``token``; False when the grammar does not allow it."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens."""
+
+    @abc.abstractmethod
+    def try_accept(self, token: int) -> bool:
+        """Advances by ``token`` when the grammar allows it (True); else changes nothing (False)."""
+
+    def fill_masks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Speculative decoding: rows ``row .. row + len(drafts)`` get the masks after 0, 1, ...
+        ``len(drafts)`` of the draft tokens (the matcher is rolled back afterwards). After a draft the
+        grammar refuses, the rows allow everything: verification stops before them (the refused draft
+        never equals the masked target token)."""
+        self.fill_mask(bitmask, row)
+        consumed = 0
+        for j, tok in enumerate(drafts, start=1):
+            if consumed == j - 1 and not self.is_terminated() and self.try_accept(tok):
+                consumed += 1
+                self.fill_mask(bitmask, row + j)
+            else:
+                bitmask[row + j] = -1
+        if consumed:
+            self.rollback(consumed)
 
     @abc.abstractmethod
     def is_terminated(self) -> bool:
@@ -111,6 +137,13 @@ class _LLGuidanceMatcher(GrammarMatcher):
         if self._m.is_stopped():
             return int(token) in self._eos
         return bool(self._m.consume_token(int(token)))
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(int(num_tokens))
+
+    def try_accept(self, token: int) -> bool:
+        # try_consume_tokens stops at a refused token without putting the matcher in error.
+        return self._m.try_consume_tokens([int(token)]) == 1
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
@@ -240,15 +273,19 @@ class GuidedDecoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) -> torch.Tensor:
-    """``logits`` with each ``(row, matcher)``'s disallowed tokens at -inf (a copy; the other rows
-    untouched). Tokens past the tokenizer's vocabulary (a padded embedding) are disallowed too."""
+def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher, list[int]]]) -> torch.Tensor:
+    """``logits`` with the disallowed tokens of each ``(row, matcher, drafts)`` at -inf: row ``row``
+    after the tokens so far, and with drafts the next ``len(drafts)`` rows after each draft prefix (a
+    copy; the other rows untouched). Tokens past the tokenizer's vocabulary are disallowed too."""
     import llguidance.torch
 
     n, vocab = logits.shape
     bitmask = llguidance.torch.allocate_token_bitmask(n, vocab)  # every bit set: all allowed
-    for row, matcher in rows:
-        matcher.fill_mask(bitmask, row)
+    for row, matcher, drafts in rows:
+        if drafts:
+            matcher.fill_masks(bitmask, row, drafts)
+        else:
+            matcher.fill_mask(bitmask, row)
     out = logits.float().clone() if logits.device.type == "cpu" else logits.clone()
     llguidance.torch.apply_token_bitmask_inplace(out, bitmask.to(out.device))
     return out

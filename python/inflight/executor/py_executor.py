@@ -572,12 +572,13 @@ class PyExecutor:
     @staticmethod
     def _mask_grammars(logits, inputs: ModelInputs):
         """Structured output: the rows of grammar-guided requests masked to what their grammar
-        allows next (a request with a grammar never drafts: one row each)."""
+        allows next; a drafting request's row after each of its draft prefixes."""
         rows, row = [], 0
         for i, req in enumerate(inputs.sampled_requests):
+            n = inputs.num_rows[i] if inputs.num_rows is not None else 1
             if req.py_guided is not None:
-                rows.append((row, req.py_guided))
-            row += inputs.num_rows[i] if inputs.num_rows is not None else 1
+                rows.append((row, req.py_guided, list(req.draft_tokens) if n > 1 else []))
+            row += n
         return apply_masks(logits, rows) if rows else logits
 
     @staticmethod

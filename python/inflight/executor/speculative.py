@@ -308,8 +308,7 @@ class Speculator:
         return spec
 
     def _drafter_of(self, req) -> Drafter | None:
-        params = req.py_sampling_state.params
-        if not params.speculative or params.guided_decoding is not None:  # a grammar masks each step
+        if not req.py_sampling_state.params.speculative:
             return None
         if getattr(req, "py_prediction", None) is not None:
             return self.prediction
