@@ -10,13 +10,15 @@ Rows (each one engine, loaded in turn):
   4-bit, bf16 activations    dtype=bfloat16, quantization=gguf (vLLM's way of running a GGUF)
   4-bit, bf16 KV             the default with kv_cache_config.dtype=bfloat16
   dequantised fp32           quantization=none: the GGUF's weights dequantised to fp32
+  W8A8 SmoothQuant           with --w8a8 DIR: that checkpoint (int8 weights and activations)
   transformers fp32          AutoModelForCausalLM from the same GGUF (dequantised to fp32): the
                              independent reference; "dequantised fp32" must match it closely
 
 Columns: perplexity +/- its standard error, the mean NLL per token, the difference in perplexity to
 transformers' (%), and tokens per second (window tokens / seconds, prompt scoring included).
 
-    python benchmarks/perplexity.py [--max-windows 24] [--context 512] [--file F] [--json out.json]
+    python benchmarks/perplexity.py [--max-windows 24] [--context 512] [--file F] [--w8a8 DIR]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--file", default=None)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--w8a8",
+        metavar="DIR",
+        default=None,
+        help="also a SmoothQuant W8A8 checkpoint of the model (inflight quantize --method smoothquant)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -134,6 +142,9 @@ def main() -> None:
     for name, kwargs in ROWS.items():
         print(f"== {name}")
         results[name] = _engine_row(path, token_ids, args, dict(kwargs))
+    if args.w8a8:
+        print("== W8A8 SmoothQuant")
+        results["W8A8 SmoothQuant (int8 activations)"] = _engine_row(Path(args.w8a8), token_ids, args, {})
     if not args.skip_transformers:
         print("== transformers fp32")
         results["transformers fp32"] = _transformers_row(path, token_ids, tok.bos_token_id, args)
