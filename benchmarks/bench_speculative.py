@@ -35,10 +35,10 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
+from bench_common import cpu_header
 
 SPELLING = (
     "Correct the spelling mistakes in this paragraph and output the corrected paragraph only:\n\n"
@@ -92,22 +92,6 @@ GOALS = {
     "grounded": 1.6,
     "open": 0.95,
 }  # ratio to the baseline (the grounded one also needs identical tokens)
-
-
-def _cpu_header() -> str:
-    from inflight.ops import describe_cpu
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads; inflight {commit}"
 
 
 def _one_run(llm, ids: list[int], params) -> dict:
@@ -297,7 +281,7 @@ def main() -> None:
 
     prompts = {task: [chat(p) for p in texts] for task, texts in TASKS.items()}
     max_tokens = {"grounded": args.max_tokens_grounded, "open": args.max_tokens_open}
-    header = _cpu_header()
+    header = cpu_header()
     print(header, flush=True)
 
     results = measure(ks, prompts, max_tokens, args.repeats)

@@ -27,28 +27,11 @@ import argparse
 import gc
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
 import torch
-
-
-def _cpu_header() -> str:
-    from inflight.ops import describe_cpu
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads; inflight {commit}"
-
+from bench_common import cpu_header
 
 ROWS = {
     "4-bit, fp32 activations": {},
@@ -136,7 +119,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     text = Path(args.file).read_text(encoding="utf-8") if args.file else default_text()
     token_ids = tok.encode(text, add_special_tokens=False)
-    header = _cpu_header()
+    header = cpu_header()
     print(header)
     results = {}
     for name, kwargs in ROWS.items():

@@ -91,12 +91,16 @@ def quantize_checkpoint(
     }
     with open(dst / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    for item in src.iterdir():
-        if (
-            item.is_file()
-            and item.name != "config.json"
-            and not item.name.endswith(_WEIGHT_FILES)
-            and item.name != "model.safetensors.index.json"
-        ):
-            shutil.copy2(item, dst / item.name)
+    copy_side_files(src, dst)
     return dst
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copies a checkpoint directory's files other than its weights and config.json (tokenizer,
+    generation config, chat template) into a quantised copy."""
+    for item in src.iterdir():
+        skip = item.name in ("config.json", "model.safetensors.index.json") or item.name.endswith(
+            _WEIGHT_FILES
+        )
+        if item.is_file() and not skip:
+            shutil.copy2(item, dst / item.name)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from inflight.quantization.checkpoint import copy_side_files
 from inflight.quantization.w4a16 import quantize_w8
 from inflight.utils.checkpoint_files import iter_safetensors
 
@@ -45,7 +45,6 @@ GROUPS = (
     ("mlp.gate_proj", "mlp.up_proj"),
     ("mlp.down_proj",),
 )
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def smoothing_factors(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -160,10 +159,5 @@ def quantize_smoothquant(
     config["quantization_config"] = {"quant_method": W8A8_METHOD, "alpha": alpha, "embedding": embedding}
     with open(dst / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    for item in src.iterdir():
-        skip = item.name in ("config.json", "model.safetensors.index.json") or item.name.endswith(
-            _WEIGHT_FILES
-        )
-        if item.is_file() and not skip:
-            shutil.copy2(item, dst / item.name)
+    copy_side_files(src, dst)
     return dst
