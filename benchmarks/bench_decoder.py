@@ -1,5 +1,8 @@
-"""Structured output's cost: SmolLM2-135M (Q4_1 GGUF), case (a) of throughput.py with and without a
-JSON-schema constraint, same engine, same run.
+"""The decoder's two costs on SmolLM2-135M (Q4_1 GGUF), each with its baseline in the same run:
+
+1. Structured output: case (a) of throughput.py with and without a JSON-schema constraint, same engine.
+2. Beam search: K=4 beams against transformers' generate(num_beams=4) on the same prompts and weights
+   (benchmarks/bench_beam_search.py, which also runs alone with more options).
 
 Case (a): 16 chat-templated prompts asking for a JSON record, up to 128 new tokens each, greedy.
 Guided, each request ends when its JSON is complete (EOS) or at 128 tokens; unguided, each prompt
@@ -7,9 +10,9 @@ generates exactly the number of tokens its guided run did (EOS ignored), so that
 alike. Throughput is generated tokens over wall time. Rounds alternate unguided / guided
 (--repeats); medians.
 
-Goal (issue 15): guided >= 0.9x unguided.
+Goals (issue 15): guided >= 0.9x unguided; beam search K=4 >= 2x transformers.
 
-    python benchmarks/bench_decoder.py [--repeats 3] [--json out.json]
+    python benchmarks/bench_decoder.py [--repeats 3] [--part guided|beams|all] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,9 +60,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--part", choices=["guided", "beams", "all"], default="all")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    result = {}
+    if args.part in ("guided", "all"):
+        result["guided"] = guided_part(args)
+    if args.part in ("beams", "all"):
+        from bench_beam_search import run
 
+        print()
+        beams = run(4, 8, 32, args.repeats)
+        result["beams"] = beams
+        ratios = [r["ratio"] for r in beams["rows"] if r["engine"].startswith("inflight 4-bit")]
+        print(
+            f"goal (beam search K=4 >= 2x transformers): {', '.join(f'{x:.2f}x' for x in ratios)}, "
+            f"{'met' if min(ratios) >= 2 else 'not met'}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def guided_part(args) -> dict:
     from inflight import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
     from inflight.ops import describe_cpu
 
@@ -111,13 +134,7 @@ def main() -> None:
     ratio = med["guided"] / med["unguided"]
     print(f"\nguided outputs that parse as JSON and ended on EOS: {valid} of {16 * args.repeats}")
     print(f"goal (guided >= 0.9x unguided): {ratio:.2f}x, {'met' if ratio >= 0.9 else 'not met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"header": header, "lengths": lengths, "rates": rates, "median": med, "valid": valid},
-                f,
-                indent=1,
-            )
+    return {"header": header, "lengths": lengths, "rates": rates, "median": med, "valid": valid}
 
 
 if __name__ == "__main__":

@@ -656,7 +656,13 @@ SizeType32 KVCacheManager::get_remaining_blocks_to_completion(LlmRequest const& 
   auto it = sequences_.find(request.request_id());
   std::int64_t const h = it == sequences_.end() ? 0 : static_cast<std::int64_t>(it->second.block_ids.size());
   std::int64_t const beam_width = request.beam_width();
-  std::int64_t const remaining = h < c ? c - h + (total - c) * beam_width : (total - h) * beam_width;
+  std::int64_t remaining = h < c ? c - h + (total - c) * beam_width : (total - h) * beam_width;
+  if (h >= c && beam_width > 1 && request.prompt_len() % tokens_per_block_ != 0 &&
+      request.num_tokens() <= request.prompt_len() + 1) {
+    // The prompt's partial last block, held once, is copied for every other beam on the first decode
+    // step (copy-on-write).
+    remaining += beam_width - 1;
+  }
   // A sequence can hold more than T blocks only in degenerate cases (tokens added past
   // max_new_tokens); a negative count would hand other requests blocks that are not free.
   return static_cast<SizeType32>(std::clamp<std::int64_t>(remaining, 0, std::numeric_limits<SizeType32>::max()));

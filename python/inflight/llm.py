@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from inflight.executor.beam_search import BeamSearch
 from inflight.executor.llm_request import ExecutorRequest, Response
 from inflight.executor.py_executor_creator import create_py_executor, follower_rank, run_follower_rank
 from inflight.executor.sampler import SamplingState
 from inflight.llm_args import LlmArgs
-from inflight.outputs import RequestOutput
+from inflight.outputs import BeamSearchOutput, RequestOutput
 from inflight.request_handle import RequestHandle
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("inflight")
 
@@ -195,15 +196,52 @@ class LLM:
         if params.guided_decoding is not None:
             self._check_guided(params.guided_decoding, params)
         max_new = params.max_tokens if params.max_tokens is not None else self.max_seq_len - n
+        if params.use_beam_search:
+            self._check_beams(n, max_new, params)
         limit = self.args.max_request_tokens
-        if limit is not None and params.n * max_new > limit:
+        width = max(params.n, params.beam_width)
+        if limit is not None and width * max_new > limit:
             what = "max_tokens" if params.max_tokens is not None else "the tokens that fit in max_seq_len"
             raise RequestError(
                 "n",
-                f"n x max_tokens = {params.n} x {max_new} ({what}) = {params.n * max_new} exceeds "
+                f"n x max_tokens = {width} x {max_new} ({what}) = {width * max_new} exceeds "
                 f"max_request_tokens={limit}",
             )
         return max_new
+
+    def _check_beams(self, prompt_len: int, max_new: int, params: SamplingParams) -> None:
+        """A beam request must be able to run: within max_beam_width, on one process, never paused,
+        and with KV room for all its beams to the end (else it would wait forever)."""
+        k = params.beam_width
+        if k > self.args.max_beam_width:
+            raise RequestError(
+                "best_of",
+                f"best_of (the beam width) must be <= max_beam_width={self.args.max_beam_width}, got {k}",
+            )
+        if self.args.tensor_parallel_size > 1 or self.args.pipeline_parallel_size > 1:
+            raise RequestError(
+                "use_beam_search", f"use_beam_search is not supported with parallelism ({self.parallel})"
+            )
+        policy = self.args.scheduler_config.capacity_scheduler_policy
+        if getattr(policy, "name", str(policy)) != "GUARANTEED_NO_EVICT":
+            raise RequestError(
+                "use_beam_search",
+                "use_beam_search needs capacity_scheduler_policy GUARANTEED_NO_EVICT (a beam request is "
+                f"never paused), got {getattr(policy, 'name', policy)}",
+            )
+        kv = self.executor.kv_cache_manager
+        if kv is not None:
+            tpb = kv.tokens_per_block
+            shared = prompt_len // tpb
+            total = -(-(prompt_len + max_new) // tpb)
+            needed = shared + (total - shared) * k
+            if needed > kv.num_blocks:
+                raise RequestError(
+                    "best_of",
+                    f"beam search with best_of={k} beams over prompt {prompt_len} + max_tokens {max_new} "
+                    f"needs {needed} KV blocks of {tpb} tokens, more than the pool's {kv.num_blocks}; "
+                    "lower best_of or max_tokens",
+                )
 
     def _check_guided(self, guided, params: SamplingParams) -> None:
         """A guided request needs the grammar backend, and a grammar that is well formed."""
@@ -256,6 +294,10 @@ class LLM:
         prediction = self._prediction_ids(params)
         cfg = self.model_config
         children = []
+        if params.use_beam_search:
+            if streaming:
+                raise RequestError("stream", "use_beam_search cannot stream (beams change until the end)")
+            return self._submit_beams(text, ids, max_new, params, priority)
         for i in range(params.n):
             child_params = (
                 params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)
@@ -292,6 +334,45 @@ class LLM:
                     self._handles.pop(c.request_id, None)
             raise
         return handle
+
+    def _submit_beams(self, text, ids, max_new, params, priority) -> RequestHandle:
+        """One executor request for all the beams; its final response carries the n best."""
+        cfg = self.model_config
+        state = SamplingState.create(params, cfg.vocab_size, ids, cfg.eos_token_ids, device=self.device)
+        rid = next(self._ids)
+        req = ExecutorRequest(rid, ids, max_new, state, False, priority, beam_width=params.beam_width)
+        req.py_beam = BeamSearch(params, rid, ids, state.eos_token_ids, max_new, self.max_seq_len)
+        if params.prompt_logprobs is not None:
+            req.py_prompt_logprobs = [None]
+        handle = RequestHandle(
+            [rid], text, ids, params, False, self.tokenizer, self.executor.cancel_requests, beams=True
+        )
+        with self._lock:
+            self._handles[rid] = handle
+        try:
+            self.executor.enqueue_request(req)
+        except Exception:
+            with self._lock:
+                self._handles.pop(rid, None)
+            raise
+        return handle
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: one :class:`BeamSearchOutput` per prompt, with all
+        ``beam_width`` beams, best first (their tokens include the prompt's, as vLLM returns them)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        outs = self.generate(list(prompts), params.sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput.from_request_output(o) for o in outs]
 
     def _on_responses(self, responses: list[Response]) -> None:
         """Executor thread: one iteration's responses, grouped by handle (each handle then builds one

@@ -444,6 +444,12 @@ class LlmArgs(_Args):
         Choice(QUANTIZATION_MODES, optional=True),
     )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
+    # TensorRT-LLM's name. llguidance is the `structured` extra; xgrammar is optional (pip install xgrammar).
+    guided_decoding_backend: str = arg(
+        "llguidance",
+        "structured output's grammar backend: llguidance, or xgrammar (when installed)",
+        Choice(("llguidance", "xgrammar")),
+    )
     scheduler_config: SchedulerConfig = arg(None, "the scheduling policies", Config(SchedulerConfig))
     speculative_config: SpeculativeConfig = arg(
         None, "speculative decoding (off by default)", Config(SpeculativeConfig)
@@ -495,6 +501,8 @@ class LlmArgs(_Args):
     log_iteration_stats: int = arg(0, "log one line of engine stats every N iterations (0: off)", Int(0))
     # Bounds on the work one request may ask for (a public server meets hostile input).
     max_n: int = arg(128, "most sequences (n) one request may ask for", Int(1))
+    # TensorRT-LLM's name. A beam request decodes K rows a step and holds K beams' KV blocks.
+    max_beam_width: int = arg(8, "most beams (best_of) one beam-search request may keep", Int(1))
     # vLLM's default: top-N beyond 20 costs a large top-k per step for little use.
     max_logprobs: int = arg(20, "most top log-probabilities per token one request may ask for", Int(0))
     max_request_tokens: int | None = arg(

@@ -38,3 +38,41 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: logprob} per
     # prompt token (the prompt's own token first, then the top ones); None when not asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of :meth:`inflight.LLM.beam_search` (vLLM's shape): ``tokens`` are the prompt's then the
+    generated ones, ``text`` their decoded text, ``cum_logprob`` the generated tokens' summed
+    log-probability."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] | None
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> BeamSearchOutput:
+        prompt = list(out.prompt_token_ids)
+        return cls(
+            [
+                BeamSearchSequence(
+                    prompt + list(c.token_ids),
+                    c.logprobs,
+                    c.cumulative_logprob if c.cumulative_logprob is not None else 0.0,
+                    (out.prompt or "") + c.text if c.error is None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                for c in out.outputs
+            ]
+        )

@@ -48,6 +48,7 @@ class RequestHandle:
         streaming: bool,
         tokenizer,
         cancel: Callable[[list[int]], None],
+        beams: bool = False,
     ):
         self._ids = list(request_ids)
         self.request_id = self._ids[0]
@@ -56,7 +57,10 @@ class RequestHandle:
         self.params = params
         self.streaming = streaming
         self._cancel = cancel
-        self._seqs = [_Sequence(i, params, tokenizer, streaming) for i in range(len(self._ids))]
+        # Beam search: one executor request whose final response holds the n beams.
+        self._beams = beams
+        num_seqs = params.n if beams else len(self._ids)
+        self._seqs = [_Sequence(i, params, tokenizer, streaming) for i in range(num_seqs)]
         self._by_id = dict(zip(self._ids, self._seqs))
         self._cond = threading.Condition()
         self._stream: list[RequestOutput] = []
@@ -74,6 +78,9 @@ class RequestHandle:
         with self._cond:
             changed = False
             for resp in responses:
+                if self._beams:
+                    changed = self._take_beams(resp) or changed
+                    continue
                 seq = self._by_id[resp.request_id]
                 if seq.finished:
                     continue  # e.g. the cancellation that follows a stop string found here
@@ -106,6 +113,39 @@ class RequestHandle:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the loop was closed
                 pass
+
+    def _take_beams(self, resp: Response) -> bool:
+        """A beam request's final response: sequence i gets beam i (a failure: every sequence gets the
+        error; a search cut short before any token: empty sequences)."""
+        if not resp.finished:
+            return False
+        if resp.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = resp.prompt_logprobs
+        beams = resp.beams or []
+        for i, seq in enumerate(self._seqs):
+            if seq.finished:
+                continue
+            if i < len(beams):
+                b = beams[i]
+                part = dataclasses.replace(
+                    resp,
+                    new_token_ids=list(b.token_ids),
+                    num_output_tokens=len(b.token_ids),
+                    finish_reason=resp.finish_reason
+                    if resp.finish_reason not in ("stop", "length")
+                    else b.finish_reason,
+                    stop_reason=b.stop_reason,
+                    new_logprobs=b.logprobs,
+                    cumulative_logprob=b.cumulative_logprob,
+                    beams=None,
+                )
+            else:
+                part = dataclasses.replace(
+                    resp, new_token_ids=[], num_output_tokens=0, new_logprobs=None, beams=None
+                )
+            seq.update(part)
+        self._metrics = dict(resp.metrics)
+        return True
 
     def _snapshot(self, finished: bool, diff: bool) -> RequestOutput:
         outs = [s.output(diff) for s in self._seqs]

@@ -168,6 +168,16 @@ class SamplingParams:
       Tensor[V]``, vLLM's offline form): applied in order to the request's logits row each step, after
       a grammar's mask and before penalties and the draw. Python per row and step: slower than the
       built-in knobs. An exception in one fails that request only.
+    - ``use_beam_search`` (TensorRT-LLM's name), ``best_of`` (the beam width K, >= ``n``; None: ``n``),
+      ``length_penalty`` (a finished beam scores ``sum(logprobs) / length ** length_penalty``) and
+      ``early_stopping`` (True: stop once K beams finished; False: once no running beam can beat the
+      worst finished one at its current length; ``"never"``: at the best length it could reach):
+      beam search with transformers' rules (``generate(num_beams=K, do_sample=False)``); the ``n``
+      best finished beams are returned, best first. The temperature (when not greedy) divides the
+      logits first; ``min_tokens``, ``repetition_penalty`` (on the log-probabilities, as transformers
+      applies it), ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` apply; the random-sampling
+      knobs, penalties of presence and frequency, stop strings, guided decoding, logits processors
+      and predictions cannot be combined with it (``ValueError`` naming them).
     - ``prediction`` (str, or None): OpenAI's predicted output — text the output is expected to
       repeat largely (an edit of a given document); its tokens are offered as draft tokens, with or
       without a speculative engine. Never changes the output, only the speed.
@@ -199,6 +209,10 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     # Accepts any sequence of callables; stored as a tuple.
     logits_processors: Sequence[Any] | None = None
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         # Frozen: normalized values go in through object.__setattr__, once, here.
@@ -216,6 +230,7 @@ class SamplingParams:
             "skip_special_tokens",
             "detokenize",
             "speculative",
+            "use_beam_search",
         ):
             put(name, _check_bool(name, getattr(self, name)))
 
@@ -297,12 +312,62 @@ class SamplingParams:
             raise ValueError(
                 f"prediction must be a str (the predicted output) or None, got {self.prediction!r}"
             )
-        if self.n > 1 and self.temperature < SAMPLING_EPS:
+        self._check_beam_search(put)
+        if self.n > 1 and self.temperature < SAMPLING_EPS and not self.use_beam_search:
             # n identical greedy sequences are never what the caller meant (vLLM refuses it too).
             raise ValueError(
                 f"n must be 1 with greedy sampling (temperature {self.temperature!r} < {SAMPLING_EPS}), "
                 f"got {self.n!r}"
             )
+
+    # With use_beam_search: fields that must keep these values (they belong to random sampling, or to
+    # features beam search does not combine with).
+    _NOT_WITH_BEAMS = (
+        ("top_k", 0),
+        ("top_p", 1.0),
+        ("min_p", 0.0),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("stop", ()),
+        ("guided_decoding", None),
+        ("logits_processors", ()),
+        ("prediction", None),
+    )
+
+    def _check_beam_search(self, put) -> None:
+        if self.best_of is not None:
+            put("best_of", _check_int("best_of", self.best_of, 1, what=">= 1 (or None: n)"))
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of!r}")
+        put(
+            "length_penalty",
+            _check_float(
+                "length_penalty", self.length_penalty, lambda v: -1e3 <= v <= 1e3, what="in [-1000, 1000]"
+            ),
+        )
+        if not (
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
+        ):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not self.use_beam_search:
+            if self.best_of is not None and self.best_of != self.n:
+                raise ValueError(
+                    f"best_of must equal n ({self.n}) without use_beam_search=True (best_of > n is the "
+                    f"beam width of beam search), got {self.best_of!r}"
+                )
+            return
+        for name, default in self._NOT_WITH_BEAMS:
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"{name} cannot be combined with use_beam_search=True, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step: ``best_of`` (or ``n``) with beam search, else 1."""
+        if not self.use_beam_search:
+            return 1
+        return self.best_of if self.best_of is not None else self.n
 
     @staticmethod
     def _normalize_stop(stop: Any) -> tuple[str, ...]:
@@ -335,3 +400,36 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied, validated again (an unknown field is a TypeError)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's parameters of :meth:`inflight.LLM.beam_search`: ``beam_width`` beams (all returned),
+    ``max_tokens`` new tokens at most, ``ignore_eos``, ``temperature`` (0: the raw logits),
+    ``length_penalty`` (the exponent of the generated length that divides a finished beam's summed
+    log-probability), and ``early_stopping`` (transformers' True / False / "never")."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1, what=">= 1")
+        _check_int("max_tokens", self.max_tokens, 1, what=">= 1")
+        self.sampling_params()  # the other fields are checked there
+
+    def sampling_params(self) -> SamplingParams:
+        """The equivalent :class:`SamplingParams` (use_beam_search, best_of = n = beam_width)."""
+        return SamplingParams(
+            use_beam_search=True,
+            best_of=self.beam_width,
+            n=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )

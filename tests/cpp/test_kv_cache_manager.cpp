@@ -885,7 +885,15 @@ TEST(KVCacheManager, RemainingBlocksToCompletion) {
   kv.add_sequence(1, 10, 1, &r);  // h = 3 >= c
   EXPECT_EQ(kv.get_remaining_blocks_to_completion(r), 2);
   kv.add_sequence(2, 10, 1);
-  EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide), 4);  // (5 - 3) * 2
+  // (5 - 3) * 2, + 1: the partial prompt block is copied for the second beam on the first decode step.
+  EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide), 5);
+  wide.add_new_token(7);  // the context step's token: the first decode step (and its copy) is still ahead
+  EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide), 5);
+  wide.add_new_token(8);  // past the first decode step: the beams hold their own copies
+  EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide), 4);
+  LlmRequest wide_full = make_request(6, iota_tokens(8), kDefaultRetentionPriority, 8, 3);
+  kv.add_sequence(6, 8, 1);  // a prompt of whole blocks: nothing to copy, T = 4, h = 2
+  EXPECT_EQ(kv.get_remaining_blocks_to_completion(wide_full), 6);  // (4 - 2) * 3
 
   LlmRequest partial = make_request(3, iota_tokens(10), kDefaultRetentionPriority, 7);
   kv.add_sequence(3, 4, 1);                                      // h = 1 < c

@@ -112,10 +112,10 @@ def test_params_frozen_replace_and_unknown_field():
     assert q.top_p == 0.9 and q.temperature == 0.5 and p.top_p == 1.0
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         p.replace(top_p=1.5)
-    with pytest.raises(TypeError, match="best_of"):
-        SamplingParams(best_of=2)  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match="use_beam_search"):
-        p.replace(use_beam_search=True)
+    with pytest.raises(TypeError, match="num_beams"):
+        SamplingParams(num_beams=2)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match=r"best_of must equal n \(1\) without use_beam_search"):
+        SamplingParams(best_of=2)
 
 
 BAD_PARAMS = [

@@ -201,6 +201,28 @@ def test_prompt_lists_and_n(server):
     assert streamed == {c.index: c.token_ids for c in texts.choices}
 
 
+def test_beam_search_completions(server):
+    """use_beam_search with best_of beams and the n best returned, as the LLM API gives them."""
+    from inflight import SamplingParams
+
+    client = server.client()
+    prompt = [5, 6, 7, 8, 9]
+    body = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.5, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=6, extra_body=body)
+    assert [c.index for c in out.choices] == [0, 1]
+    ref = server.llm.generate(
+        prompt,
+        SamplingParams(
+            use_beam_search=True, best_of=3, n=2, max_tokens=6, length_penalty=0.5, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )
+    assert [c.token_ids for c in out.choices] == [c.token_ids for c in ref.outputs]
+    assert [c.text for c in out.choices] == [c.text for c in ref.outputs]
+    assert out.usage.completion_tokens == 12
+    server.wait_idle()
+
+
 def test_stop_logprobs_and_vllm_fields(server):
     client = server.client()
     base = client.completions.create(
@@ -307,6 +329,17 @@ INVALID = [
     ("echo", _C, {**_P, "echo": True}, 400, "echo", "echo is not supported"),
     ("suffix", _C, {**_P, "suffix": "x"}, 400, "suffix", "suffix"),
     ("best_of", _C, {**_P, "best_of": 3}, 400, "best_of", "best_of"),
+    (
+        "beams-stream",
+        _C,
+        {**_P, "use_beam_search": True, "best_of": 2, "stream": True},
+        400,
+        "use_beam_search",
+        "stream",
+    ),
+    ("beams-top_p", _C, {**_P, "use_beam_search": True, "top_p": 0.5}, 400, "top_p", "cannot be combined"),
+    ("beams-width", _C, {**_P, "use_beam_search": True, "best_of": 9}, 400, "best_of", "max_beam_width=8"),
+    ("beams-n>best_of", _C, {**_P, "use_beam_search": True, "best_of": 2, "n": 3}, 400, "best_of", ">= n"),
     ("logit_bias", _C, {**_P, "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
     ("unknown-field", _C, {**_P, "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
     ("prompt-too-long", _C, {**_P, "prompt": LONG}, 400, "prompt", "maximum context length"),

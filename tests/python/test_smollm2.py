@@ -36,14 +36,20 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
+def hf_model(gguf_path):
+    """transformers' model and tokenizer of the same GGUF (dequantised to fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    model.eval()
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    model, tok = hf_model
     prompts = []
     outs = []
     for i, text in enumerate(PROMPTS):
@@ -81,6 +87,37 @@ def test_greedy_identical_to_transformers_on_the_same_gguf(reference):
         assert g == e, (
             f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
         )
+
+
+def test_beam_search_identical_to_transformers_on_the_same_gguf(reference, hf_model):
+    """K=4 beams, 24 tokens each (EOS ignored), all four returned: the same beams in the same order,
+    the same scores, as transformers' generate(num_beams=4) on the same weights."""
+    model, tok = hf_model
+    prompts = reference[0][:4]
+    with LLM("smollm2", dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
+        outs = llm.generate(
+            prompts,
+            SamplingParams(use_beam_search=True, best_of=4, n=4, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    for ids, out in zip(prompts, outs):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            gen = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                num_beams=4,
+                num_return_sequences=4,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
+        assert [c.token_ids for c in out.outputs] == [g[len(ids) :].tolist() for g in gen.sequences]
+        got = [c.cumulative_logprob / MAX_TOKENS for c in out.outputs]
+        assert got == pytest.approx(gen.sequences_scores.tolist(), abs=1e-4)
 
 
 def test_chat_answers_the_capital_question():

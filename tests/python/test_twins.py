@@ -863,6 +863,15 @@ def test_capacity_and_planning_snapshots(
             )
             for r in built
         ]
+        # Again with a sequence for every other request (its prompt's blocks held): the h >= c branch
+        # of the planner, beams' copy of a partial prompt block included.
+        for r in built[::2]:
+            if kv.num_free_blocks >= -(-r.prompt_len // tokens_per_block):
+                kv.add_sequence(r.request_id, r.prompt_len, 1)
+        planning += [
+            (kv.get_needed_blocks_one_step(r, two_steps), kv.get_remaining_blocks_to_completion(r))
+            for r in built
+        ]
         outcomes.append(([r.request_id for r in fitting], [r.request_id for r in paused], planning))
     assert outcomes[0] == outcomes[1]
 

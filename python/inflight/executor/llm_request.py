@@ -35,8 +35,10 @@ class ExecutorRequest(LlmRequest):
         sampling_state: SamplingState,
         streaming: bool = False,
         priority: float = 0.5,
+        beam_width: int = 1,
     ):
-        super().__init__(request_id, max_new_tokens, prompt_token_ids, priority)
+        # beam_width: the C++ capacity planner and micro-batch scheduler count K rows and K beams' blocks.
+        super().__init__(request_id, max_new_tokens, prompt_token_ids, priority, beam_width)
         # The C++ max_new_tokens shrinks when a pause folds tokens into the prompt; this does not.
         self.py_max_new_tokens = max_new_tokens
         self.py_sampling_state = sampling_state
@@ -58,6 +60,8 @@ class ExecutorRequest(LlmRequest):
         self.py_spec = None
         # Structured output: the request's GrammarMatcher, once its grammar is compiled.
         self.py_guided = None
+        # Beam search (SamplingParams.use_beam_search): the request's BeamSearch state.
+        self.py_beam = None
         self.py_arrival_time = time.monotonic()
         self.py_first_scheduled_time: float | None = None
         self.py_first_token_time: float | None = None
@@ -96,6 +100,8 @@ class Response:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # in the request's first response
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Beam search: the returned beams (BeamHypothesis, best first), in the final response only.
+    beams: list | None = None
 
 
 def request_metrics(req) -> dict[str, float]:

@@ -45,6 +45,15 @@ class ModelInputs:
     # prompt token after each position), in row order.
     num_sampled_rows: int = 0
     prompt_rows: list[tuple] | None = None
+    # Beam search: the beam requests with a logits row this step and their row counts (1 for a
+    # context's last chunk, K for a decode: one row per running beam). Their rows come after the
+    # other sampled requests' and are counted in num_sampled_rows.
+    beam_requests: list | None = None
+    beam_num_rows: list[int] | None = None
+
+    @property
+    def num_beam_rows(self) -> int:
+        return sum(self.beam_num_rows) if self.beam_num_rows else 0
 
 
 def build_metadata(
@@ -63,7 +72,10 @@ def build_metadata(
     n = len(seq_lens)
     tpb = kv.tokens_per_block
     rows = tables[:n]
-    kv.copy_block_tables(requests if isinstance(requests, RequestList) else RequestList(requests), rows)
+    if requests and isinstance(requests[0], int):  # KV sequence ids (beam search)
+        kv.copy_block_tables(requests, rows)
+    else:
+        kv.copy_block_tables(requests if isinstance(requests, RequestList) else RequestList(requests), rows)
     block_tables = torch.from_numpy(rows)
     positions_t = torch.tensor(positions, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
@@ -118,6 +130,9 @@ class ModelEngine:
         logits_indices: list[int] = []
         sampled = []
         prompt_rows: list[tuple] = []  # (request, first position, count, first flattened token)
+        # Beam search: (request, its rows' flattened tokens), logits rows placed after the others.
+        beam_rows: list[tuple] = []
+        table_ids: list[int] | None = None  # KV sequence per attention row, when beams add rows
         for req in batch.context_requests:
             start = req.context_current_position
             chunk = req.context_chunk_size
@@ -127,8 +142,11 @@ class ModelEngine:
             seq_lens.append(chunk)
             kv_lens.append(start + chunk)
             if req.is_last_context_chunk:
-                logits_indices.append(len(ids) - 1)
-                sampled.append(req)
+                if getattr(req, "py_beam", None) is not None:
+                    beam_rows.append((req, [len(ids) - 1]))
+                else:
+                    logits_indices.append(len(ids) - 1)
+                    sampled.append(req)
             if getattr(req, "py_prompt_logprobs", None) is not None:
                 # Position p scores prompt token p + 1; the last prompt position is the sampled row.
                 # A chunk computed again (a paused request's resume) scores nothing twice.
@@ -138,6 +156,10 @@ class ModelEngine:
                     prompt_rows.append((req, lo, hi - lo, base + lo - start))
                     req.py_prompt_rows_planned = hi
         gens = batch.generation_requests
+        beams = [r for r in gens if getattr(r, "py_beam", None) is not None]
+        if beams:
+            gens = [r for r in gens if getattr(r, "py_beam", None) is None]
+            table_ids = [r.request_id for r in batch.context_requests]
         drafting = [r for r in gens if r.has_draft_tokens]
         num_rows = None
         if drafting:
@@ -175,11 +197,32 @@ class ModelEngine:
             sampled.append(req)
             if num_rows is not None:
                 num_rows.append(1)
+        if table_ids is not None:
+            table_ids.extend(r.request_id for r in gens)
+        for req in beams:  # one decode row per running beam, each on its own KV sequence
+            pos = req.num_tokens - 1
+            first = len(ids)
+            for sid, tok in zip(req.py_beam.seq_ids, req.py_beam.last_tokens):
+                ids.append(tok)
+                positions.append(pos)
+                seq_lens.append(1)
+                kv_lens.append(pos + 1)
+                table_ids.append(sid)
+            beam_rows.append((req, list(range(first, len(ids)))))
+        for _, rows in beam_rows:
+            logits_indices.extend(rows)
 
         num_sampled_rows = len(logits_indices)
         for _, _, count, first in prompt_rows:
             logits_indices.extend(range(first, first + count))
-        order = batch.all_requests if num_rows is None else list(batch.context_requests) + gens
+        if table_ids is not None:
+            order = table_ids
+            if len(order) > self._tables.shape[0]:  # beams: more rows than requests
+                self._tables = np.zeros((len(order), self._tables.shape[1]), dtype=np.int32)
+        elif num_rows is None:
+            order = batch.all_requests
+        else:
+            order = list(batch.context_requests) + gens
         meta = build_metadata(
             self.kv,
             order,
@@ -196,6 +239,9 @@ class ModelEngine:
         inputs = ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), meta, sampled, slots)
         inputs.num_rows = num_rows
         inputs.num_sampled_rows = num_sampled_rows
+        if beam_rows:
+            inputs.beam_requests = [req for req, _ in beam_rows]
+            inputs.beam_num_rows = [len(rows) for _, rows in beam_rows]
         if prompt_rows:
             # With each position's target: the prompt token after it.
             inputs.prompt_rows = [

@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.guided_decoder import GuidedDecoder, apply_masks
 from inflight.executor.llm_request import ExecutorRequest, Response, format_iteration_stats, request_metrics
@@ -315,7 +317,9 @@ class PyExecutor:
             return
         t0 = time.perf_counter()
         self._step_num_tokens = 0
-        batch = self.scheduler.schedule_request(self.active, set())
+        # A beam request's next rows depend on the beams its step in flight keeps: it sits this one out.
+        waiting_beams = {r.request_id for r in prev.inputs.beam_requests or ()} if prev else set()
+        batch = self.scheduler.schedule_request(self.active, waiting_beams)
         self._pause(batch.paused_requests, prev)
         launched = None
         if len(batch):
@@ -523,6 +527,15 @@ class PyExecutor:
                 self._process_output(prev, only=req.request_id)
             if req.py_done:
                 continue
+            if req.py_beam is not None:  # folding K beams into one prompt would change the result
+                self._finish(
+                    req,
+                    FinishReason.NOT_FINISHED,
+                    "beam search: the scheduler paused this request (KV cache full) and beam requests "
+                    "cannot be recomputed; use capacity_scheduler_policy GUARANTEED_NO_EVICT",
+                )
+                self._deferred_free.append(req)
+                continue
             logger.warning("request %d preempted (KV cache full); it will be recomputed", req.request_id)
             self.resource_manager.free_resources(req)
             if self.speculator is not None:
@@ -549,6 +562,11 @@ class PyExecutor:
         if inputs.prompt_rows:
             prompt_logprobs = self._score_prompts(logits[inputs.num_sampled_rows :], inputs.prompt_rows)
             logits = logits[: inputs.num_sampled_rows]
+        beam_logits = None
+        if inputs.beam_requests:
+            num_regular = inputs.num_sampled_rows - inputs.num_beam_rows
+            beam_logits = logits[num_regular:]
+            logits = logits[:num_regular]
         if self.guided is not None:
             logits = self._mask_grammars(logits, inputs)
         if inputs.num_rows is not None:  # drafting rows: one state per position
@@ -556,7 +574,10 @@ class PyExecutor:
         else:
             states = [r.py_sampling_state for r in inputs.sampled_requests]
         try:
-            output = self.sampler.sample(logits, states)
+            if states:
+                output = self.sampler.sample(logits, states)
+            else:  # only beam requests
+                output = SamplerOutput(torch.zeros(0, dtype=torch.int64, device=logits.device))
         except Exception as exc:  # noqa: BLE001
             output = self.sampler.sample_each(logits, states)
             logger.warning(
@@ -567,7 +588,22 @@ class PyExecutor:
         if self.overlap:  # the next step's decode inputs, by slot, before the host sees them
             self.model_engine.store_new_tokens(inputs, output.token_ids)
         output.prompt_logprobs = prompt_logprobs
+        if beam_logits is not None:
+            output.beam_errors = self._step_beams(beam_logits, inputs)
         return output
+
+    @staticmethod
+    def _step_beams(logits, inputs: ModelInputs) -> dict[int, str]:
+        """Beam search: each beam request's step over its rows; a failure fails that request only."""
+        errors, row = {}, 0
+        for req, n in zip(inputs.beam_requests, inputs.beam_num_rows):
+            part = logits[row : row + n]
+            row += n
+            try:
+                req.py_beam.step(part)
+            except Exception as exc:  # noqa: BLE001
+                errors[req.request_id] = f"{type(exc).__name__}: {exc}"
+        return errors
 
     @staticmethod
     def _mask_grammars(logits, inputs: ModelInputs):
@@ -679,6 +715,38 @@ class PyExecutor:
                 self._deferred_free.append(req)
             elif req.py_streaming:
                 self._respond(req)
+        for req in step.inputs.beam_requests or ():
+            if only is not None and req.request_id != only:
+                continue
+            if req.py_done or req.request_id in step.processed:
+                continue
+            step.processed.add(req.request_id)
+            self._advance_beams(req, output.beam_errors.get(req.request_id), now)
+
+    def _advance_beams(self, req: ExecutorRequest, error: str | None, now: float) -> None:
+        """After a beam step: the KV sequences follow the kept beams, the request counts one more
+        token (the C++ planner sees its length), and a finished search ends the request."""
+        beam = req.py_beam
+        if error is not None:
+            self._finish(req, FinishReason.NOT_FINISHED, f"beam search failed: {error}")
+            self._deferred_free.append(req)
+            return
+        if req.py_first_token_time is None:
+            req.py_first_token_time = now
+        self.timelines.token(req.request_id)
+        if beam.done:
+            best = beam.results()[0]
+            reason = FinishReason.END_ID if best.finish_reason == "stop" else FinishReason.LENGTH
+            self._finish(req, reason)
+            self._deferred_free.append(req)
+            return
+        try:
+            self.kv_cache_manager.reorder_beams(req, beam.parents)
+        except Exception as exc:  # noqa: BLE001
+            self._finish(req, FinishReason.NOT_FINISHED, f"beam search failed: {exc}")
+            self._deferred_free.append(req)
+            return
+        req.add_new_token(beam.best_token)
 
     def _stop_condition(self, req: ExecutorRequest, tok: int) -> tuple[FinishReason, int | None]:
         """Why the request stops after ``tok`` (NOT_FINISHED: it goes on), and the stop token."""
@@ -716,6 +784,15 @@ class PyExecutor:
             else None,
             error=req.py_error,
         )
+        if req.py_beam is not None:
+            if not req.py_done:
+                return  # beams change until the end: only the final response carries them
+            resp.beams = req.py_beam.results() if req.py_error is None else None
+            best = resp.beams[0] if resp.beams else None
+            resp.new_token_ids = list(best.token_ids) if best is not None else []
+            resp.num_output_tokens = len(resp.new_token_ids)
+            resp.new_logprobs = best.logprobs if best is not None else None
+            resp.cumulative_logprob = best.cumulative_logprob if best is not None else None
         if req.py_prompt_logprobs is not None and start == 0:  # sent once, with the first tokens
             resp.prompt_logprobs = req.py_prompt_logprobs
         if req.py_done:

@@ -8,6 +8,7 @@ before blocks are taken, and blocks are returned first.
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 import math
 import mmap
@@ -112,6 +113,9 @@ class KVCacheResourceManager(BaseResourceManager):
         self.pool = pool
         self.dtype = pool.dtype if pool is not None else None
         self.kv_caches = list(pool.unbind(0)) if pool is not None else []
+        # Beam search: the KV sequences of beams other than a request's first get ids from here (far
+        # above any request id).
+        self._beam_ids = itertools.count(1 << 62)
 
     @classmethod
     def allocate(
@@ -159,6 +163,11 @@ class KVCacheResourceManager(BaseResourceManager):
                 lookup = req if getattr(req, "py_prompt_logprobs", None) is None else None
                 kv.add_sequence(req.request_id, req.prompt_len, 1, lookup)
         for req in batch.generation_requests:
+            beam = getattr(req, "py_beam", None)
+            if beam is not None:
+                for sid in beam.seq_ids:  # one token per beam; a shared last block is copied first
+                    kv.add_token(sid)
+                continue
             k = req.num_draft_tokens
             if k == 0:
                 kv.add_token(req.request_id)
@@ -174,6 +183,36 @@ class KVCacheResourceManager(BaseResourceManager):
                 req.draft_tokens = []
                 kv.add_token(req.request_id)
 
+        self.copy_blocks(kv.take_block_copies())
+
+    def copy_blocks(self, pairs) -> None:
+        """Executes the KV manager's copy-on-write pairs ``(src_block, dst_block)``: every layer's K and V
+        of ``src_block`` into ``dst_block``, in one indexed copy."""
+        if not pairs or self.pool is None:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.pool.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.pool.device)
+        self.pool[:, :, dst] = self.pool.index_select(2, src)
+
+    def reorder_beams(self, request, parents: list[int]) -> None:
+        """After a beam step: running beam i continues the beam ``parents[i]`` of the step before. Each
+        new beam's sequence is a fork of its parent's (all blocks shared); the old sequences are then
+        removed (a block no new beam holds is freed). Beam 0 keeps the request's id."""
+        kv = self.impl
+        beam = request.py_beam
+        old = beam.seq_ids
+        if len(old) == 1:
+            parents = [0] * len(parents)  # the first step: every beam descends from the prompt
+        new = [next(self._beam_ids) for _ in parents]
+        for sid, p in zip(new, parents):
+            kv.fork_sequence(old[p], sid)
+        for sid in old:
+            kv.remove_sequence(sid)
+        kv.fork_sequence(new[0], request.request_id)
+        kv.remove_sequence(new[0])
+        new[0] = request.request_id
+        beam.seq_ids = new
+
     def rewind(self, request, n: int) -> None:
         """Drops the request's last ``n`` KV tokens (draft tokens that were not kept)."""
         if n > 0 and self.impl.has_sequence(request.request_id):
@@ -186,6 +225,15 @@ class KVCacheResourceManager(BaseResourceManager):
                     self.impl.store_context_blocks(req)
 
     def free_resources(self, request, store_for_reuse: bool = True) -> None:
+        beam = getattr(request, "py_beam", None)
+        if beam is not None:
+            # The beams' tokens are not the request's (which counts tokens only): nothing is stored
+            # here. The prompt's blocks were published when its context finished.
+            for sid in beam.seq_ids:
+                if self.impl.has_sequence(sid):
+                    self.impl.remove_sequence(sid)
+            beam.seq_ids = [request.request_id]
+            return
         if self.impl.has_sequence(request.request_id):
             # Blocks of a request that failed mid-step may hold half-written KV: never publish them.
             self.impl.remove_sequence(request.request_id, request if store_for_reuse else None)

@@ -181,6 +181,8 @@ class SamplerOutput:
     # SamplingParams.prompt_logprobs: (request, one {token: logprob} per scored prompt position, or
     # the error that failed the request), from prompt_logprob_entries.
     prompt_logprobs: list[tuple] | None = None
+    # Beam search: request id -> the error its beam step failed with (see PyExecutor._step_beams).
+    beam_errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:

@@ -308,8 +308,9 @@ class Speculator:
         return spec
 
     def _drafter_of(self, req) -> Drafter | None:
-        if not req.py_sampling_state.params.speculative:
-            return None
+        params = req.py_sampling_state.params
+        if not params.speculative or params.use_beam_search:
+            return None  # beam requests never draft
         if getattr(req, "py_prediction", None) is not None:
             return self.prediction
         return self.drafter

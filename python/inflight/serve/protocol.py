@@ -236,6 +236,11 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: ChoiceField = None
     guided_grammar: str | None = None
+    # Beam search (vLLM's and TensorRT-LLM's fields): best_of beams, the n best returned.
+    use_beam_search: bool = False
+    best_of: Integer | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
 
 class CompletionRequest(_Request):
@@ -258,7 +263,6 @@ class ChatCompletionRequest(_Request):
 _NOOP: dict[str, Any] = {
     "echo": (False,),
     "suffix": ("",),
-    "best_of": (1,),
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -286,6 +290,8 @@ def check_extra_fields(req: _Request) -> None:
                 f"{name} is not supported by this server", param=name, code="unsupported_parameter"
             )
         raise bad_request(f"unrecognized request field: {name}", param=name, code="unrecognized_parameter")
+    if req.use_beam_search and req.stream:
+        raise bad_request("use_beam_search is not supported with stream=true", param="use_beam_search")
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
@@ -482,6 +488,10 @@ _PARAM_FIELDS = (
     "prompt_logprobs",
     "n",
     "skip_special_tokens",
+    "use_beam_search",
+    "best_of",
+    "length_penalty",
+    "early_stopping",
 )
 
 
@@ -512,6 +522,10 @@ def build_sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "prediction": parse_prediction(req.prediction),
         "guided_decoding": parse_guided(req),
+        "use_beam_search": req.use_beam_search,
+        "best_of": req.best_of,
+        "length_penalty": req.length_penalty,
+        "early_stopping": req.early_stopping,
     }
     try:
         return SamplingParams(**kwargs)

@@ -412,6 +412,14 @@ class KVCacheManager:
             )
         else:
             remaining = (num_total_blocks - num_held) * request.beam_width
+            if (
+                request.beam_width > 1
+                and request.prompt_len % tpb != 0
+                and request.num_tokens <= request.prompt_len + 1
+            ):
+                # The prompt's partial last block, held once, is copied for every other beam on the
+                # first decode step (copy-on-write).
+                remaining += request.beam_width - 1
         # Negative only when tokens were added past max_new_tokens: never hand out blocks not free.
         return max(remaining, 0)
 
