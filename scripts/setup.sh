@@ -33,6 +33,9 @@ echo "== installing build, runtime and test dependencies"
   "safetensors>=0.4" "transformers>=4.45" "gguf>=0.10" "pytest>=7" "hypothesis>=6.80" "accelerate>=0.30" \
   "fastapi>=0.110" "uvicorn>=0.30" "prometheus-client>=0.17" "pydantic>=2" "httpx>=0.25" "openai>=1.45" \
   "matplotlib>=3.7" "psutil>=5.9" "playwright>=1.40" "llguidance>=1.0" "jsonschema>=4"
+# The optional grammar backend (guided_decoding_backend="xgrammar"), pinned; --no-deps: its triton
+# requirement serves CUDA kernels only (a large download that the CPU path never imports).
+"$PY" -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
 # The schema fuzzer of tests/python/test_schema_fuzz.py, pinned: its checks change between releases.
 "$PY" -m pip install -q "schemathesis==4.32.5"
 # The linters of scripts/lint.sh, pinned: another release may format or flag differently.

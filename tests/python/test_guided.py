@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -37,9 +38,27 @@ def _texts(outs):
     return [o.outputs[0].text for o in outs]
 
 
+# Every test runs on each grammar backend (xgrammar is optional: `pip install xgrammar`).
+BACKENDS = [
+    "llguidance",
+    pytest.param(
+        "xgrammar",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("xgrammar") is None, reason="xgrammar not installed (optional backend)"
+        ),
+    ),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def guided_llm(make_llm, request):
+    """``guided_llm(**llm_kwargs)``: make_llm with this test's grammar backend."""
+    return lambda **kwargs: make_llm(guided_decoding_backend=request.param, **kwargs)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_schema_outputs_validate(make_llm, temperature):
-    llm = make_llm()
+def test_json_schema_outputs_validate(guided_llm, temperature):
+    llm = guided_llm()
     params = SamplingParams(
         max_tokens=120, temperature=temperature, seed=3, guided_decoding=GuidedDecodingParams(json=SCHEMA)
     )
@@ -52,8 +71,8 @@ def test_json_schema_outputs_validate(make_llm, temperature):
         assert " " not in comp.text.replace('" ', "").split('"')[0]  # compact: no free whitespace
 
 
-def test_regex_choice_grammar_and_json_object(make_llm):
-    llm = make_llm()
+def test_regex_choice_grammar_and_json_object(guided_llm):
+    llm = guided_llm()
 
     def run(**kw):
         p = SamplingParams(max_tokens=40, temperature=1.0, seed=5, guided_decoding=GuidedDecodingParams(**kw))
@@ -72,10 +91,8 @@ def test_regex_choice_grammar_and_json_object(make_llm):
             pytest.fail(f"not JSON: {text!r}")
 
 
-def test_cut_by_max_tokens_is_a_valid_prefix(make_llm):
-    import llguidance
-
-    llm = make_llm()
+def test_cut_by_max_tokens_is_a_valid_prefix(guided_llm):
+    llm = guided_llm()
     gd = GuidedDecodingParams(json=SCHEMA)
     outs = llm.generate(
         PROMPTS, SamplingParams(max_tokens=7, temperature=1.0, seed=1, guided_decoding=gd), use_tqdm=False
@@ -84,19 +101,19 @@ def test_cut_by_max_tokens_is_a_valid_prefix(make_llm):
     for out in outs:
         comp = out.outputs[0]
         assert comp.finish_reason == "length"
-        matcher = llguidance.LLMatcher(backend._ll_tokenizer(), backend.grammar(gd), log_level=0)
-        assert matcher.consume_tokens(comp.token_ids), comp.text  # the grammar accepts every token
-        assert not matcher.is_error()
+        matcher = backend.matcher(backend.compile(gd))  # a fresh matcher: the grammar accepts every token
+        assert all(matcher.accept(t) for t in comp.token_ids), comp.text
+        assert matcher.error() is None and not matcher.is_terminated()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
-def test_same_outputs_with_overlap_and_at_batch_1_vs_6(make_llm, overlap):
-    llm = make_llm(disable_overlap_scheduler=not overlap)
+def test_same_outputs_with_overlap_and_at_batch_1_vs_6(guided_llm, overlap):
+    llm = guided_llm(disable_overlap_scheduler=not overlap)
     params = SamplingParams(max_tokens=60, temperature=0.0, guided_decoding=GuidedDecodingParams(json=SCHEMA))
     batch = _texts(llm.generate(PROMPTS, params, use_tqdm=False))
     alone = [_texts(llm.generate([p], params, use_tqdm=False))[0] for p in PROMPTS[:3]]
     assert alone == batch[:3]
-    ref = make_llm(disable_overlap_scheduler=True)
+    ref = guided_llm(disable_overlap_scheduler=True)
     assert _texts(ref.generate(PROMPTS, params, use_tqdm=False)) == batch
     # Mixed with unguided requests in one batch: those are unchanged.
     plain = SamplingParams(max_tokens=12, temperature=0.0)
@@ -105,8 +122,8 @@ def test_same_outputs_with_overlap_and_at_batch_1_vs_6(make_llm, overlap):
     assert _texts(mixed[:2]) == want and _texts(mixed[2:]) == batch[:2]
 
 
-def test_grammars_compile_once(make_llm):
-    llm = make_llm()
+def test_grammars_compile_once(guided_llm):
+    llm = guided_llm()
     decoder = llm.executor.guided
     before = decoder.num_compiled
     params = SamplingParams(max_tokens=30, guided_decoding=GuidedDecodingParams(choice=["alpha", "beta"]))
@@ -115,8 +132,8 @@ def test_grammars_compile_once(make_llm):
     assert decoder.num_compiled == before + 1 and decoder.num_cache_hits >= len(PROMPTS) * 2 - 1
 
 
-def test_bad_grammars_are_refused_by_name(make_llm):
-    llm = make_llm()
+def test_bad_grammars_are_refused_by_name(guided_llm):
+    llm = guided_llm()
     cases = [
         (dict(json={"type": "objectx"}), "guided_decoding.json is not valid"),
         (dict(json="{not json"), "guided_decoding.json is not valid"),

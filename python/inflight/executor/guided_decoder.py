@@ -8,8 +8,9 @@ EOS (finish reason "stop") or at ``max_tokens`` ("length", its text a prefix of 
 With draft tokens (speculative decoding), the row of each draft position gets the mask after the
 drafts before it (:meth:`GrammarMatcher.fill_masks`: a trial advance, then a rollback).
 
-The backend (:class:`GrammarBackend`) is llguidance (``pip install "inflight-llm[structured]"``):
-JSON schemas, regular expressions, choices, EBNF grammars (llama.cpp's GBNF) and "any JSON object".
+The backend (:class:`GrammarBackend`) is llguidance by default (``pip install "inflight-llm[structured]"``),
+or xgrammar (``guided_decoding_backend="xgrammar"``, ``pip install xgrammar``): JSON schemas, regular
+expressions, choices, EBNF grammars (llama.cpp's GBNF) and "any JSON object" with either.
 JSON allows no free whitespace by default (``whitespace_flexible=False``): a model that keeps emitting
 newlines inside a JSON value — the most reported failure of guided JSON — cannot.
 
@@ -37,7 +38,15 @@ from inflight.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger("inflight")
 
-__all__ = ["GrammarBackend", "GrammarMatcher", "GuidedDecoder", "LLGuidanceBackend", "apply_masks"]
+__all__ = [
+    "GrammarBackend",
+    "GrammarMatcher",
+    "GuidedDecoder",
+    "LLGuidanceBackend",
+    "XGrammarBackend",
+    "apply_masks",
+    "make_backend",
+]
 
 
 class GrammarMatcher(abc.ABC):
@@ -113,6 +122,13 @@ def grammar_key(params: GuidedDecodingParams) -> str:
 # ---------------------------------------------------------------------------------------------- llguidance
 
 
+def _only(bitmask: torch.Tensor, row: int, tokens) -> None:
+    """``bitmask[row]`` allows ``tokens`` and nothing else."""
+    bitmask[row] = 0
+    for t in tokens:
+        bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+
+
 class _LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher, eos_token_ids: tuple[int, ...]) -> None:
         self._m = matcher
@@ -127,9 +143,7 @@ class _LLGuidanceMatcher(GrammarMatcher):
         if self._m.is_stopped():
             # The grammar is complete: only EOS may follow (the request then ends as any other, its
             # EOS in token_ids, not in the text).
-            bitmask[row] = 0
-            for t in self._eos:
-                bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+            _only(bitmask, row, self._eos)
             return
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
@@ -230,6 +244,127 @@ class LLGuidanceBackend(GrammarBackend):
         return _LLGuidanceMatcher(compiled.deep_copy(), tuple(self._eos))
 
 
+# ---------------------------------------------------------------------------------------------- xgrammar
+
+
+class _XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher, eos_token_ids: tuple[int, ...]) -> None:
+        self._m = matcher
+        self._eos = eos_token_ids
+        self._error: str | None = None
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._error is not None:
+            bitmask[row] = -1  # the request fails on its next token (accept refuses it)
+            return
+        if self._m.is_terminated():
+            _only(bitmask, row, self._eos)
+            return
+        # xgrammar writes into a CPU int32 tensor of the full row width.
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        if self._m.is_terminated():
+            return int(token) in self._eos
+        if self._m.accept_token(int(token)):
+            return True
+        self._error = f"token {int(token)} is not allowed by the grammar here"
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(int(num_tokens))
+
+    def try_accept(self, token: int) -> bool:
+        # accept_token leaves the matcher unchanged when it refuses a token.
+        return not self._m.is_terminated() and bool(self._m.accept_token(int(token)))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def error(self) -> str | None:
+        return self._error
+
+
+class XGrammarBackend(GrammarBackend):
+    """xgrammar over a Hugging Face tokenizer (optional: ``pip install xgrammar``)."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        try:
+            import xgrammar
+        except ImportError as exc:
+            raise ImportError(
+                "guided_decoding_backend='xgrammar' needs xgrammar: pip install xgrammar"
+            ) from exc
+        self._eos = tuple(eos_token_ids)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(self._eos) or None
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+
+    @staticmethod
+    def _grammar(params: GuidedDecodingParams):
+        """The xgrammar Grammar of ``params`` (raises ValueError for a malformed one)."""
+        import xgrammar
+
+        kind, value = params.kind()
+        # The schema as written (strict_mode off: unlisted properties are allowed unless the schema
+        # says otherwise, as JSON Schema defines); compact JSON unless whitespace_flexible.
+        style = {"any_whitespace": params.whitespace_flexible, "strict_mode": False}
+        if not params.whitespace_flexible:
+            style["separators"] = (",", ":")
+        try:
+            if kind in ("json", "json_object"):
+                if kind == "json":
+                    text = value if isinstance(value, str) else json.dumps(value)
+                else:
+                    text = '{"type": "object"}'
+                grammar = xgrammar.Grammar.from_json_schema(text, **style)
+                # xgrammar (0.2.9) writes a string with minLength / maxLength as a repetition of
+                # [^"\\\r\n], which lets raw control characters (U+0000..U+001F) in: not JSON.
+                # The same class without them, as its unbounded strings have it.
+                ebnf = str(grammar)
+                loose = r"[^\"\\\r\n]"
+                if loose in ebnf:
+                    grammar = xgrammar.Grammar.from_ebnf(ebnf.replace(loose, r"[^\0-\x1f\"\\]"))
+                return grammar
+            if kind == "regex":
+                return xgrammar.Grammar.from_regex(value)
+            if kind == "choice":
+                return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in value))
+            return xgrammar.Grammar.from_ebnf(value)
+        except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError and others for bad input)
+            raise ValueError(str(exc)) from None
+
+    def validate(self, params: GuidedDecodingParams) -> str | None:
+        try:
+            self._grammar(params)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def compile(self, params: GuidedDecodingParams) -> Any:
+        return self._compiler.compile_grammar(self._grammar(params))
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        import xgrammar
+
+        return _XGrammarMatcher(
+            xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=False), self._eos
+        )
+
+
+BACKENDS = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
+
+
+def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarBackend:
+    """The grammar backend called ``name`` (ImportError when its package is not installed)."""
+    if name not in BACKENDS:
+        raise ValueError(f"guided_decoding_backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name](tokenizer, vocab_size, eos_token_ids)
+
+
 # ---------------------------------------------------------------------------------------------- the decoder
 
 
@@ -277,15 +412,20 @@ def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher, list
     """``logits`` with the disallowed tokens of each ``(row, matcher, drafts)`` at -inf: row ``row``
     after the tokens so far, and with drafts the next ``len(drafts)`` rows after each draft prefix (a
     copy; the other rows untouched). Tokens past the tokenizer's vocabulary are disallowed too."""
-    import llguidance.torch
-
     n, vocab = logits.shape
-    bitmask = llguidance.torch.allocate_token_bitmask(n, vocab)  # every bit set: all allowed
+    bitmask = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32)  # every bit set: all allowed
     for row, matcher, drafts in rows:
         if drafts:
             matcher.fill_masks(bitmask, row, drafts)
         else:
             matcher.fill_mask(bitmask, row)
     out = logits.float().clone() if logits.device.type == "cpu" else logits.clone()
+    try:
+        import llguidance.torch
+    except ImportError:  # another backend alone: unpack the bits here
+        bits = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(n, -1)[:, :vocab]
+        out.masked_fill_(~allowed.to(out.device), float("-inf"))
+        return out
     llguidance.torch.apply_token_bitmask_inplace(out, bitmask.to(out.device))
     return out

@@ -21,7 +21,7 @@ import torch
 
 from inflight.batch_manager import ContextChunkingConfig, LlmRequest
 from inflight.executor.draft_cost import DRAFT_COSTS
-from inflight.executor.guided_decoder import GuidedDecoder, LLGuidanceBackend
+from inflight.executor.guided_decoder import GuidedDecoder, make_backend
 from inflight.executor.kv_cache_creator import KvBudget, cpu_kv_budget, gpu_kv_budget, kv_bytes_per_token
 from inflight.executor.llm_request import Response
 from inflight.executor.model_engine import ModelEngine
@@ -245,21 +245,23 @@ def _create(
         stats_extra={"parallel": parallel},
         pipeline_depth=pp,
         speculator=speculator,
-        guided_decoder=_make_guided_decoder(loaded.tokenizer, cfg),
+        guided_decoder=_make_guided_decoder(args.guided_decoding_backend, loaded.tokenizer, cfg),
     )
     if isinstance(model, ParallelModel):
         model.on_failure = executor.fail
     return Engine(executor, cfg, loaded.tokenizer, device, loaded.dtype, max_seq_len, budget, parallel)
 
 
-def _make_guided_decoder(tokenizer, cfg: ModelConfig) -> GuidedDecoder | None:
-    """Structured output's grammar backend (llguidance), when it is installed and the model has a
-    fast tokenizer; else None (a guided request is then refused by name)."""
+def _make_guided_decoder(name: str, tokenizer, cfg: ModelConfig) -> GuidedDecoder | None:
+    """Structured output's grammar backend (``guided_decoding_backend``), when it is installed and the
+    model has a fast tokenizer; else None (a guided request is then refused by name)."""
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         return None
     try:
-        backend = LLGuidanceBackend(tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
-    except ImportError:
+        backend = make_backend(name, tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    except ImportError as exc:
+        if name != "llguidance":  # asked for by name: say why it is missing
+            logger.warning("structured output is off: %s", exc)
         return None
     return GuidedDecoder(backend)
 
