@@ -53,11 +53,18 @@ def test_features_agree_with_proc_cpuinfo():
     assert info["amx_tile"] <= info["amx_cpu"]
     assert info["amx_bf16"] == (info["amx_tile"] and "amx_bf16" in flags)
     assert info["amx_int8"] == (info["amx_tile"] and "amx_int8" in flags)
-    assert info["isa"] in ("portable", "avx2", "avx512") and info["best_isa"] in (
-        "portable",
-        "avx2",
-        "avx512",
-    )
+    assert info["isa"] in ("portable", "avx2", "avx512f", "avx512")
+    # The best path follows the flags: AVX-512 with BF16 and VNNI, AVX-512 without, AVX2, portable.
+    avx512 = all(info[f] for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2", "f16c"))
+    if avx512 and info["avx512bf16"] and info["avx512vnni"]:
+        want = "avx512"
+    elif avx512:
+        want = "avx512f"
+    elif info["avx2"] and info["fma"] and info["f16c"]:
+        want = "avx2"
+    else:
+        want = "portable"
+    assert info["best_isa"] == want, (info, want)
     line = describe_cpu()
     assert line.startswith(model) and f"kernels {info['isa']}" in line
 

@@ -20,7 +20,7 @@ from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.ops import attention as ops
 from inflight.ops.reference import attention as ref
 
-_ISA_RANK = {"portable": 0, "avx2": 1, "avx512": 2}
+_ISA_RANK = {"portable": 0, "avx2": 1, "avx512f": 2, "avx512": 3}
 ISAS = [i for i in _ISA_RANK if _ISA_RANK[i] <= _ISA_RANK[_C.cpu_best_isa()]]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GQA = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): ratios 1, 3, 4

@@ -14,7 +14,7 @@ from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
 
-_ORDER = ["portable", "avx2", "avx512"]
+_ORDER = ["portable", "avx2", "avx512f", "avx512"]
 ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BATCHES = [1, 2, 3, 7, 16, 17, 33, 64, 100]

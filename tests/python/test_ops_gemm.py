@@ -11,7 +11,7 @@ from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
 
-_ORDER = ["portable", "avx2", "avx512"]
+_ORDER = ["portable", "avx2", "avx512f", "avx512"]
 ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (M, N, K-in-groups): batch 1..33, N odd / prime / large, K a few groups (K % 128 != 0 included).

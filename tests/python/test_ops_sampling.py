@@ -20,7 +20,7 @@ from inflight import _C
 from inflight.ops import sampling as native
 from inflight.ops.reference import sampling as reference
 
-_ORDER = ("portable", "avx2", "avx512")
+_ORDER = ("portable", "avx2", "avx512f", "avx512")
 ISAS = list(_ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Chi-square critical values at alpha = 1e-3 by degrees of freedom.

@@ -10,7 +10,7 @@ from inflight import _C
 from inflight.ops.gemm import W8A8Weight
 from inflight.ops.reference.gemm import quantize_w8a8_activations, w8a8_gemm
 
-ISAS = [isa for isa in ("portable", "avx2", "avx512") if _C.set_cpu_isa(isa) == isa]
+ISAS = [isa for isa in ("portable", "avx2", "avx512f", "avx512") if _C.set_cpu_isa(isa) == isa]
 _C.set_cpu_isa(_C.cpu_best_isa())
 
 

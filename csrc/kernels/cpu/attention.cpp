@@ -145,6 +145,7 @@ void launch_paged_attention(PagedAttentionParams const& params, ThreadPool& pool
     case Isa::kAvx512:
       if (paged_attention_avx512(params, plan, pool)) return;
       [[fallthrough]];
+    case Isa::kAvx512F:  // the AVX-512 kernels store bf16 with BF16 instructions
     case Isa::kAvx2:
       if (paged_attention_avx2(params, plan, pool)) return;
       [[fallthrough]];
@@ -159,6 +160,7 @@ void launch_context_attention(ContextAttentionParams const& params, ThreadPool& 
     case Isa::kAvx512:
       if (context_attention_avx512(params, pool)) return;
       [[fallthrough]];
+    case Isa::kAvx512F:
     case Isa::kAvx2:
       if (context_attention_avx2(params, pool)) return;
       [[fallthrough]];

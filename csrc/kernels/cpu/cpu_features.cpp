@@ -113,6 +113,7 @@ Isa compute_best() {
       f.f16c) {
     return Isa::kAvx512;
   }
+  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.fma && f.avx2 && f.f16c) return Isa::kAvx512F;
   if (f.avx2 && f.fma && f.f16c) return Isa::kAvx2;
   return Isa::kPortable;
 }
@@ -120,8 +121,9 @@ Isa compute_best() {
 Isa parse(std::string const& name) {
   if (name == "portable" || name == "generic") return Isa::kPortable;
   if (name == "avx2") return Isa::kAvx2;
+  if (name == "avx512f") return Isa::kAvx512F;
   if (name == "avx512") return Isa::kAvx512;
-  throw std::invalid_argument("INFLIGHT_CPU_ISA must be one of portable, avx2, avx512, got '" + name + "'");
+  throw std::invalid_argument("INFLIGHT_CPU_ISA must be one of portable, avx2, avx512f, avx512, got '" + name + "'");
 }
 
 std::atomic<int>& selected() {
@@ -163,6 +165,8 @@ char const* isa_name(Isa isa) {
       return "portable";
     case Isa::kAvx2:
       return "avx2";
+    case Isa::kAvx512F:
+      return "avx512f";
     case Isa::kAvx512:
       return "avx512";
   }

@@ -1,16 +1,19 @@
 // CPU feature detection (CPUID) and the ISA the CPU kernels dispatch to.
 //
 // Every vectorised kernel has a portable path plus per-ISA paths compiled in separate translation
-// units (*_avx2.cpp, *_avx512.cpp) with their own -m flags; the choice is made here, at run time, so
-// a wheel built on an AVX-512 machine still runs on a laptop without it. INFLIGHT_CPU_ISA
-// (portable | avx2 | avx512) or set_selected_isa() can force a lower path, e.g. to test it.
+// units (*_avx2.cpp, *_avx512f.cpp, *_avx512vnni.cpp, *_avx512.cpp) with their own -m flags; the choice
+// is made here, at run time, so a wheel built on an AVX-512 machine still runs on a laptop without it.
+// INFLIGHT_CPU_ISA (portable | avx2 | avx512f | avx512) or set_selected_isa() can force a lower path,
+// e.g. to test it.
 #pragma once
 
 #include <string>
 
 namespace inflight::kernels::cpu {
 
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// In order: each level's CPUs run every lower one. kAvx512F: AVX-512 F/BW/VL/DQ without BF16 (Skylake-SP to
+// Ice Lake servers, and VMs that hide BF16); kAvx512: with BF16 and VNNI (Zen 4, Sapphire Rapids on).
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512F = 2, kAvx512 = 3 };
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
@@ -27,7 +30,8 @@ struct CpuFeatures {
 
 CpuFeatures const& cpu_features();
 // No kernel runs AMX yet: amx_* say whether one may (CPU, OS state and permission all present).
-// The best ISA this CPU supports (kAvx512 needs F/BW/VL/DQ/BF16/VNNI + FMA; kAvx2 needs AVX2/FMA/F16C).
+// The best ISA this CPU supports (kAvx512 needs F/BW/VL/DQ/BF16/VNNI + FMA; kAvx512F F/BW/VL/DQ + FMA;
+// kAvx2 needs AVX2/FMA/F16C). The int8 W8A8 kernel runs VNNI under either AVX-512 level (avx512vnni).
 Isa best_isa();
 // What kernels use now: best_isa(), lowered by INFLIGHT_CPU_ISA or set_selected_isa().
 Isa selected_isa();

@@ -1,5 +1,5 @@
 // Launcher of the dense GEMM: validate once, then run the selected ISA's path (the portable one is in
-// gemm_portable.cpp, the vectorised ones in gemm_avx2.cpp and dense_gemm_avx512.cpp).
+// gemm_portable.cpp, the vectorised ones in gemm_avx2.cpp, gemm_avx512f.cpp and dense_gemm_avx512.cpp).
 #include "dense_gemm.h"
 
 #include <stdexcept>
@@ -33,7 +33,7 @@ void check(DenseGemmParams const& p) {
 void launch_dense_gemm(DenseGemmParams const& p, ThreadPool& pool) {
   check(p);
   if (p.m == 0) return;
-  gemm_detail::run_selected_isa(p, pool, dense_gemm_portable, dense_gemm_avx2, dense_gemm_avx512);
+  gemm_detail::run_selected_isa(p, pool, dense_gemm_portable, dense_gemm_avx2, dense_gemm_avx512f, dense_gemm_avx512);
 }
 
 }  // namespace inflight::kernels::cpu

@@ -40,9 +40,11 @@ struct DenseGemmParams {
 // inline when called from inside a pool task.
 void launch_dense_gemm(DenseGemmParams const& p, ThreadPool& pool);
 
-// Per-ISA paths (gemm_portable.cpp, gemm_avx2.cpp, dense_gemm_avx512.cpp); only the launcher calls them.
+// Per-ISA paths (gemm_portable.cpp, gemm_avx2.cpp, gemm_avx512f.cpp, dense_gemm_avx512.cpp); only the
+// launcher calls them.
 void dense_gemm_portable(DenseGemmParams const& p, ThreadPool& pool);
 void dense_gemm_avx2(DenseGemmParams const& p, ThreadPool& pool);
 void dense_gemm_avx512(DenseGemmParams const& p, ThreadPool& pool);
+void dense_gemm_avx512f(DenseGemmParams const& p, ThreadPool& pool);
 
 }  // namespace inflight::kernels::cpu

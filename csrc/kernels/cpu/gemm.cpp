@@ -40,14 +40,14 @@ void launch_w4a16_gemm(W4A16GemmParams const& p, ThreadPool& pool) {
   check_common("w4a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
-  gemm_detail::run_selected_isa(p, pool, w4a16_gemm_portable, w4a16_gemm_avx2, w4a16_gemm_avx512);
+  gemm_detail::run_selected_isa(p, pool, w4a16_gemm_portable, w4a16_gemm_avx2, w4a16_gemm_avx512f, w4a16_gemm_avx512);
 }
 
 void launch_w8a16_gemm(W8A16GemmParams const& p, ThreadPool& pool) {
   check_common("w8a16_gemm", p.x, p.qweight, p.scales, p.out, p.m, p.n, p.k, p.group_size, p.dtype, p.scale_type,
                p.num_threads);
   if (p.m == 0) return;
-  gemm_detail::run_selected_isa(p, pool, w8a16_gemm_portable, w8a16_gemm_avx2, w8a16_gemm_avx512);
+  gemm_detail::run_selected_isa(p, pool, w8a16_gemm_portable, w8a16_gemm_avx2, w8a16_gemm_avx512f, w8a16_gemm_avx512);
 }
 
 }  // namespace inflight::kernels::cpu

@@ -27,6 +27,8 @@
 //   gemm_impl.h            the FMA algorithms written once over vector traits (W4Fma, W8Fma, DenseTile,
 //                          the epilogue), instantiated by gemm_avx2.cpp (Vec256) and the AVX-512 files
 //   gemm_avx512.h          Vec512 and the AVX-512-only strategies, one file each (listed there)
+//   gemm_avx512f.cpp       AVX-512 without BF16: Vec512, the tiled strategy (gemm_tiled_impl.h) and
+//                          gemm_impl.h's kernels, in namespace gemm_avx512f
 #pragma once
 
 #include <algorithm>
@@ -82,6 +84,8 @@ void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool);
 void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool);
 void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool);
 void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool);
+void w4a16_gemm_avx512f(W4A16GemmParams const& p, ThreadPool& pool);  // gemm_avx512f.cpp (no BF16)
+void w8a16_gemm_avx512f(W8A16GemmParams const& p, ThreadPool& pool);
 
 // ------------------------------------------------------------------------------------------------
 // Shared by the ISA files: the ISA-neutral driver (threads, tiles, M-tile dispatch) and the tile
@@ -227,10 +231,14 @@ inline void store_out(XT* out, XT const* bias, std::int64_t n_idx, float v) {
 // The launchers' last step: the path of selected_isa(). Params: the op's params struct.
 template <class Params>
 inline void run_selected_isa(Params const& p, ThreadPool& pool, void (*portable)(Params const&, ThreadPool&),
-                             void (*avx2)(Params const&, ThreadPool&), void (*avx512)(Params const&, ThreadPool&)) {
+                             void (*avx2)(Params const&, ThreadPool&), void (*avx512f)(Params const&, ThreadPool&),
+                             void (*avx512)(Params const&, ThreadPool&)) {
   switch (selected_isa()) {
     case Isa::kAvx512:
       avx512(p, pool);
+      break;
+    case Isa::kAvx512F:
+      avx512f(p, pool);
       break;
     case Isa::kAvx2:
       avx2(p, pool);

@@ -10,10 +10,18 @@
 //   gemm_dot_avx512.cpp    int4 decode: bf16-exact nibbles and VDPBF16PS (W4Dot); bf16 x with rows too
 //                          long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
 //   gemm_impl.h            the rest: W4Fma (fp32 / fp16 x, long rows) and W8Fma (int8 decode)
+//
+// gemm_avx512f.cpp includes it too, with INFLIGHT_AVX512F_ONLY defined (AVX-512 without BF16): the
+// namespace is then gemm_avx512f and the BF16 parts (Bf16Step; the strategies of the panel and dot files,
+// declared here but defined only in the BF16 build) are left out.
 #pragma once
 
-#ifndef __AVX512BF16__
-#error "gemm_avx512.h is for the *_avx512.cpp files, compiled with the AVX-512 flags"
+#if defined(INFLIGHT_AVX512F_ONLY)
+#define INFLIGHT_GEMM_ISA gemm_avx512f
+#elif defined(__AVX512BF16__)
+#define INFLIGHT_GEMM_ISA gemm_avx512
+#else
+#error "gemm_avx512.h is for the *_avx512.cpp files (AVX-512 + BF16 flags) or gemm_avx512f.cpp"
 #endif
 
 // GCC 12's AVX-512 conversion intrinsics (_mm512_cvtph_ps, _mm512_cvtepu16_epi32, ...) start from an
@@ -25,10 +33,9 @@
 
 #include <cstdint>
 
-#define INFLIGHT_GEMM_ISA gemm_avx512
 #include "gemm_impl.h"
 
-namespace inflight::kernels::cpu::gemm_avx512 {
+namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA {
 
 // Lanes [0, count) set, clamped to [0, 16] / [0, 32].
 inline __mmask16 mask16(std::int64_t count) {
@@ -125,6 +132,7 @@ struct Vec512 {
     _mm_mask_storeu_epi16(p, mask4(n), _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
+#ifdef __AVX512BF16__
   // bf16 x bf16 steps 32 values at a time with VDPBF16PS, which multiplies bf16 pairs exactly and
   // accumulates them in fp32, so neither operand is ever converted.
   struct Bf16Step {
@@ -138,6 +146,11 @@ struct Vec512 {
   };
   template <class T>
   using DenseStep = std::conditional_t<std::is_same_v<T, BFloat16>, Bf16Step, FmaStep<Vec512, T>>;
+#else
+  // Without BF16 every storage type is widened to fp32 on load and multiplied by FMA.
+  template <class T>
+  using DenseStep = FmaStep<Vec512, T>;
+#endif
 };
 
 // Up to 4 scales (masked) as fp32 in an xmm.
@@ -170,4 +183,4 @@ bool w8a16_tiled(W8A16GemmParams const& p, ThreadPool& pool);
 bool w4a16_dot(W4A16GemmParams const& p, ThreadPool& pool);
 void w4a16_bf16_dot(W4A16GemmParams const& p, ThreadPool& pool);  // bf16 x, any k
 
-}  // namespace inflight::kernels::cpu::gemm_avx512
+}  // namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA

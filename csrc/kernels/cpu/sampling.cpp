@@ -348,6 +348,7 @@ SamplingBlockKernels const& kernels_for(Isa isa, ScalarType dtype) {
   switch (isa) {
     case Isa::kAvx512:
       return detail::sampling_kernels_avx512(dtype);
+    case Isa::kAvx512F:  // sampling_avx512.cpp is built with the BF16 flags: the AVX2 kernels here
     case Isa::kAvx2:
       return detail::sampling_kernels_avx2(dtype);
     case Isa::kPortable:

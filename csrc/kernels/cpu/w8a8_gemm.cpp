@@ -1,5 +1,5 @@
 // W8A8 GEMM: packing, the activation quantisation, the portable int32 products, the epilogue, and the
-// launcher (w8a8_gemm.h). Only the int32 products differ per ISA (w8a8_gemm_avx512.cpp for VNNI).
+// launcher (w8a8_gemm.h). Only the int32 products differ per ISA (w8a8_gemm_avx512vnni.cpp for VNNI).
 #include "w8a8_gemm.h"
 
 #include <algorithm>
@@ -153,7 +153,8 @@ void launch_w8a8_gemm(W8A8GemmParams const& p, ThreadPool& pool) {
     pool.run(std::max(qthreads, 1), TaskRef(quantize));
   }
 
-  bool const vnni = selected_isa() == Isa::kAvx512;  // kAvx512 includes AVX512-VNNI
+  // VPDPBUSD needs AVX512-VNNI, which kAvx512 includes and a kAvx512F CPU may have.
+  bool const vnni = selected_isa() == Isa::kAvx512 || (selected_isa() == Isa::kAvx512F && cpu_features().avx512vnni);
   std::int64_t const nb = w.num_blocks();
   // Threads split the column blocks, in groups of 4 (the VNNI tile's width); each is worth its launch
   // only with enough work (~64k multiply-adds).
