@@ -36,6 +36,8 @@ echo "== installing build, runtime and test dependencies"
 # The optional grammar backend (guided_decoding_backend="xgrammar"), pinned; --no-deps: its triton
 # requirement serves CUDA kernels only (a large download that the CPU path never imports).
 "$PY" -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+# Triton's own client, for the tests of the KServe v2 routes (tests/python/test_kserve.py).
+"$PY" -m pip install -q "tritonclient[http,grpc]==2.73.0"
 # The schema fuzzer of tests/python/test_schema_fuzz.py, pinned: its checks change between releases.
 "$PY" -m pip install -q "schemathesis==4.32.5"
 # The linters of scripts/lint.sh, pinned: another release may format or flag differently.

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inflight import __version__
+from inflight.serve.kserve import ROUTES as KSERVE_ROUTES
 from inflight.serve.pages import FEED, PAGES
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
@@ -62,6 +63,9 @@ def build_app(
     app.add_exception_handler(Exception, _internal_error)
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=RESPONSES[path])
+    # Triton's KServe v2 routes (outside the OpenAPI schema of the OpenAI API).
+    for method, path, endpoint in KSERVE_ROUTES:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None, include_in_schema=False)
     # Outside the OpenAPI schema: HTML pages, assets, and an endless event stream.
     for method, path, endpoint in (PAGES if web else ()) + FEED:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, include_in_schema=False)

@@ -1,0 +1,584 @@
+"""The KServe v2 / Open Inference Protocol routes (Triton's HTTP API) beside the OpenAI ones.
+
+The served model answers under the same name as on the OpenAI routes, version "1", with the LLM
+interface of Triton's TensorRT-LLM backend (its ``ensemble`` model): inputs ``text_input`` (BYTES)
+and ``max_tokens`` (INT32), optional ``stream``, ``temperature``, ``top_k``, ``top_p``,
+``random_seed``, ``stop_words``, ``bad_words``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``length_penalty``, ``min_length``, ``end_id``, ``pad_id``,
+``return_log_probs``, ``beam_width``, ``exclude_input_in_output``; outputs ``text_output``,
+``cum_log_probs``, ``output_log_probs``. An input it does not know is refused by name, as Triton
+refuses it. As in TensorRT-LLM, a request with neither ``top_k`` nor ``top_p`` (or both 0) is greedy,
+and ``text_output`` starts with the prompt unless ``exclude_input_in_output`` is true (streamed
+responses carry only the new text).
+
+Routes: ``GET /v2/health/live``, ``/v2/health/ready`` (200, or 400 when not ready, as Triton),
+``GET /v2`` (server metadata), ``GET /v2/models/{m}[/versions/{v}]`` (metadata), ``…/ready``,
+``…/config``, ``POST …/infer`` (JSON or the binary tensor extension, :mod:`.kserve_tensors`), and
+Triton's generate extension ``POST …/generate`` / ``…/generate_stream`` (SSE), whose body is either
+the TensorRT-LLM backend's (fields at the top level) or the Open Inference Protocol's (sampling
+fields under ``parameters``). Errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from inflight.sampling_params import SamplingParams
+from inflight.serve.kserve_tensors import HEADER_LENGTH, TensorError, decode_request, encode_response
+from inflight.serve.protocol import APIError
+from inflight.serve.state import Job, ServerState
+from inflight.serve.streaming import SSEResponse
+
+MODEL_VERSION = "1"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "parameters", "generate"]
+
+# (name, datatype, dims, optional): the TensorRT-LLM backend's ensemble interface.
+INPUTS = [
+    ("text_input", "BYTES", [1], False),
+    ("max_tokens", "INT32", [1], False),
+    ("stream", "BOOL", [1], True),
+    ("temperature", "FP32", [1], True),
+    ("top_k", "INT32", [1], True),
+    ("top_p", "FP32", [1], True),
+    ("random_seed", "UINT64", [1], True),
+    ("stop_words", "BYTES", [-1], True),
+    ("bad_words", "BYTES", [-1], True),
+    ("repetition_penalty", "FP32", [1], True),
+    ("presence_penalty", "FP32", [1], True),
+    ("frequency_penalty", "FP32", [1], True),
+    ("length_penalty", "FP32", [1], True),
+    ("min_length", "INT32", [1], True),
+    ("end_id", "INT32", [1], True),
+    ("pad_id", "INT32", [1], True),
+    ("return_log_probs", "BOOL", [1], True),
+    ("beam_width", "INT32", [1], True),
+    ("exclude_input_in_output", "BOOL", [1], True),
+]
+OUTPUTS = [
+    ("text_output", "BYTES", [-1]),
+    ("cum_log_probs", "FP32", [-1]),
+    ("output_log_probs", "FP32", [-1, -1]),
+]
+_INPUT_TYPES = {name: dt for name, dt, _, _ in INPUTS}
+_LISTS = {"stop_words", "bad_words"}
+_TRITON_TYPE = {
+    "BYTES": "TYPE_STRING",
+    "INT32": "TYPE_INT32",
+    "UINT64": "TYPE_UINT64",
+    "FP32": "TYPE_FP32",
+    "BOOL": "TYPE_BOOL",
+}
+
+
+class KServeError(Exception):
+    """An error answered as ``{"error": message}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def kserve_route(fn):
+    """Errors of the route (and of the shared server state) as KServe error bodies."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except KServeError as exc:
+            return _error(exc.status, exc.message)
+        except TensorError as exc:
+            return _error(400, str(exc))
+        except APIError as exc:
+            return _error(exc.status, exc.message)
+
+    return wrapper
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_model(state: ServerState, model: str, version: str | None) -> None:
+    if model not in state.model_names:
+        raise KServeError(400, f"Request for unknown model: '{model}' is not found")
+    if version not in (None, "", MODEL_VERSION):
+        raise KServeError(400, f"Request for unknown model: '{model}' version {version} is not found")
+
+
+def _ready(state: ServerState) -> bool:
+    return not state.draining and state.engine_alive()
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@dataclass
+class LLMRequest:
+    """One row of an LLM request: its prompt, sampling parameters and output options."""
+
+    text: str
+    params: SamplingParams
+    exclude_input: bool
+    return_log_probs: bool
+    stream: bool
+
+
+def _scalar(name: str, value: Any, kind: type) -> Any:
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise KServeError(400, f"input '{name}' must hold one value per request row, got {value.size}")
+        value = value.reshape(-1)[0]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise KServeError(400, f"input '{name}' must be a boolean, got {value!r}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise KServeError(400, f"input '{name}' must be an integer, got {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise KServeError(400, f"input '{name}' must be a number, got {value!r}")
+        value = float(value)
+    elif not isinstance(value, str):
+        raise KServeError(400, f"input '{name}' must be a string, got {value!r}")
+    return value
+
+
+def _words(name: str, value: Any) -> list[str]:
+    if isinstance(value, np.ndarray):
+        value = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value.reshape(-1)]
+    elif isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+        raise KServeError(400, f"input '{name}' must be a string or a list of strings, got {value!r}")
+    # The TensorRT-LLM backend takes comma-separated words in one element too.
+    return [w.strip() for item in value for w in item.split(",") if w.strip()]
+
+
+_KINDS = {"BYTES": str, "INT32": int, "UINT64": int, "FP32": float, "BOOL": bool}
+
+
+def _bad_words_processor(tokenizer, words: list[str]):
+    """TensorRT-LLM's bad words: no output ends with any of these token sequences."""
+    seqs = [tuple(tokenizer.encode(w, add_special_tokens=False)) for w in words]
+    seqs = [s for s in seqs if s]
+
+    def ban(output_ids: list[int], logits):
+        for seq in seqs:
+            head = seq[:-1]
+            if not head or tuple(output_ids[-len(head) :]) == head:
+                logits[seq[-1]] = float("-inf")
+        return logits
+
+    return ban
+
+
+def llm_request(values: dict[str, Any], tokenizer) -> LLMRequest:
+    """One row's fields (python or numpy values, by input name) as an :class:`LLMRequest`. Unknown
+    names and wrong types are errors naming the input."""
+    for name in values:
+        if name not in _INPUT_TYPES:
+            raise KServeError(
+                400, f"unexpected inference input '{name}', allowed inputs are: {', '.join(_INPUT_TYPES)}"
+            )
+    v = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        v[name] = _words(name, value) if name in _LISTS else _scalar(name, value, _KINDS[_INPUT_TYPES[name]])
+    for name in ("text_input", "max_tokens"):
+        if name not in v:
+            raise KServeError(400, f"expected input '{name}' is missing")
+    kwargs: dict[str, Any] = {"max_tokens": v["max_tokens"]}
+    beam_width = v.get("beam_width", 1)
+    if beam_width > 1:
+        kwargs.update(use_beam_search=True, best_of=beam_width, n=beam_width, temperature=0.0)
+        if "length_penalty" in v:
+            kwargs["length_penalty"] = v["length_penalty"]
+    elif beam_width < 1:
+        raise KServeError(400, f"input 'beam_width' must be >= 1, got {beam_width}")
+    else:
+        top_k, top_p = v.get("top_k", 0), v.get("top_p", 0.0)
+        if top_k == 0 and top_p == 0.0:  # TensorRT-LLM: neither set is greedy
+            kwargs["temperature"] = 0.0
+        else:
+            kwargs.update(
+                temperature=v.get("temperature", 1.0), top_k=top_k, top_p=top_p if top_p > 0 else 1.0
+            )
+    for src, dst in (
+        ("repetition_penalty", "repetition_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("min_length", "min_tokens"),
+    ):
+        if src in v:
+            kwargs[dst] = v[src]
+    if "random_seed" in v:
+        if not 0 <= v["random_seed"] < 2**63:
+            raise KServeError(400, f"input 'random_seed' must be in [0, 2**63), got {v['random_seed']}")
+        kwargs["seed"] = v["random_seed"]
+    if v.get("stop_words"):
+        kwargs["stop"] = v["stop_words"]
+    if "end_id" in v:  # replaces EOS, as in TensorRT-LLM
+        kwargs.update(stop_token_ids=[v["end_id"]], ignore_eos=True)
+    if v.get("bad_words"):
+        if tokenizer is None:
+            raise KServeError(400, "input 'bad_words' needs a tokenizer; this model has none")
+        kwargs["logits_processors"] = [_bad_words_processor(tokenizer, v["bad_words"])]
+    if v.get("return_log_probs"):
+        kwargs["logprobs"] = 0
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise KServeError(400, _rename(str(exc))) from None
+    return LLMRequest(
+        v["text_input"],
+        params,
+        bool(v.get("exclude_input_in_output", False)),
+        bool(v.get("return_log_probs")),
+        bool(v.get("stream")),
+    )
+
+
+_RENAMES = {
+    "min_tokens": "min_length",
+    "seed": "random_seed",
+    "stop ": "stop_words ",
+    "logits_processors": "bad_words",
+}
+
+
+def _rename(message: str) -> str:
+    """A SamplingParams message in this interface's input names."""
+    for ours, theirs in _RENAMES.items():
+        if message.startswith(ours):
+            return f"input '{theirs.strip()}': " + message
+    return "invalid inference request: " + message
+
+
+def rows_of(tensors: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """The request rows of a tensor batch: row i takes element i of each input's first dimension
+    (an input of batch 1 applies to every row)."""
+    if "text_input" not in tensors:
+        raise KServeError(400, "expected input 'text_input' is missing")
+    for name in tensors:
+        if name not in _INPUT_TYPES:
+            raise KServeError(
+                400, f"unexpected inference input '{name}', allowed inputs are: {', '.join(_INPUT_TYPES)}"
+            )
+    text = tensors["text_input"]
+    batch = text.shape[0] if text.ndim else 1
+    rows = []
+    for i in range(batch):
+        row = {}
+        for name, arr in tensors.items():
+            if arr.ndim == 0:
+                row[name] = arr
+            elif arr.shape[0] == batch:
+                row[name] = arr[i]
+            elif arr.shape[0] == 1:
+                row[name] = arr[0]
+            else:
+                raise KServeError(
+                    400, f"input '{name}' has batch size {arr.shape[0]}, but 'text_input' has {batch}"
+                )
+        rows.append(row)
+    return rows
+
+
+def _check_types(items: list[dict]) -> None:
+    for item in items:
+        want = _INPUT_TYPES.get(item["name"])
+        if want is not None and item.get("datatype") != want:
+            raise KServeError(
+                400,
+                f"unexpected datatype {_TRITON_TYPE.get(item.get('datatype'), item.get('datatype'))} for "
+                f"inference input '{item['name']}', expecting {_TRITON_TYPE[want]}",
+            )
+
+
+async def submit(state: ServerState, rows: list[LLMRequest], stream: bool) -> Job:
+    prompts = []
+    params = []
+    for r in rows:
+        if state.tokenizer is None:
+            raise KServeError(400, "input 'text_input': this model has no tokenizer files")
+        ids = await state.tokenize(r.text)
+        params.append(state.check_fit(ids, r.params, True, "text_input", "max_tokens"))
+        prompts.append(ids)
+    return state.submit(prompts, params, stream, "text_input")
+
+
+def _failure(comp) -> KServeError | None:
+    if comp.finish_reason == "error":
+        return KServeError(500, f"the inference engine failed on this request: {comp.error}")
+    if comp.finish_reason == "cancelled":
+        return KServeError(400, "the request was cancelled")
+    return None
+
+
+def _outputs(rows: list[LLMRequest], outs: list) -> dict[str, np.ndarray]:
+    """text_output [B, beams], cum_log_probs [B, beams], output_log_probs [B, beams, L] (0-padded)."""
+    beams = max(len(o.outputs) for o in outs)
+    texts = np.empty((len(outs), beams), dtype=np.object_)
+    cum = np.zeros((len(outs), beams), dtype=np.float32)
+    longest = max((len(c.token_ids) for o in outs for c in o.outputs), default=0)
+    lps = np.zeros((len(outs), beams, longest), dtype=np.float32)
+    for i, (row, out) in enumerate(zip(rows, outs)):
+        for j in range(beams):
+            comp = out.outputs[j] if j < len(out.outputs) else None
+            if comp is None:
+                texts[i, j] = b""
+                continue
+            if (err := _failure(comp)) is not None:
+                raise err
+            text = comp.text if row.exclude_input else row.text + comp.text
+            texts[i, j] = text.encode()
+            if row.return_log_probs and comp.logprobs:
+                vals = [e[t] for t, e in zip(comp.token_ids, comp.logprobs)]
+                lps[i, j, : len(vals)] = vals
+                cum[i, j] = comp.cumulative_logprob or 0.0
+    return {"text_output": texts, "cum_log_probs": cum, "output_log_probs": lps}
+
+
+async def _results(request: Request, job: Job) -> list:
+    from inflight.serve.routes import _gather_unless_disconnected
+
+    try:
+        outs = await _gather_unless_disconnected(request, job.handles)
+        if outs is None:
+            raise KServeError(499, "the client disconnected")
+        for i, out in enumerate(outs):
+            job.observe(i, out)
+    finally:
+        job.close()
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+@kserve_route
+async def health_live(request: Request):
+    return Response(status_code=200)
+
+
+@kserve_route
+async def health_ready(request: Request):
+    return Response(status_code=200 if _ready(_state(request)) else 400)
+
+
+@kserve_route
+async def server_metadata(request: Request):
+    state = _state(request)
+    return {"name": "inflight", "version": state.version, "extensions": EXTENSIONS}
+
+
+def _metadata(state: ServerState, model: str) -> dict:
+    return {
+        "name": model,
+        "versions": [MODEL_VERSION],
+        "platform": "inflight",
+        "inputs": [{"name": n, "datatype": dt, "shape": [-1, *dims]} for n, dt, dims, _ in INPUTS],
+        "outputs": [{"name": n, "datatype": dt, "shape": [-1, *dims]} for n, dt, dims in OUTPUTS],
+    }
+
+
+@kserve_route
+async def model_metadata(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    return _metadata(state, model)
+
+
+@kserve_route
+async def model_ready(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    return Response(status_code=200 if _ready(state) else 400)
+
+
+def model_config(state: ServerState, model: str) -> dict:
+    """The model's configuration in Triton's JSON form (ModelConfig)."""
+    llm = state.llm
+
+    def tensor(name: str, dt: str, dims: list[int], optional: bool | None) -> dict:
+        out = {"name": name, "data_type": _TRITON_TYPE[dt], "dims": dims}
+        if optional is not None:
+            out["optional"] = optional
+        return out
+
+    return {
+        "name": model,
+        "platform": "",
+        "backend": "inflight",
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": llm.args.max_batch_size,
+        "input": [tensor(n, dt, dims, opt) for n, dt, dims, opt in INPUTS],
+        "output": [tensor(n, dt, dims, None) for n, dt, dims in OUTPUTS],
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {
+            "max_seq_len": {"string_value": str(llm.max_seq_len)},
+            "max_num_tokens": {"string_value": str(llm.args.max_num_tokens)},
+            "vocab_size": {"string_value": str(llm.model_config.vocab_size)},
+        },
+    }
+
+
+@kserve_route
+async def get_model_config(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    return model_config(state, model)
+
+
+@kserve_route
+async def infer(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    if not _ready(state):
+        raise KServeError(
+            503, f"model '{model}' is not ready: the server is shutting down or the engine stopped"
+        )
+    head, tensors = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
+    _check_types(head["inputs"])
+    rows = [llm_request(r, state.tokenizer) for r in rows_of(tensors)]
+    if any(r.stream for r in rows):
+        raise KServeError(
+            400, "input 'stream': streaming needs gRPC ModelStreamInfer or the generate_stream route"
+        )
+    job = await submit(state, rows, False)
+    outs = await _results(request, job)
+    values = _outputs(rows, outs)
+    wanted = head.get("outputs")
+    binary_default = bool((head.get("parameters") or {}).get("binary_data_output", False))
+    names = [o["name"] for o in wanted] if wanted else [n for n, _, _ in OUTPUTS]
+    binary = set()
+    for o in wanted or []:
+        if o.get("name") not in values:
+            raise KServeError(400, f"unexpected inference output '{o.get('name')}' for model '{model}'")
+        if (o.get("parameters") or {}).get("binary_data", binary_default):
+            binary.add(o["name"])
+    if not wanted and binary_default:
+        binary = set(names)
+    types = {n: dt for n, dt, _ in OUTPUTS}
+    reply = {"model_name": model, "model_version": MODEL_VERSION}
+    if "id" in head:
+        reply["id"] = head["id"]
+    body, json_len = encode_response(reply, [(n, types[n], values[n]) for n in names], binary)
+    headers = {HEADER_LENGTH: str(json_len)} if json_len is not None else None
+    media = "application/octet-stream" if json_len is not None else "application/json"
+    return Response(body, media_type=media, headers=headers)
+
+
+# -- the generate extension
+
+
+async def _generate_fields(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KServeError(400, f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise KServeError(400, "the generate request must be a JSON object")
+    fields = {k: v for k, v in body.items() if k not in ("parameters", "id")}
+    params = body.get("parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise KServeError(400, "'parameters' must be a JSON object")
+        for k, v in params.items():
+            if k in fields:
+                raise KServeError(400, f"'{k}' is given both at the top level and in 'parameters'")
+            fields[k] = v
+    return fields
+
+
+@kserve_route
+async def generate(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    row = llm_request(await _generate_fields(request), state.tokenizer)
+    job = await submit(state, [row], False)
+    (out,) = await _results(request, job)
+    values = _outputs([row], [out])
+    reply: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION}
+    texts = [t.decode() for t in values["text_output"][0]]
+    reply["text_output"] = texts[0] if len(texts) == 1 else texts
+    if row.return_log_probs:
+        reply["cum_log_probs"] = values["cum_log_probs"][0].tolist()
+        reply["output_log_probs"] = values["output_log_probs"][0].tolist()
+    return reply
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@kserve_route
+async def generate_stream(request: Request, model: str, version: str | None = None):
+    state = _state(request)
+    check_model(state, model, version)
+    row = llm_request(await _generate_fields(request), state.tokenizer)
+    if row.params.use_beam_search:
+        raise KServeError(400, "input 'beam_width': beam search cannot stream")
+    job = await submit(state, [row], True)
+
+    async def events():
+        try:
+            async for out in job.handles[0]:
+                job.observe(0, out)
+                comp = out.outputs[0]
+                if (err := _failure(comp)) is not None:
+                    yield _sse({"error": err.message})
+                    return
+                if not comp.text_diff and not out.finished:
+                    continue
+                event: dict[str, Any] = {
+                    "model_name": model,
+                    "model_version": MODEL_VERSION,
+                    "text_output": comp.text_diff,
+                }
+                if row.return_log_probs:
+                    new = (
+                        comp.logprobs[len(comp.logprobs) - len(comp.token_ids_diff) :]
+                        if comp.logprobs
+                        else []
+                    )
+                    event["output_log_probs"] = [e[t] for t, e in zip(comp.token_ids_diff, new)]
+                    event["cum_log_probs"] = comp.cumulative_logprob or 0.0
+                yield _sse(event)
+        except Exception as exc:  # noqa: BLE001  (an engine error after the first event: an error event)
+            yield _sse({"error": f"{type(exc).__name__}: {exc}"})
+
+    return SSEResponse(events(), job)  # closes the job (aborting what still runs) whatever happens
+
+
+_M = "/v2/models/{model}"
+_MV = "/v2/models/{model}/versions/{version}"
+ROUTES = (
+    ("GET", "/v2/health/live", health_live),
+    ("GET", "/v2/health/ready", health_ready),
+    ("GET", "/v2", server_metadata),
+    *(("GET", p, model_metadata) for p in (_M, _MV)),
+    *(("GET", p + "/ready", model_ready) for p in (_M, _MV)),
+    *(("GET", p + "/config", get_model_config) for p in (_M, _MV)),
+    *(("POST", p + "/infer", infer) for p in (_M, _MV)),
+    *(("POST", p + "/generate", generate) for p in (_M, _MV)),
+    *(("POST", p + "/generate_stream", generate_stream) for p in (_M, _MV)),
+)
