@@ -23,7 +23,7 @@ def tiny_server_llm(model_dir):
 class LiveServer:
     """build_app + uvicorn on a pre-bound 127.0.0.1 socket, run on a daemon thread."""
 
-    def __init__(self, llm, name: str = "tiny", max_queue_size: int = 1024, **app_kwargs):
+    def __init__(self, llm, name: str = "tiny", max_queue_size: int = 1024, grpc: bool = False, **app_kwargs):
         from inflight.serve.app import build_app
         from inflight.serve.server import make_server
 
@@ -34,12 +34,15 @@ class LiveServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = make_server(self.app, "127.0.0.1", 0, log_level="warning", access_log=False)
+        self.server = make_server(
+            self.app, "127.0.0.1", 0, log_level="warning", access_log=False, grpc_port=0 if grpc else None
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started or not self.thread.is_alive(), TIMEOUT, "the server to start")
         assert self.server.started, "the server did not start"
         self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
+        self.grpc_url = f"127.0.0.1:{self.server.grpc_port}" if grpc else None
 
     def stop(self) -> None:
         self.http.close()

@@ -307,3 +307,99 @@ def test_openai_and_kserve_routes_side_by_side(server, client, llm):
     ks = client.infer(MODEL, infer_inputs(PROMPTS[1:], 6, True, exclude_input_in_output=(np.bool_, True)))
     assert text_outputs(ks) == [[oa.choices[0].text]]
     server.wait_idle()
+
+
+# ---------------------------------------------------------------------------------------------- gRPC
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+@pytest.fixture(scope="module")
+def grpc_server(llm):
+    srv = LiveServer(llm, name=MODEL, grpc=True)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def gclient(grpc_server):
+    c = grpcclient.InferenceServerClient(grpc_server.grpc_url)
+    yield c
+    c.close()
+
+
+def grpc_inputs(prompts: list[str], max_tokens: int, **extra) -> list:
+    b = len(prompts)
+    text = grpcclient.InferInput("text_input", [b, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[p.encode()] for p in prompts], dtype=object))
+    mt = grpcclient.InferInput("max_tokens", [b, 1], "INT32")
+    mt.set_data_from_numpy(np.full((b, 1), max_tokens, dtype=np.int32))
+    out = [text, mt]
+    for name, (dtype, value) in extra.items():
+        inp = grpcclient.InferInput(name, [b, 1], {np.int32: "INT32", np.bool_: "BOOL"}[dtype])
+        inp.set_data_from_numpy(np.full((b, 1), value, dtype=dtype))
+        out.append(inp)
+    return out
+
+
+def test_grpc_probes_metadata_config_and_repository(gclient):
+    assert gclient.is_server_live() and gclient.is_server_ready()
+    assert gclient.is_model_ready(MODEL) and not gclient.is_model_ready("nope")
+    assert gclient.get_server_metadata().name == "inflight"
+    meta = gclient.get_model_metadata(MODEL)
+    assert meta.name == MODEL and [i.name for i in meta.inputs][:2] == ["text_input", "max_tokens"]
+    config = gclient.get_model_config(MODEL, as_json=True)["config"]
+    assert config["name"] == MODEL and config["model_transaction_policy"]["decoupled"] is True
+    assert {i["name"]: i["data_type"] for i in config["input"]}["max_tokens"] == "TYPE_INT32"
+    index = gclient.get_model_repository_index(as_json=True)
+    assert [m["name"] for m in index["models"]] == [MODEL] and index["models"][0]["state"] == "READY"
+    with pytest.raises(InferenceServerException, match="explicit model load is not allowed"):
+        gclient.load_model(MODEL)
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        gclient.get_model_metadata("nope")
+
+
+def test_grpc_infer_equals_the_llm_api_and_counts(gclient, llm):
+    before = gclient.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+    res = gclient.infer(MODEL, grpc_inputs(PROMPTS, 8), request_id="g-1")
+    assert res.get_response().id == "g-1"
+    want = [greedy(llm, p, 8) for p in PROMPTS]
+    assert text_outputs(res) == [[p + w] for p, w in zip(PROMPTS, want)]
+    with pytest.raises(InferenceServerException, match="unexpected inference input 'frobnicate'"):
+        gclient.infer(MODEL, grpc_inputs(PROMPTS[:1], 4, frobnicate=(np.int32, 1)))
+    after = gclient.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+    assert int(after.get("inference_count", 0)) == int(before.get("inference_count", 0)) + 2
+    assert (
+        int(after["inference_stats"]["fail"].get("count", 0))
+        == int(before["inference_stats"]["fail"].get("count", 0)) + 1
+    )
+
+
+def test_grpc_stream_deltas_final_flag_and_an_error_on_the_stream(gclient, llm):
+    import queue
+
+    want = greedy(llm, PROMPTS[1], 12)
+    got: queue.Queue = queue.Queue()
+    gclient.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        gclient.async_stream_infer("nope", grpc_inputs(PROMPTS[1:], 4), request_id="bad")
+        gclient.async_stream_infer(
+            MODEL,
+            grpc_inputs(PROMPTS[1:], 12, stream=(np.bool_, True), exclude_input_in_output=(np.bool_, True)),
+            request_id="good",
+        )
+        texts, finals, errors = [], [], []
+        while not finals or not finals[-1]:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                errors.append(str(error))
+                continue
+            resp = result.get_response()
+            assert resp.id == "good"
+            texts.append(result.as_numpy("text_output")[0, 0].decode())
+            finals.append(resp.parameters["triton_final_response"].bool_param)
+    finally:
+        gclient.stop_stream()
+    assert len(texts) >= 2 and "".join(texts) == want
+    assert finals == [False] * (len(finals) - 1) + [True]
+    assert len(errors) == 1 and "unknown model" in errors[0]

@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--host", default="127.0.0.1")
     net.add_argument("--port", type=int, default=8000)
     net.add_argument(
+        "--grpc-port",
+        type=int,
+        default=8001,
+        help="Triton's gRPC API (KServe v2) on this port, same host (default 8001; -1: off). Needs "
+        "tritonclient[grpc]; a port that cannot be bound is logged and the HTTP API serves on",
+    )
+    net.add_argument(
         "--max-queue-size",
         type=int,
         default=1024,
@@ -155,16 +162,40 @@ def _make_server_class():
     class DrainingServer(uvicorn.Server):
         """uvicorn with a drain phase before its own graceful shutdown (see the module doc)."""
 
-        def __init__(self, config, state, drain_timeout: float):
+        def __init__(self, config, state, drain_timeout: float, grpc_port: int | None = None):
             super().__init__(config)
             self.state = state
             self.drain_timeout = drain_timeout
+            self.grpc_port = grpc_port  # asked for (0: any free port); the bound one once serving
+            self.grpc_server = None
             self._loop: asyncio.AbstractEventLoop | None = None
             self._drain_task: asyncio.Task | None = None
 
         async def serve(self, sockets=None):
             self._loop = asyncio.get_running_loop()
-            await super().serve(sockets)
+            if self.grpc_port is not None and self.grpc_port >= 0:
+                await self._start_grpc()
+            try:
+                await super().serve(sockets)
+            finally:
+                if self.grpc_server is not None:
+                    await self.grpc_server.stop(grace=5)
+
+        async def _start_grpc(self) -> None:
+            """Triton's gRPC API beside the HTTP one, on this event loop (one ServerState for both)."""
+            try:
+                from inflight.serve.kserve_grpc import start_grpc
+            except ImportError as exc:
+                logger.warning("gRPC API off: %s (pip install 'tritonclient[grpc]')", exc)
+                return
+            try:
+                self.grpc_server, self.grpc_port = await start_grpc(
+                    self.state, self.config.host, self.grpc_port
+                )
+            except (OSError, RuntimeError) as exc:
+                logger.warning("gRPC API off: %s", exc)
+                return
+            logger.info("Triton gRPC API on %s:%d", self.config.host, self.grpc_port)
 
         def handle_exit(self, sig, frame) -> None:
             # Not uvicorn's: it re-raises the captured signal after serving, which would make a clean
@@ -211,9 +242,11 @@ def make_server(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
+    grpc_port: int | None = None,
 ):
-    """A uvicorn server for an app of :func:`~inflight.serve.app.build_app`, with the drain behaviour.
-    ``server.run()`` blocks (signals are handled only in the main thread)."""
+    """A uvicorn server for an app of :func:`~inflight.serve.app.build_app`, with the drain behaviour,
+    and Triton's gRPC API on ``grpc_port`` (None or -1: off; 0: any free port, ``server.grpc_port``
+    once started). ``server.run()`` blocks (signals are handled only in the main thread)."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -226,7 +259,7 @@ def make_server(
         timeout_graceful_shutdown=10,
         timeout_keep_alive=5,
     )
-    return _make_server_class()(config, app.state.server, drain_timeout)
+    return _make_server_class()(config, app.state.server, drain_timeout, grpc_port)
 
 
 def _shutdown_llm(llm, timeout: float = 60.0) -> None:
@@ -266,6 +299,7 @@ def run(args) -> int:
             drain_timeout=args.drain_timeout,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_access_log,
+            grpc_port=args.grpc_port,
         )
         logger.info(
             "serving %s as %r on http://%s:%d (max_seq_len %d)",
