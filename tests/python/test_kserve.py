@@ -177,6 +177,8 @@ def test_invalid_requests_name_the_problem(client, server):
         with pytest.raises(InferenceServerException) as info:
             client.infer(model, inputs)
         assert needle in str(info.value), (needle, str(info.value))
+    with pytest.raises(InferenceServerException, match="unexpected inference output 'logits'"):
+        client.infer(MODEL, infer_inputs(PROMPTS[:1], 4), outputs=[httpclient.InferRequestedOutput("logits")])
     only_text = infer_inputs(PROMPTS[:1], 4)[:1]
     with pytest.raises(InferenceServerException, match="expected input 'max_tokens' is missing"):
         client.infer(MODEL, only_text)

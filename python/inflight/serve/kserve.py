@@ -463,16 +463,19 @@ async def infer(request: Request, model: str, version: str | None = None):
         raise KServeError(
             400, "input 'stream': streaming needs gRPC ModelStreamInfer or the generate_stream route"
         )
+    wanted = head.get("outputs")
+    known = {n for n, _, _ in OUTPUTS}
+    for o in wanted or []:  # before anything runs
+        if not isinstance(o, dict) or o.get("name") not in known:
+            name = o.get("name") if isinstance(o, dict) else o
+            raise KServeError(400, f"unexpected inference output '{name}' for model '{model}'")
     job = await submit(state, rows, False)
     outs = await _results(request, job)
     values = _outputs(rows, outs)
-    wanted = head.get("outputs")
     binary_default = bool((head.get("parameters") or {}).get("binary_data_output", False))
     names = [o["name"] for o in wanted] if wanted else [n for n, _, _ in OUTPUTS]
     binary = set()
     for o in wanted or []:
-        if o.get("name") not in values:
-            raise KServeError(400, f"unexpected inference output '{o.get('name')}' for model '{model}'")
         if (o.get("parameters") or {}).get("binary_data", binary_default):
             binary.add(o["name"])
     if not wanted and binary_default:
