@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from inflight.sampling_params import SamplingParams
 from inflight.serve.kserve_tensors import HEADER_LENGTH, TensorError, decode_request, encode_response
 from inflight.serve.protocol import APIError
+from inflight.serve.routes import _gather_unless_disconnected
 from inflight.serve.state import Job, ServerState
 from inflight.serve.streaming import SSEResponse
 
@@ -358,8 +359,6 @@ def _outputs(rows: list[LLMRequest], outs: list) -> dict[str, np.ndarray]:
 
 
 async def _results(request: Request, job: Job) -> list:
-    from inflight.serve.routes import _gather_unless_disconnected
-
     try:
         outs = await _gather_unless_disconnected(request, job.handles)
         if outs is None:
@@ -390,7 +389,7 @@ async def server_metadata(request: Request):
     return {"name": "inflight", "version": state.version, "extensions": EXTENSIONS}
 
 
-def _metadata(state: ServerState, model: str) -> dict:
+def _metadata(model: str) -> dict:
     return {
         "name": model,
         "versions": [MODEL_VERSION],
@@ -404,7 +403,7 @@ def _metadata(state: ServerState, model: str) -> dict:
 async def model_metadata(request: Request, model: str, version: str | None = None):
     state = _state(request)
     check_model(state, model, version)
-    return _metadata(state, model)
+    return _metadata(model)
 
 
 @kserve_route
