@@ -315,6 +315,13 @@ class KvCacheConfig(_Args):
     dtype: str | torch.dtype = arg(
         "auto", "KV cache dtype: auto (the model's), float32, bfloat16, float16", DType()
     )
+    memory_share: float = arg(
+        1.0,
+        "share of the machine's KV budget this engine takes (a model repository of N models gives "
+        "each 1/N); applied after free_memory_fraction and the CPU cap",
+        Float(0.0, 1.0, lo_open=True),
+        cli=False,
+    )
 
     @classmethod
     def _qualified(cls, name: str) -> str:

@@ -4,7 +4,8 @@ GPU: a two-pass estimate, as TensorRT-LLM does: after the weights are loaded, a 
 ``max_num_tokens`` dummy tokens with a minimal KV pool measures the activation peak; the pool then
 gets ``free_memory_fraction`` of what is free afterwards. CPU: ``free_memory_fraction`` of the
 available memory (honouring a cgroup limit), capped at ``CPU_POOL_CAP_BYTES`` so that a laptop is not
-swamped; the tensor is allocated lazily. ``max_tokens`` caps both.
+swamped; the tensor is allocated lazily. ``memory_share`` (an engine of a model repository: 1/N of the
+machine for N models) scales either budget; ``max_tokens`` caps both.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def cpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int, share: int 
     avail = available_host_memory()
     budget = min(int(avail * kv_config.free_memory_fraction), CPU_POOL_CAP_BYTES) // max(1, share)
     source = f"CPU: min({kv_config.free_memory_fraction:g} x {avail / 2**30:.1f} GiB available, {CPU_POOL_CAP_BYTES >> 30} GiB cap)"
+    if kv_config.memory_share < 1.0:
+        budget = int(budget * kv_config.memory_share)
+        source += f" x {kv_config.memory_share:.3g} (this engine's share of the machine)"
     if share > 1:
         source += f" / {share} ranks on this machine"
     return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
@@ -114,10 +118,12 @@ def gpu_kv_budget(kv_config, bytes_per_token: int, max_seq_len: int, device: tor
     reserved_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     usable = max(free + reserved_unused - peak_extra, 0)
-    budget = int(usable * kv_config.free_memory_fraction)
+    budget = int(usable * kv_config.free_memory_fraction * kv_config.memory_share)
     source = (
         f"GPU: {kv_config.free_memory_fraction:g} x {usable / 2**30:.2f} GiB free after weights and warm-up"
     )
+    if kv_config.memory_share < 1.0:
+        source += f" x {kv_config.memory_share:.3g} (this engine's share of the device)"
     return _budget(kv_config, budget // bytes_per_token, bytes_per_token, max_seq_len, source)
 
 
