@@ -742,7 +742,9 @@ def test_metrics_parse_and_count_requests(server):
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert all(k.startswith("inflight:") for k in after)
+    # inflight's series and Triton's (nv_inference_*, nv_trt_llm_*), nothing else
+    assert all(k.startswith(("inflight:", "nv_inference_", "nv_trt_llm_")) for k in after)
+    assert all(k.endswith("{model_name=tiny}") for k in server.metrics(drop=()) if k.startswith("inflight:g"))
     assert delta("inflight:request_success_total{finished_reason=length}") == 5
     assert delta("inflight:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("inflight:generation_tokens_total") == sum(u.completion_tokens for u in usages)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one in-process :class:`~inflight.llm.LLM` (FastAPI).
 
-:func:`build_app` creates the app: its :class:`~inflight.serve.state.ServerState` (admission,
-metrics; ``app.state.server``), the error handlers (every error has OpenAI's body,
+:func:`build_app` creates the app of one model: its :class:`~inflight.serve.state.ServerState`
+(admission, metrics; ``app.state.server``) in a :class:`~inflight.serve.state.ModelSet`
+(``app.state.models``, which :func:`build_models_app` takes for a model repository), the error handlers (every error has OpenAI's body,
 ``{"error": {"message", "type", "param", "code"}}``) and the routes of :mod:`inflight.serve.routes`.
 The endpoints, admission and streaming are described in :mod:`inflight.serve.routes`,
 :mod:`inflight.serve.state` and :mod:`inflight.serve.streaming`; the request bodies in
@@ -24,9 +25,9 @@ from inflight.serve.pages import FEED, PAGES
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
 from inflight.serve.schema import RESPONSES, install_openapi
-from inflight.serve.state import ServerState
+from inflight.serve.state import ModelSet, ServerState, SingleModel
 
-__all__ = ["ServerState", "build_app"]
+__all__ = ["ModelSet", "ServerState", "build_app", "build_models_app"]
 
 logger = logging.getLogger("inflight.serve")
 
@@ -50,13 +51,24 @@ def build_app(
     and the dashboard (``/dashboard``) of :mod:`inflight.serve.pages`; the engine-stats feed is served
     either way.
     """
-    if version is None:
-        version = __version__
-    state = ServerState(
-        llm, model_name, max_queue_size, tuple(aliases), version=version, stall_timeout=stall_timeout
+    models = SingleModel(
+        llm,
+        model_name,
+        max_queue_size,
+        tuple(aliases),
+        version=version if version is not None else __version__,
+        stall_timeout=stall_timeout,
     )
-    app = FastAPI(title="inflight", version=version, docs_url=None, redoc_url=None)
-    app.state.server = state
+    app = build_models_app(models, web=web)
+    app.state.server = models.state
+    return app
+
+
+def build_models_app(models: ModelSet, *, web: bool = True) -> FastAPI:
+    """The app over a :class:`ModelSet` (``app.state.models``): one model, or a model repository's
+    (:mod:`inflight.serve.repository`, whose routes this adds)."""
+    app = FastAPI(title="inflight", version=models.version, docs_url=None, redoc_url=None)
+    app.state.models = models
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -69,13 +81,12 @@ def build_app(
     # Outside the OpenAPI schema: HTML pages, assets, and an endless event stream.
     for method, path, endpoint in (PAGES if web else ()) + FEED:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, include_in_schema=False)
-    install_openapi(
-        app,
-        vocab_size=llm.model_config.vocab_size,
-        max_seq_len=llm.max_seq_len,
-        max_n=llm.args.max_n,
-        max_logprobs=llm.args.max_logprobs,
-    )
+
+    def default_llm():
+        state = models.default()
+        return state.llm if state is not None else None
+
+    install_openapi(app, default_llm)
     return app
 
 
@@ -89,12 +100,12 @@ def _error_response(exc: APIError) -> JSONResponse:
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     if exc.code not in ("engine_error", "request_cancelled"):  # those are counted as they finish
         reason = exc.code or {400: "invalid_request", 404: "not_found"}.get(exc.status, str(exc.status))
-        request.app.state.server.metrics.request_rejected.labels(reason=reason).inc()
+        request.app.state.models.metrics.request_rejected.labels(reason=reason).inc()
     return _error_response(exc)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    request.app.state.server.metrics.request_rejected.labels(reason="invalid_request").inc()
+    request.app.state.models.metrics.request_rejected.labels(reason="invalid_request").inc()
     return _error_response(validation_error_to_api_error(list(exc.errors())))
 
 

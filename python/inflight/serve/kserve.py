@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +32,22 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from inflight.sampling_params import SamplingParams
+from inflight.serve.batcher import BatcherError
 from inflight.serve.kserve_tensors import HEADER_LENGTH, TensorError, decode_request, encode_response
 from inflight.serve.protocol import APIError
 from inflight.serve.routes import _gather_unless_disconnected
-from inflight.serve.state import Job, ServerState
+from inflight.serve.state import MODEL_VERSION, Job, ModelSet, ServerState
 from inflight.serve.streaming import SSEResponse
 
-MODEL_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "parameters", "generate"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_configuration",
+    "model_repository",
+    "schedule_policy",
+    "parameters",
+    "statistics",
+    "generate",
+]
 
 # (name, datatype, dims, optional): the TensorRT-LLM backend's ensemble interface.
 INPUTS = [
@@ -102,25 +111,52 @@ def kserve_route(fn):
             return _error(exc.status, exc.message)
         except TensorError as exc:
             return _error(400, str(exc))
-        except APIError as exc:
+        except (APIError, BatcherError) as exc:
             return _error(exc.status, exc.message)
 
     return wrapper
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
+def _models(request: Request) -> ModelSet:
+    return request.app.state.models
 
 
-def check_model(state: ServerState, model: str, version: str | None) -> None:
-    if model not in state.model_names:
-        raise KServeError(400, f"Request for unknown model: '{model}' is not found")
+def model_state(models: ModelSet, model: str, version: str | None) -> ServerState:
+    """The serving model of a KServe request, or Triton's error for a model that has none."""
     if version not in (None, "", MODEL_VERSION):
         raise KServeError(400, f"Request for unknown model: '{model}' version {version} is not found")
+    state = models.lookup(model)
+    if state is None:
+        why = models.missing(model)
+        if why in (None, "not found"):
+            raise KServeError(400, f"Request for unknown model: '{model}' is not found")
+        raise KServeError(400, f"Request for unknown model: '{model}' has no available versions ({why})")
+    return state
 
 
-def _ready(state: ServerState) -> bool:
-    return not state.draining and state.engine_alive()
+def model_ready(state: ServerState) -> bool:
+    return not state.draining and state.retiring is None and state.engine_alive()
+
+
+def server_ready(models: ModelSet) -> bool:
+    """Ready as Triton is: not draining, and every model that should serve does."""
+    return not models.draining and all(model_ready(s) for s in models.serving()) and not models.failed()
+
+
+def failure_reason(status: int) -> str:
+    """Triton's ``reason`` label of a failed request, by its status."""
+    return {503: "REJECTED", 499: "CANCELED", 500: "BACKEND"}.get(status, "OTHER")
+
+
+def record_success(state: ServerState, job: Job, t0_ns: int, outs: list) -> None:
+    """Triton's statistics of an answered request: its time in the batcher and the engine's queue,
+    the rest as compute."""
+    engine_queue = max(((o.metrics or {}).get("queue_time", 0.0) for o in outs), default=0.0)
+    queue_s = (job.ticket.queue_seconds if job.ticket is not None else 0.0) + engine_queue
+    total_s = (time.monotonic_ns() - t0_ns) / 1e9
+    state.triton.record_success(
+        t0_ns, len(job.handles), queue_s, max(total_s - queue_s, 0.0), 0 if job.ticket is not None else 1
+    )
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -314,7 +350,23 @@ def _check_types(items: list[dict]) -> None:
             )
 
 
-async def submit(state: ServerState, rows: list[LLMRequest], stream: bool) -> Job:
+def schedule_parameters(params: dict[str, Any]) -> tuple[int, int | None]:
+    """A request's ``priority`` and ``timeout`` (microseconds) parameters (Triton's schedule policy)."""
+    out = []
+    for name in ("priority", "timeout"):
+        value = params.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise KServeError(400, f"parameter '{name}' must be an integer >= 0, got {value!r}")
+        out.append(value)
+    return out[0], out[1] or None
+
+
+async def submit(
+    state: ServerState, rows: list[LLMRequest], stream: bool, priority: int = 0, timeout_us: int | None = None
+) -> Job:
+    """Tokenizes and checks the rows, waits for the model's dynamic batcher (if it has one) and
+    submits them to the engine (one engine request per row)."""
+    state.check_serving()
     prompts = []
     params = []
     for r in rows:
@@ -323,7 +375,24 @@ async def submit(state: ServerState, rows: list[LLMRequest], stream: bool) -> Jo
         ids = await state.tokenize(r.text)
         params.append(state.check_fit(ids, r.params, True, "text_input", "max_tokens"))
         prompts.append(ids)
-    return state.submit(prompts, params, stream, "text_input")
+    if state.batcher is None:
+        if priority:
+            raise KServeError(
+                400,
+                f"parameter 'priority' needs dynamic_batching with priority_levels in the config of '{state.model_name}'",
+            )
+        return state.submit(prompts, params, stream, "text_input")
+    policy = state.batcher.policy
+    ticket = await state.batcher.acquire(len(rows), priority, timeout_us)
+    try:
+        job = state.submit(
+            prompts, params, stream, "text_input", priority=policy.engine_priority(ticket.level)
+        )
+    except BaseException:
+        state.batcher.release(ticket)
+        raise
+    job.ticket = ticket
+    return job
 
 
 def _failure(comp) -> KServeError | None:
@@ -380,13 +449,12 @@ async def health_live(request: Request):
 
 @kserve_route
 async def health_ready(request: Request):
-    return Response(status_code=200 if _ready(_state(request)) else 400)
+    return Response(status_code=200 if server_ready(_models(request)) else 400)
 
 
 @kserve_route
 async def server_metadata(request: Request):
-    state = _state(request)
-    return {"name": "inflight", "version": state.version, "extensions": EXTENSIONS}
+    return {"name": "inflight", "version": _models(request).version, "extensions": EXTENSIONS}
 
 
 def _metadata(model: str) -> dict:
@@ -401,20 +469,22 @@ def _metadata(model: str) -> dict:
 
 @kserve_route
 async def model_metadata(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
+    model_state(_models(request), model, version)
     return _metadata(model)
 
 
 @kserve_route
-async def model_ready(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
-    return Response(status_code=200 if _ready(state) else 400)
+async def get_model_ready(request: Request, model: str, version: str | None = None):
+    try:
+        state = model_state(_models(request), model, version)
+    except KServeError:
+        return Response(status_code=400)
+    return Response(status_code=200 if model_ready(state) else 400)
 
 
 def model_config(state: ServerState, model: str) -> dict:
-    """The model's configuration in Triton's JSON form (ModelConfig)."""
+    """The model's configuration in Triton's JSON form (ModelConfig): the interface, the engine's
+    limits, and the dynamic batching it was configured with."""
     llm = state.llm
 
     def tensor(name: str, dt: str, dims: list[int], optional: bool | None) -> dict:
@@ -423,7 +493,7 @@ def model_config(state: ServerState, model: str) -> dict:
             out["optional"] = optional
         return out
 
-    return {
+    config = {
         "name": model,
         "platform": "",
         "backend": "inflight",
@@ -438,23 +508,52 @@ def model_config(state: ServerState, model: str) -> dict:
             "vocab_size": {"string_value": str(llm.model_config.vocab_size)},
         },
     }
+    if state.batcher is not None:
+        p = state.batcher.policy
+        config["dynamic_batching"] = {
+            "preferred_batch_size": list(p.preferred_batch_sizes),
+            "max_queue_delay_microseconds": p.max_queue_delay_us,
+            "priority_levels": p.priority_levels,
+            "default_priority_level": p.default_priority_level,
+            "default_queue_policy": {
+                "timeout_action": p.default_queue_policy.timeout_action,
+                "default_timeout_microseconds": p.default_queue_policy.default_timeout_us,
+                "allow_timeout_override": p.default_queue_policy.allow_timeout_override,
+                "max_queue_size": p.default_queue_policy.max_queue_size,
+            },
+        }
+    return config
 
 
 @kserve_route
 async def get_model_config(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
-    return model_config(state, model)
+    return model_config(model_state(_models(request), model, version), model)
+
+
+def _serving(state: ServerState, model: str) -> None:
+    if not model_ready(state):
+        raise KServeError(
+            503,
+            f"model '{model}' is not ready: the server is shutting down, the model is unloading or its engine stopped",
+        )
 
 
 @kserve_route
 async def infer(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
-    if not _ready(state):
-        raise KServeError(
-            503, f"model '{model}' is not ready: the server is shutting down or the engine stopped"
-        )
+    state = model_state(_models(request), model, version)
+    t0 = time.monotonic_ns()
+    try:
+        return await _infer(request, state, model, t0)
+    except (KServeError, APIError, BatcherError) as exc:
+        state.triton.record_failure(t0, failure_reason(exc.status))
+        raise
+    except TensorError:
+        state.triton.record_failure(t0, "OTHER")
+        raise
+
+
+async def _infer(request: Request, state: ServerState, model: str, t0: int):
+    _serving(state, model)
     head, tensors = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
     _check_types(head["inputs"])
     rows = [llm_request(r, state.tokenizer) for r in rows_of(tensors)]
@@ -468,9 +567,11 @@ async def infer(request: Request, model: str, version: str | None = None):
         if not isinstance(o, dict) or o.get("name") not in known:
             name = o.get("name") if isinstance(o, dict) else o
             raise KServeError(400, f"unexpected inference output '{name}' for model '{model}'")
-    job = await submit(state, rows, False)
+    priority, timeout = schedule_parameters(head.get("parameters") or {})
+    job = await submit(state, rows, False, priority, timeout)
     outs = await _results(request, job)
     values = _outputs(rows, outs)
+    record_success(state, job, t0, outs)
     binary_default = bool((head.get("parameters") or {}).get("binary_data_output", False))
     names = [o["name"] for o in wanted] if wanted else [n for n, _, _ in OUTPUTS]
     binary = set()
@@ -492,7 +593,8 @@ async def infer(request: Request, model: str, version: str | None = None):
 # -- the generate extension
 
 
-async def _generate_fields(request: Request) -> dict[str, Any]:
+async def _generate_fields(request: Request) -> tuple[dict[str, Any], int, int | None]:
+    """The request's input fields, and its ``priority`` and ``timeout``."""
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -508,17 +610,25 @@ async def _generate_fields(request: Request) -> dict[str, Any]:
             if k in fields:
                 raise KServeError(400, f"'{k}' is given both at the top level and in 'parameters'")
             fields[k] = v
-    return fields
+    schedule = {k: fields.pop(k) for k in ("priority", "timeout") if k in fields}
+    return (fields, *schedule_parameters(schedule))
 
 
 @kserve_route
 async def generate(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
-    row = llm_request(await _generate_fields(request), state.tokenizer)
-    job = await submit(state, [row], False)
-    (out,) = await _results(request, job)
-    values = _outputs([row], [out])
+    state = model_state(_models(request), model, version)
+    t0 = time.monotonic_ns()
+    try:
+        _serving(state, model)
+        fields, priority, timeout = await _generate_fields(request)
+        row = llm_request(fields, state.tokenizer)
+        job = await submit(state, [row], False, priority, timeout)
+        (out,) = await _results(request, job)
+        values = _outputs([row], [out])
+    except (KServeError, APIError, BatcherError) as exc:
+        state.triton.record_failure(t0, failure_reason(exc.status))
+        raise
+    record_success(state, job, t0, [out])
     reply: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION}
     texts = [t.decode() for t in values["text_output"][0]]
     reply["text_output"] = texts[0] if len(texts) == 1 else texts
@@ -534,19 +644,28 @@ def _sse(obj: dict) -> bytes:
 
 @kserve_route
 async def generate_stream(request: Request, model: str, version: str | None = None):
-    state = _state(request)
-    check_model(state, model, version)
-    row = llm_request(await _generate_fields(request), state.tokenizer)
-    if row.params.use_beam_search:
-        raise KServeError(400, "input 'beam_width': beam search cannot stream")
-    job = await submit(state, [row], True)
+    state = model_state(_models(request), model, version)
+    t0 = time.monotonic_ns()
+    try:
+        _serving(state, model)
+        fields, priority, timeout = await _generate_fields(request)
+        row = llm_request(fields, state.tokenizer)
+        if row.params.use_beam_search:
+            raise KServeError(400, "input 'beam_width': beam search cannot stream")
+        job = await submit(state, [row], True, priority, timeout)
+    except (KServeError, APIError, BatcherError) as exc:
+        state.triton.record_failure(t0, failure_reason(exc.status))
+        raise
 
     async def events():
+        last = None
         try:
             async for out in job.handles[0]:
                 job.observe(0, out)
+                last = out
                 comp = out.outputs[0]
                 if (err := _failure(comp)) is not None:
+                    state.triton.record_failure(t0, failure_reason(err.status))
                     yield _sse({"error": err.message})
                     return
                 if not comp.text_diff and not out.finished:
@@ -565,10 +684,85 @@ async def generate_stream(request: Request, model: str, version: str | None = No
                     event["output_log_probs"] = [e[t] for t, e in zip(comp.token_ids_diff, new)]
                     event["cum_log_probs"] = comp.cumulative_logprob or 0.0
                 yield _sse(event)
+            if last is not None:
+                record_success(state, job, t0, [last])
         except Exception as exc:  # noqa: BLE001  (an engine error after the first event: an error event)
+            state.triton.record_failure(t0, "BACKEND")
             yield _sse({"error": f"{type(exc).__name__}: {exc}"})
 
     return SSEResponse(events(), job)  # closes the job (aborting what still runs) whatever happens
+
+
+# -- the model repository extension
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KServeError(400, f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise KServeError(400, "the request body must be a JSON object")
+    return body
+
+
+@kserve_route
+async def repository_index(request: Request):
+    body = await _json_body(request)
+    ready = bool(body.get("ready", False))
+    return JSONResponse([e for e in _models(request).index() if not ready or e["state"] == "READY"])
+
+
+@kserve_route
+async def repository_load(request: Request, model: str):
+    body = await _json_body(request)
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise KServeError(400, "'parameters' must be a JSON object")
+    config = params.get("config")
+    if config is not None and not isinstance(config, str):
+        raise KServeError(400, "parameter 'config' must be a string holding the model configuration as JSON")
+    if any(k.startswith("file:") for k in params):
+        raise KServeError(
+            400, "loading a model from files sent with the request is not supported ('file:' parameters)"
+        )
+    await _models(request).load(model, config)
+    return Response(status_code=200)
+
+
+@kserve_route
+async def repository_unload(request: Request, model: str):
+    await _json_body(request)
+    await _models(request).unload(model)
+    return Response(status_code=200)
+
+
+@kserve_route
+async def model_statistics(request: Request, model: str | None = None, version: str | None = None):
+    models = _models(request)
+    states = [model_state(models, model, version)] if model is not None else models.serving()
+    return {"model_stats": [statistics(s) for s in states]}
+
+
+def statistics(state: ServerState) -> dict:
+    """One model's statistics in Triton's JSON form."""
+    s = state.triton.snapshot()
+    return {
+        "name": state.model_name,
+        "version": MODEL_VERSION,
+        "last_inference": s["last_inference_ms"],
+        "inference_count": s["inference_count"],
+        "execution_count": s["execution_count"],
+        "inference_stats": {
+            "success": {"count": s["success"], "ns": s["success_ns"]},
+            "fail": {"count": sum(s["failure"].values()), "ns": s["fail_ns"]},
+            "queue": {"count": s["success"], "ns": s["queue_ns"]},
+            "compute_infer": {"count": s["success"], "ns": s["compute_ns"]},
+        },
+    }
 
 
 _M = "/v2/models/{model}"
@@ -577,8 +771,13 @@ ROUTES = (
     ("GET", "/v2/health/live", health_live),
     ("GET", "/v2/health/ready", health_ready),
     ("GET", "/v2", server_metadata),
+    ("GET", "/v2/models/stats", model_statistics),  # before /v2/models/{model}
     *(("GET", p, model_metadata) for p in (_M, _MV)),
-    *(("GET", p + "/ready", model_ready) for p in (_M, _MV)),
+    *(("GET", p + "/ready", get_model_ready) for p in (_M, _MV)),
+    *(("GET", p + "/stats", model_statistics) for p in (_M, _MV)),
+    ("POST", "/v2/repository/index", repository_index),
+    ("POST", "/v2/repository/models/{model}/load", repository_load),
+    ("POST", "/v2/repository/models/{model}/unload", repository_unload),
     *(("GET", p + "/config", get_model_config) for p in (_M, _MV)),
     *(("POST", p + "/infer", infer) for p in (_M, _MV)),
     *(("POST", p + "/generate", generate) for p in (_M, _MV)),

@@ -5,8 +5,9 @@ wheel (``tritonclient.grpc.service_pb2`` / ``service_pb2_grpc``; no protos copie
 ServerLive / ServerReady / ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer,
 ModelStreamInfer (decoupled: a request with ``stream`` true gets one response per new piece of text,
 the last one flagged ``triton_final_response``; an error for one request arrives on the stream as its
-``error_message`` and the stream stays open), ModelStatistics and the repository RPCs (this server
-serves the one model it started with: the index lists it, load and unload are refused). The rest
+``error_message`` and the stream stays open), ModelStatistics and the repository RPCs (index, load,
+unload: those of the served :class:`~inflight.serve.state.ModelSet`; a server of one model refuses
+load and unload). The rest
 answers UNIMPLEMENTED (the base class). Requests go through the same interface as the HTTP routes
 (:mod:`inflight.serve.kserve`), so both give the same text.
 """
@@ -25,25 +26,31 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 
+from inflight.serve.batcher import BatcherError
 from inflight.serve.kserve import (
     EXTENSIONS,
     INPUTS,
-    MODEL_VERSION,
     OUTPUTS,
     KServeError,
     LLMRequest,
     _check_types,
     _failure,
     _outputs,
-    _ready,
-    check_model,
+    failure_reason,
     llm_request,
     model_config,
+    model_ready,
+    model_state,
+    record_success,
     rows_of,
+    schedule_parameters,
+    server_ready,
+    statistics,
     submit,
 )
 from inflight.serve.kserve_tensors import DTYPES, TensorError, deserialize_bytes, serialize_bytes
 from inflight.serve.protocol import APIError
+from inflight.serve.state import MODEL_VERSION
 
 logger = logging.getLogger("inflight.serve")
 
@@ -70,7 +77,7 @@ _CONTENTS = {
 
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, KServeError):
+    if isinstance(exc, (KServeError, BatcherError)):
         return _CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
     if isinstance(exc, APIError):
         return _CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
@@ -139,59 +146,49 @@ def infer_response(
     return resp
 
 
-class KServeStats:
-    """Counts for ModelStatistics: requests that succeeded / failed (with their durations), rows
-    inferred, engine submissions."""
-
-    def __init__(self) -> None:
-        self.success = [0, 0]  # count, ns
-        self.fail = [0, 0]
-        self.inference_count = 0
-        self.execution_count = 0
-        self.last_inference_ms = 0
-
-    def record(self, ok: bool, t0: int, rows: int = 0) -> None:
-        dt = time.monotonic_ns() - t0
-        slot = self.success if ok else self.fail
-        slot[0] += 1
-        slot[1] += dt
-        if ok:
-            self.inference_count += rows
-            self.execution_count += 1
-        self.last_inference_ms = int(time.time() * 1000)
+def _schedule(request) -> tuple[int, int | None]:
+    """The request's ``priority`` and ``timeout`` parameters (tritonclient sets uint64 / int64)."""
+    values = {}
+    for name in ("priority", "timeout"):
+        if name in request.parameters:
+            p = request.parameters[name]
+            values[name] = getattr(p, p.WhichOneof("parameter_choice"))
+    return schedule_parameters(values)
 
 
 class InferenceServicer(pbg.GRPCInferenceServiceServicer):
-    def __init__(self, state) -> None:
-        self.state = state
-        self.stats = KServeStats()
+    def __init__(self, models) -> None:
+        self.models = models
 
     async def _fail(self, context, exc: Exception):
         code, message = _status(exc)
         await context.abort(code, message)
+
+    async def _state(self, request, context, name: str, version: str):
+        try:
+            return model_state(self.models, name, version or None)
+        except KServeError as exc:
+            await self._fail(context, exc)
 
     # -- probes and metadata
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=_ready(self.state))
+        return pb.ServerReadyResponse(ready=server_ready(self.models))
 
     async def ModelReady(self, request, context):
         try:
-            check_model(self.state, request.name, request.version or None)
+            state = model_state(self.models, request.name, request.version or None)
         except KServeError:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=_ready(self.state))
+        return pb.ModelReadyResponse(ready=model_ready(state))
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="inflight", version=self.state.version, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name="inflight", version=self.models.version, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
-        try:
-            check_model(self.state, request.name, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
+        await self._state(request, context, request.name, request.version)
         resp = pb.ModelMetadataResponse(name=request.name, versions=[MODEL_VERSION], platform="inflight")
         for name, dt, dims, _ in INPUTS:
             resp.inputs.add(name=name, datatype=dt, shape=[-1, *dims])
@@ -200,76 +197,82 @@ class InferenceServicer(pbg.GRPCInferenceServiceServicer):
         return resp
 
     async def ModelConfig(self, request, context):
-        try:
-            check_model(self.state, request.name, request.version or None)
-        except KServeError as exc:
-            await self._fail(context, exc)
-        config = json_format.ParseDict(model_config(self.state, request.name), model_config_pb2.ModelConfig())
+        state = await self._state(request, context, request.name, request.version)
+        config = json_format.ParseDict(model_config(state, request.name), model_config_pb2.ModelConfig())
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request, context):
         if request.name:
-            try:
-                check_model(self.state, request.name, request.version or None)
-            except KServeError as exc:
-                await self._fail(context, exc)
-        s = self.stats
-        stat = pb.ModelStatistics(
-            name=request.name or self.state.model_name,
-            version=MODEL_VERSION,
-            last_inference=s.last_inference_ms,
-            inference_count=s.inference_count,
-            execution_count=s.execution_count,
-        )
-        stat.inference_stats.success.count, stat.inference_stats.success.ns = s.success
-        stat.inference_stats.fail.count, stat.inference_stats.fail.ns = s.fail
-        return pb.ModelStatisticsResponse(model_stats=[stat])
+            states = [await self._state(request, context, request.name, request.version)]
+        else:
+            states = self.models.serving()
+        resp = pb.ModelStatisticsResponse()
+        for state in states:
+            json_format.ParseDict(statistics(state), resp.model_stats.add())
+        return resp
 
     async def RepositoryIndex(self, request, context):
         resp = pb.RepositoryIndexResponse()
-        for name in self.state.model_names:
-            resp.models.add(
-                name=name, version=MODEL_VERSION, state="READY" if _ready(self.state) else "UNAVAILABLE"
-            )
+        for entry in self.models.index():
+            if request.ready and entry["state"] != "READY":
+                continue
+            resp.models.add(**entry)
         return resp
 
     async def RepositoryModelLoad(self, request, context):
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            f"explicit model load is not allowed: this server serves only '{self.state.model_name}'",
-        )
+        config = None
+        for key, p in request.parameters.items():
+            if key == "config":
+                config = p.string_param
+            elif key.startswith("file:"):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "loading a model from files sent with the request is not supported ('file:' parameters)",
+                )
+        try:
+            await self.models.load(request.model_name, config)
+        except (KServeError, APIError) as exc:
+            await self._fail(context, exc)
+        return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            f"explicit model unload is not allowed: this server serves only '{self.state.model_name}'",
-        )
+        try:
+            await self.models.unload(request.model_name)
+        except (KServeError, APIError) as exc:
+            await self._fail(context, exc)
+        return pb.RepositoryModelUnloadResponse()
 
     # -- inference
-    def _rows(self, request) -> list[LLMRequest]:
-        check_model(self.state, request.model_name, request.model_version or None)
+    def _model(self, request):
+        return model_state(self.models, request.model_name, request.model_version or None)
+
+    def _rows(self, state, request) -> list[LLMRequest]:
+        if not model_ready(state):
+            raise KServeError(503, f"model '{request.model_name}' is not ready")
         _check_types([{"name": i.name, "datatype": i.datatype} for i in request.inputs])
-        return [llm_request(r, self.state.tokenizer) for r in rows_of(request_tensors(request))]
+        return [llm_request(r, state.tokenizer) for r in rows_of(request_tensors(request))]
 
     async def ModelInfer(self, request, context):
         t0 = time.monotonic_ns()
-        job = None
+        job = state = None
         try:
-            rows = self._rows(request)
+            state = self._model(request)
+            rows = self._rows(state, request)
             if any(r.stream for r in rows):
                 raise KServeError(400, "input 'stream': streaming needs ModelStreamInfer")
-            job = await submit(self.state, rows, False)
+            job = await submit(state, rows, False, *_schedule(request))
             outs = await asyncio.gather(*job.handles)
             for i, out in enumerate(outs):
                 job.observe(i, out)
             resp = infer_response(request, request.model_name, _outputs(rows, outs))
-        except (KServeError, TensorError, APIError) as exc:
-            self.stats.record(False, t0)
+            record_success(state, job, t0, outs)
+        except (KServeError, TensorError, APIError, BatcherError) as exc:
+            if state is not None:
+                state.triton.record_failure(t0, failure_reason(getattr(exc, "status", 400)))
             await self._fail(context, exc)
         finally:
             if job is not None:
                 job.close()
-        self.stats.record(True, t0, len(rows))
         return resp
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -279,22 +282,26 @@ class InferenceServicer(pbg.GRPCInferenceServiceServicer):
 
         async def one(request) -> None:
             t0 = time.monotonic_ns()
-            job = None
+            job = state = None
             try:
-                rows = self._rows(request)
+                state = self._model(request)
+                rows = self._rows(state, request)
                 empty_final = (
                     request.parameters["triton_enable_empty_final_response"].bool_param
                     if ("triton_enable_empty_final_response" in request.parameters)
                     else False
                 )
+                schedule = _schedule(request)
                 if any(r.stream for r in rows):
                     if len(rows) != 1:
                         raise KServeError(400, "input 'stream': a streamed request has one row")
                     if rows[0].params.use_beam_search:
                         raise KServeError(400, "input 'beam_width': beam search cannot stream")
-                    job = await submit(self.state, rows, True)
+                    job = await submit(state, rows, True, *schedule)
+                    last = None
                     async for out in job.handles[0]:
                         job.observe(0, out)
+                        last = out
                         comp = out.outputs[0]
                         if (err := _failure(comp)) is not None:
                             raise err
@@ -307,8 +314,9 @@ class InferenceServicer(pbg.GRPCInferenceServiceServicer):
                                 infer_response=infer_response(request, request.model_name, values, final)
                             )
                         )
+                    outs = [last] if last is not None else []
                 else:
-                    job = await submit(self.state, rows, False)
+                    job = await submit(state, rows, False, *schedule)
                     outs = await asyncio.gather(*job.handles)
                     for i, out in enumerate(outs):
                         job.observe(i, out)
@@ -325,12 +333,14 @@ class InferenceServicer(pbg.GRPCInferenceServiceServicer):
                     )
                     final.parameters["triton_final_response"].bool_param = True
                     queue.put_nowait(pb.ModelStreamInferResponse(infer_response=final))
-                self.stats.record(True, t0, 1)
-            except (KServeError, TensorError, APIError) as exc:
-                self.stats.record(False, t0)
+                record_success(state, job, t0, outs)
+            except (KServeError, TensorError, APIError, BatcherError) as exc:
+                if state is not None:
+                    state.triton.record_failure(t0, failure_reason(getattr(exc, "status", 400)))
                 queue.put_nowait(pb.ModelStreamInferResponse(error_message=_status(exc)[1]))
             except Exception as exc:  # noqa: BLE001  (one request's failure stays on its own)
-                self.stats.record(False, t0)
+                if state is not None:
+                    state.triton.record_failure(t0, "BACKEND")
                 queue.put_nowait(pb.ModelStreamInferResponse(error_message=f"{type(exc).__name__}: {exc}"))
             finally:
                 if job is not None:
@@ -372,10 +382,11 @@ def _stream_values(row: LLMRequest, comp) -> dict[str, np.ndarray]:
     return {"text_output": text, "cum_log_probs": cum, "output_log_probs": lps}
 
 
-async def start_grpc(state, host: str, port: int):
-    """Starts the gRPC server on the running event loop; returns (server, bound port)."""
+async def start_grpc(models, host: str, port: int):
+    """Starts the gRPC server for a :class:`~inflight.serve.state.ModelSet` on the running event loop;
+    returns (server, bound port)."""
     server = grpc.aio.server()
-    pbg.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    pbg.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the gRPC port {host}:{port}")

@@ -34,8 +34,14 @@ STEPS = 120  # recent steps in a snapshot
 REQUESTS = 32  # recent requests' timelines in a snapshot
 
 
-async def _state(request: Request) -> ServerState:
-    return request.app.state.server
+async def _state(request: Request, model: str | None = None) -> ServerState:
+    """The model of ``?model=`` (default: the first served)."""
+    models = request.app.state.models
+    state = models.lookup(model) if model is not None else models.default()
+    if state is None:
+        what = f"model {model!r} is not served" if model is not None else "no model is loaded"
+        raise APIError(404, what, type="invalid_request_error", param="model", code="model_not_found")
+    return state
 
 
 State = Annotated[ServerState, Depends(_state)]

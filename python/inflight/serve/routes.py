@@ -2,8 +2,9 @@
 ``/version``, ``/v1/models``, ``/metrics`` (Prometheus text), ``POST /v1/completions`` and
 ``/v1/chat/completions`` (both streaming with SSE, :mod:`inflight.serve.streaming`).
 
-Each takes the :class:`~inflight.serve.state.ServerState` as ``state`` (FastAPI passes
-``app.state.server`` through the :data:`State` dependency) and raises
+Each takes the served :class:`~inflight.serve.state.ModelSet` as ``models`` (FastAPI passes
+``app.state.models`` through the :data:`Models` dependency), the completions look up the request's
+``model`` there (no ``model``: the first served), and each raises
 :class:`~inflight.serve.protocol.APIError` for a request it refuses; :data:`ROUTES` lists them for
 :func:`~inflight.serve.app.build_app`.
 
@@ -42,64 +43,70 @@ from inflight.serve.responses import (
     prompt_logprobs,
     usage,
 )
-from inflight.serve.state import ServerState
+from inflight.serve.state import ModelSet, ServerState
 from inflight.serve.streaming import SSEResponse, chat_stream, completion_stream
 
 
-async def server_state(request: Request) -> ServerState:
+async def served_models(request: Request) -> ModelSet:
     # async: FastAPI would run a plain function on a worker thread.
-    return request.app.state.server
+    return request.app.state.models
 
 
-State = Annotated[ServerState, Depends(server_state)]
+Models = Annotated[ModelSet, Depends(served_models)]
 
 
 # ---------------------------------------------------------------------------------------------- plain endpoints
 
 
-async def health(state: State):
-    if state.draining:
+async def health(models: Models):
+    if models.draining or any(s.draining for s in models.serving()):
         body = error_body("the server is shutting down", "service_unavailable", code="server_draining")
         return JSONResponse(body, status_code=503)
-    if not state.engine_alive():
-        body = error_body("the inference engine is not running", "service_unavailable", code="engine_dead")
-        return JSONResponse(body, status_code=503)
-    if state.engine_stalled():
-        message = (
-            f"the inference engine has made no progress for {state.llm.stall_seconds:.0f} s with work "
-            f"pending (stall timeout {state.stall_timeout:g} s)"
-        )
-        return JSONResponse(
-            error_body(message, "service_unavailable", code="engine_stalled"), status_code=503
-        )
+    for state in models.serving():
+        if not state.engine_alive():
+            body = error_body(
+                f"the inference engine of '{state.model_name}' is not running",
+                "service_unavailable",
+                code="engine_dead",
+            )
+            return JSONResponse(body, status_code=503)
+        if state.engine_stalled():
+            message = (
+                f"the inference engine of '{state.model_name}' has made no progress for "
+                f"{state.llm.stall_seconds:.0f} s with work pending (stall timeout {state.stall_timeout:g} s)"
+            )
+            return JSONResponse(
+                error_body(message, "service_unavailable", code="engine_stalled"), status_code=503
+            )
     return {"status": "ok"}
 
 
-async def get_version(state: State):
-    return {"version": state.version}
+async def get_version(models: Models):
+    return {"version": models.version}
 
 
-async def models(state: State):
-    llm = state.llm
-    vocab_size = llm.model_config.vocab_size
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "inflight",
-            "root": state.model_name,
-            "parent": None,
-            "max_model_len": llm.max_seq_len,
-            "vocab_size": vocab_size,
-        }
-        for name in state.model_names
-    ]
+async def list_models(models: Models):
+    data = []
+    for state in models.serving():
+        llm = state.llm
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "inflight",
+                "root": state.model_name,
+                "parent": None,
+                "max_model_len": llm.max_seq_len,
+                "vocab_size": llm.model_config.vocab_size,
+            }
+            for name in state.model_names
+        ]
     return {"object": "list", "data": data}
 
 
-async def metrics(state: State):
-    body, content_type = state.metrics.render()
+async def metrics(models: Models):
+    body, content_type = models.metrics.render()
     return Response(body, media_type=content_type)
 
 
@@ -135,8 +142,8 @@ def _include_usage(body) -> bool:
 # ---------------------------------------------------------------------------------------------- /v1/completions
 
 
-async def completions(state: State, body: CompletionRequest, request: Request):
-    state.check_model(body.model)
+async def completions(models: Models, body: CompletionRequest, request: Request):
+    state = models.openai_state(body.model)
     state.check_serving()
     check_extra_fields(body)
     items = parse_prompt(body.prompt)
@@ -214,8 +221,8 @@ async def _chat_prompt(
         ) from None
 
 
-async def chat_completions(state: State, body: ChatCompletionRequest, request: Request):
-    state.check_model(body.model)
+async def chat_completions(models: Models, body: ChatCompletionRequest, request: Request):
+    state = models.openai_state(body.model)
     state.check_serving()
     check_extra_fields(body)
     messages = parse_messages(body.messages)
@@ -274,7 +281,7 @@ async def chat_completions(state: State, body: ChatCompletionRequest, request: R
 ROUTES = (
     ("GET", "/health", health),
     ("GET", "/version", get_version),
-    ("GET", "/v1/models", models),
+    ("GET", "/v1/models", list_models),
     ("GET", "/metrics", metrics),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat_completions),

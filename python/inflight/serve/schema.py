@@ -10,6 +10,7 @@ or when the queue is full. ``tests/python/test_schema_fuzz.py`` checks real resp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -171,11 +172,10 @@ def _ranges(vocab_size: int, max_seq_len: int, max_n: int, max_logprobs: int) ->
     }
 
 
-def install_openapi(
-    app: FastAPI, *, vocab_size: int, max_seq_len: int, max_n: int, max_logprobs: int
-) -> None:
+def install_openapi(app: FastAPI, llm: Callable[[], Any]) -> None:
     """Replaces FastAPI's generated schema by one without the 422 it never returns, and with the
-    ranges of the request fields (this model's vocabulary and context, ``max_n`` and ``max_logprobs``)."""
+    ranges of the request fields: those of the LLM ``llm()`` gives when the schema is first built (its
+    vocabulary and context, ``max_n`` and ``max_logprobs``; none when it gives None)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -186,7 +186,17 @@ def install_openapi(
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            ranges = _ranges(vocab_size, max_seq_len, max_n, max_logprobs)
+            engine = llm()
+            ranges = (
+                _ranges(
+                    engine.model_config.vocab_size,
+                    engine.max_seq_len,
+                    engine.args.max_n,
+                    engine.args.max_logprobs,
+                )
+                if engine is not None
+                else {}
+            )
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 for field, prop in components.get(name, {}).get("properties", {}).items():
                     if field in ranges:

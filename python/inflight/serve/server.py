@@ -77,6 +77,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model id clients use (default: the model argument as given; a directory's base "
         "name is accepted too)",
     )
+    repo = parser.add_argument_group("model repository (Triton's; instead of MODEL)")
+    repo.add_argument(
+        "--model-repository",
+        default=None,
+        metavar="DIR",
+        help="serve every model of DIR: one subdirectory per model, configured by Triton's config.pbtxt "
+        "(or config.json); the engine options below are every model's defaults",
+    )
+    repo.add_argument(
+        "--model-control-mode",
+        default="none",
+        choices=("none", "explicit"),
+        help="none: load every model at start-up, refuse load/unload; explicit: load the --load-model "
+        "ones, then what /v2/repository/models/{m}/load asks for (default none)",
+    )
+    repo.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --model-control-mode explicit: a model to load at start-up (repeatable; * for all)",
+    )
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1")
     net.add_argument("--port", type=int, default=8000)
@@ -162,9 +184,9 @@ def _make_server_class():
     class DrainingServer(uvicorn.Server):
         """uvicorn with a drain phase before its own graceful shutdown (see the module doc)."""
 
-        def __init__(self, config, state, drain_timeout: float, grpc_port: int | None = None):
+        def __init__(self, config, models, drain_timeout: float, grpc_port: int | None = None):
             super().__init__(config)
-            self.state = state
+            self.state = models  # the ModelSet: draining, in_flight, abort_all over every model
             self.drain_timeout = drain_timeout
             self.grpc_port = grpc_port  # asked for (0: any free port); the bound one once serving
             self.grpc_server = None
@@ -182,7 +204,7 @@ def _make_server_class():
                     await self.grpc_server.stop(grace=5)
 
         async def _start_grpc(self) -> None:
-            """Triton's gRPC API beside the HTTP one, on this event loop (one ServerState for both)."""
+            """Triton's gRPC API beside the HTTP one, on this event loop (one ModelSet for both)."""
             try:
                 from inflight.serve.kserve_grpc import start_grpc
             except ImportError as exc:
@@ -259,7 +281,7 @@ def make_server(
         timeout_graceful_shutdown=10,
         timeout_keep_alive=5,
     )
-    return _make_server_class()(config, app.state.server, drain_timeout, grpc_port)
+    return _make_server_class()(config, app.state.models, drain_timeout, grpc_port)
 
 
 def _shutdown_llm(llm, timeout: float = 60.0) -> None:
@@ -276,11 +298,15 @@ def run(args) -> int:
     # The app imports FastAPI (the optional `serve` extra), hence this import here, not at the top.
     from inflight.serve.app import build_app
 
-    model = _model(args)
     if args.max_queue_size < 1:
         raise ValueError(f"--max-queue-size must be >= 1, got {args.max_queue_size}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.model_repository is not None:
+        return _run_repository(args)
+    if args.load_model or args.model_control_mode != "none":
+        raise ValueError("--model-control-mode and --load-model need --model-repository")
+    model = _model(args)
     llm = LLM(**LlmArgs.from_cli(args, model=model).to_kwargs())
     try:
         name, aliases = _served_names(model, args.served_model_name)
@@ -322,6 +348,54 @@ def run(args) -> int:
             return 1
     finally:
         _shutdown_llm(llm)
+    logger.info("server stopped")
+    return 0
+
+
+def _run_repository(args) -> int:
+    """``inflight serve --model-repository DIR``: every model of DIR (serve/repository.py)."""
+    from inflight import __version__
+    from inflight.serve.app import build_models_app
+    from inflight.serve.repository import ModelRepository
+
+    if args.model is not None or args.model_flag is not None or args.served_model_name is not None:
+        raise ValueError(
+            "--model-repository serves the repository's models: give no MODEL or --served-model-name"
+        )
+    if args.load_model and args.model_control_mode != "explicit":
+        raise ValueError("--load-model needs --model-control-mode explicit (mode none loads every model)")
+    repository = ModelRepository(
+        args.model_repository,
+        LlmArgs.from_cli(args),
+        control_mode=args.model_control_mode,
+        version=__version__,
+        max_queue_size=args.max_queue_size,
+        stall_timeout=args.health_stall_timeout,
+    )
+    try:
+        repository.load_at_startup(args.load_model)
+        app = build_models_app(repository, web=args.web)
+        server = make_server(
+            app,
+            args.host,
+            args.port,
+            drain_timeout=args.drain_timeout,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_access_log,
+            grpc_port=args.grpc_port,
+        )
+        logger.info(
+            "serving the model repository %s on http://%s:%d (%s ready)",
+            args.model_repository,
+            args.host,
+            args.port,
+            ", ".join(s.model_name for s in repository.serving()) or "none",
+        )
+        server.run()
+        if not server.started:
+            return 1
+    finally:
+        repository.close()
     logger.info("server stopped")
     return 0
 

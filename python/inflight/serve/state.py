@@ -1,5 +1,6 @@
-"""What the server's routes share: :class:`ServerState` (the engine, admission, metrics) and
-:class:`Job` (one HTTP request's engine requests).
+"""What the server's routes share: :class:`ModelSet` (the models served, by name: one for ``inflight
+serve MODEL``, a repository's for ``--model-repository``), :class:`ServerState` (one model: its engine,
+admission, metrics) and :class:`Job` (one HTTP request's engine requests).
 
 Admission: a request is refused with 503 while the server drains (SIGTERM) or after the engine died,
 and when ``max_queue_size`` requests are already in flight (accepted and not finished). Every
@@ -18,8 +19,10 @@ import time
 from typing import Any
 
 from inflight.sampling_params import SamplingParams
-from inflight.serve.metrics import ServerMetrics
+from inflight.serve.metrics import ModelMetrics, ServerMetrics, TritonStats
 from inflight.serve.protocol import APIError, bad_request
+
+MODEL_VERSION = "1"  # the version every model is served as (KServe, Triton's metrics)
 
 # Prompts (characters) longer than this are tokenized on a worker thread, off the event loop.
 _LONG_TEXT = 4096
@@ -42,21 +45,36 @@ class ServerState:
         *,
         version: str = "",
         stall_timeout: float = 120.0,
+        metrics: ModelMetrics | None = None,
+        triton: TritonStats | None = None,
+        batching=None,
     ):
         if isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int) or max_queue_size < 1:
             raise ValueError(f"max_queue_size must be an integer >= 1, got {max_queue_size!r}")
         self.llm = llm
         self.model_name = model_name
         self.model_names = (model_name, *aliases)
+        self.model_version = MODEL_VERSION
         self.version = version
         self.max_queue_size = max_queue_size
         # /health turns 503 when the engine had work pending and finished no iteration for this long.
         self.stall_timeout = stall_timeout
         self.in_flight = 0
         self.draining = False
+        # Set when the model is being unloaded or replaced: new requests are refused with this reason.
+        self.retiring: str | None = None
         self.jobs: set[Job] = set()
         self.created = int(time.time())
-        self.metrics = ServerMetrics(llm, lambda: self.in_flight)
+        if metrics is None:  # a state of its own (tests): a registry of its own
+            metrics = ServerMetrics(lambda: [self]).for_model(model_name)
+        self.metrics = metrics
+        self.triton = triton if triton is not None else TritonStats()
+        self.batcher = None
+        if batching is not None:  # Triton's dynamic batcher (serve/batcher.py)
+            from inflight.serve.batcher import DynamicBatcher
+
+            # The engine's batch bounds what the batcher releases (the engine holds up to twice that).
+            self.batcher = DynamicBatcher(batching, llm.args.max_batch_size, self.triton.record_execution)
         self._token_strs: dict[int, str] = {}
 
     # -- engine facts
@@ -70,6 +88,15 @@ class ServerState:
     def engine_stalled(self) -> bool:
         return self.llm.stall_seconds > self.stall_timeout
 
+    def max_active_requests(self) -> int:
+        """Most requests the engine runs at once (its active batch)."""
+        executor = getattr(self.llm, "executor", None)
+        return getattr(executor, "max_num_active_requests", None) or self.llm.args.max_batch_size
+
+    def queued(self) -> int:
+        """Requests waiting in this model's dynamic-batcher queue."""
+        return self.batcher.queued() if self.batcher is not None else 0
+
     def token_str(self, tid: int) -> str:
         """The text of one token (cached), as the logprobs of the responses show it."""
         s = self._token_strs.get(tid)
@@ -81,16 +108,6 @@ class ServerState:
         return s
 
     # -- admission
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist (this server serves {served}).",
-                param="model",
-                code="model_not_found",
-            )
-
     def check_serving(self) -> None:
         if self.draining:
             raise APIError(
@@ -99,6 +116,13 @@ class ServerState:
                 type="service_unavailable",
                 code="server_draining",
                 headers={"Retry-After": "5"},
+            )
+        if self.retiring is not None:
+            raise APIError(
+                503,
+                f"model '{self.model_name}' is {self.retiring} and accepts no new requests",
+                type="service_unavailable",
+                code="model_unavailable",
             )
         if not self.engine_alive():
             raise APIError(
@@ -122,6 +146,8 @@ class ServerState:
         self.in_flight -= 1
         if job is not None:
             self.jobs.discard(job)
+            if job.ticket is not None:
+                self.batcher.release(job.ticket)
 
     def abort_all(self) -> int:
         """Cancels every running request (the drain timeout); returns how many jobs were running."""
@@ -190,13 +216,14 @@ class ServerState:
         stream: bool,
         prompt_field: str,
         guided_field: str | None = None,
+        priority: float = 0.5,
     ) -> Job:
         """Admits one HTTP request and submits its prompts (one engine request each)."""
         self.admit()
         handles = []
         try:
             for ids, sp in zip(prompts, params):
-                handles.append(self.llm.generate_async(ids, sp, streaming=stream))
+                handles.append(self.llm.generate_async(ids, sp, streaming=stream, priority=priority))
         except Exception as exc:
             for h in handles:
                 h.abort()
@@ -234,6 +261,7 @@ class Job:
         self.seen = [0] * len(handles)
         self.closed = False
         self.predicted = False  # the request carried a prediction (usage reports its draft tokens)
+        self.ticket = None  # its place in the dynamic batcher, given back when it closes
         state.jobs.add(self)
 
     def observe(self, i: int, out) -> None:
@@ -259,3 +287,128 @@ class Job:
                     self.state.metrics.record_aborted(self.prompt_lens[i], self.seen[i])
         finally:
             self.state.release(self)
+
+
+class ModelSet:
+    """The models a server serves, by name (``app.state.models``): the routes look a model up here.
+
+    ``draining`` (SIGTERM) applies to every model, ``in_flight`` and :meth:`abort_all` cover every
+    engine still running requests (a model being unloaded included). Subclasses say which models
+    serve (:meth:`serving`), which still run requests (:meth:`running`) and why a name has no model
+    (:meth:`missing`).
+    """
+
+    def __init__(self, version: str, max_queue_size: int = 1024, stall_timeout: float = 120.0):
+        self.version = version
+        self.max_queue_size = max_queue_size
+        self.stall_timeout = stall_timeout
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self.running)
+        self._draining = False
+
+    # -- to override
+    def serving(self) -> list[ServerState]:
+        """The models taking requests."""
+        raise NotImplementedError
+
+    def running(self) -> list[ServerState]:
+        """Every model with an engine (taking requests or finishing its last ones)."""
+        return self.serving()
+
+    def missing(self, name: str) -> str | None:
+        """Why ``name`` has no serving model ("not found" or a reason); None when it serves."""
+        return None if self.lookup(name) is not None else "not found"
+
+    def failed(self) -> list[str]:
+        """Models that should serve and could not load (the server is then not ready)."""
+        return []
+
+    def index(self) -> list[dict]:
+        """Triton's repository index: every model with its state (and the reason when not ready)."""
+        return [{"name": s.model_name, "version": MODEL_VERSION, "state": "READY"} for s in self.serving()]
+
+    async def load(self, name: str, config: str | None = None) -> None:
+        """(Re)loads a model (Triton's explicit model control); a server of one model refuses."""
+        raise APIError(
+            400,
+            "explicit model load is not allowed: this server serves one model and has no model repository",
+        )
+
+    async def unload(self, name: str) -> None:
+        raise APIError(
+            400,
+            "explicit model unload is not allowed: this server serves one model and has no model repository",
+        )
+
+    # -- shared
+    def lookup(self, name: str) -> ServerState | None:
+        for state in self.serving():
+            if name in state.model_names:
+                return state
+        return None
+
+    def default(self) -> ServerState | None:
+        """The model of requests that name none (the OpenAI routes, the pages): the first serving."""
+        states = self.serving()
+        return states[0] if states else None
+
+    def names(self) -> list[str]:
+        return [n for s in self.serving() for n in s.model_names]
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        for state in self.running():
+            state.draining = value
+
+    @property
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self.running())
+
+    def abort_all(self) -> int:
+        return sum(s.abort_all() for s in self.running())
+
+    def openai_state(self, name: str | None) -> ServerState:
+        """The model of an OpenAI request's ``model`` field, or a 404 naming the served ones."""
+        if name is None:
+            state = self.default()
+            if state is None:
+                raise APIError(
+                    503, "no model is loaded", type="service_unavailable", code="model_unavailable"
+                )
+            return state
+        state = self.lookup(name)
+        if state is None:
+            served = ", ".join(repr(n) for n in self.names()) or "no model"
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist (this server serves {served}).",
+                param="model",
+                code="model_not_found",
+            )
+        return state
+
+
+class SingleModel(ModelSet):
+    """The one model of ``inflight serve MODEL``."""
+
+    def __init__(
+        self, llm, model_name: str, max_queue_size: int, aliases=(), *, version: str, stall_timeout: float
+    ):
+        super().__init__(version, max_queue_size, stall_timeout)
+        self.state = ServerState(
+            llm,
+            model_name,
+            max_queue_size,
+            tuple(aliases),
+            version=version,
+            stall_timeout=stall_timeout,
+            metrics=self.metrics.for_model(model_name),
+        )
+
+    def serving(self) -> list[ServerState]:
+        return [self.state]
