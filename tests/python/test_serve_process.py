@@ -268,3 +268,75 @@ def test_serve_refuses_bad_arguments(tiny_model_dir):
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 2
     assert "capacity_scheduler_policy" in proc.stderr
+
+
+def test_model_repository_command(tiny_model_dir, tmp_path):
+    """`inflight serve --model-repository DIR` (control mode none): every model loads at start-up, a
+    broken one is UNAVAILABLE with its reason and keeps the server not ready, the KV split is logged,
+    load/unload are refused in this mode, the OpenAI routes serve by model name, SIGTERM exits 0."""
+    pytest.importorskip("tritonclient.grpc")
+    model = str(tiny_model_dir("llama"))
+    root = tmp_path / "repo"
+    (root / "alpha").mkdir(parents=True)
+    (root / "alpha" / "config.pbtxt").write_text(
+        f'max_batch_size: 4\nparameters {{ key: "model" value {{ string_value: "{model}" }} }}\n'
+        'parameters { key: "max_tokens_in_paged_kv_cache" value { string_value: "1024" } }\n'
+    )
+    (root / "broken").mkdir()
+    (root / "broken" / "config.pbtxt").write_text("max_batch_size: not-a-number\n")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "inflight.serve.server",
+        "--model-repository",
+        str(root),
+        "--port",
+        str(port),
+        "--grpc-port",
+        "-1",
+        "--dtype",
+        "float32",
+        "--tokens-per-block",
+        "8",
+        "--disable-access-log",
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(url, proc, log)
+        index = {m["name"]: m for m in httpx.post(url + "/v2/repository/index", timeout=10).json()}
+        assert index["alpha"]["state"] == "READY"
+        assert index["broken"]["state"] == "UNAVAILABLE" and "max_batch_size" in index["broken"]["reason"]
+        assert httpx.get(url + "/v2/health/ready", timeout=10).status_code == 400  # broken at start-up
+        assert httpx.get(url + "/v2/models/alpha/ready", timeout=10).status_code == 200
+        load = httpx.post(url + "/v2/repository/models/alpha/load", timeout=10)
+        assert load.status_code == 400 and "--model-control-mode none" in load.json()["error"]
+        resp = httpx.post(
+            url + "/v1/completions", json={"model": "alpha", "prompt": [5, 6], "max_tokens": 3}, timeout=30
+        )
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "KV memory split equally: each engine takes 1/2" in text, text[-3000:]
+    assert "x 0.5 (this engine's share of the machine)" in text, text[-3000:]
+    assert "model 'broken' failed to load" in text and "server stopped" in text
+
+
+def test_model_repository_arguments(tiny_model_dir, tmp_path):
+    base = [sys.executable, "-m", "inflight.serve.server"]
+    for extra, message in (
+        (["--load-model", "a"], "need --model-repository"),
+        (["--model-repository", str(tmp_path / "missing")], "is not a directory"),
+        (["--model-repository", str(tmp_path), str(tiny_model_dir("llama"))], "give no MODEL"),
+        (["--model-repository", str(tmp_path), "--load-model", "a"], "needs --model-control-mode explicit"),
+    ):
+        proc = subprocess.run(base + extra, check=False, capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 2 and message in proc.stderr, (extra, proc.stderr[-2000:])

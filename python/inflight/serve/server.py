@@ -355,8 +355,11 @@ def run(args) -> int:
 def _run_repository(args) -> int:
     """``inflight serve --model-repository DIR``: every model of DIR (serve/repository.py)."""
     from inflight import __version__
+    from inflight.llm import _ensure_logging
     from inflight.serve.app import build_models_app
     from inflight.serve.repository import ModelRepository
+
+    _ensure_logging()  # the repository logs before any engine exists
 
     if args.model is not None or args.model_flag is not None or args.served_model_name is not None:
         raise ValueError(
