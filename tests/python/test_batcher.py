@@ -92,6 +92,9 @@ def test_priority_level_goes_first_and_maps_to_engine_priority():
         policy = BatchingPolicy(priority_levels=3, default_priority_level=2)
         assert [policy.engine_priority(level) for level in (1, 2, 3)] == [1.0, 2 / 3, 1 / 3]
         assert policy.level(0) == 2
+        assert BatchingPolicy().level(0) == 0
+        with pytest.raises(BatcherError, match="needs priority_levels"):
+            BatchingPolicy().level(1)
         with pytest.raises(BatcherError, match=r"'priority' must be in \[1, 3\]"):
             policy.level(4)
         b = DynamicBatcher(policy, 1)

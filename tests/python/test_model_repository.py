@@ -289,6 +289,15 @@ def test_dynamic_batching_queue_bound(server, client):
         loop.call_soon_threadsafe(beta.batcher.release, hold)
         thread.join(60)
     assert result[0].status_code == 200, result[0].text
+    for model in ("alpha", "beta"):  # neither has priority levels
+        resp = httpx.post(
+            f"{server.url}/v2/models/{model}/generate",
+            json={"text_input": "x", "max_tokens": 2, "parameters": {"priority": 1}},
+        )
+        assert resp.status_code == 400
+        assert resp.json() == {
+            "error": "parameter 'priority' needs priority_levels in the model's dynamic_batching"
+        }
     m = parse_metrics(server.http)
     assert m["nv_inference_request_failure_total{model=beta,reason=REJECTED,version=1}"] == 2
 

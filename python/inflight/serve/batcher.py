@@ -103,6 +103,10 @@ class BatchingPolicy:
     def level(self, requested: int) -> int:
         """The priority level of a request that asked for ``requested`` (0: the default)."""
         if not self.priority_levels:
+            if requested:
+                raise BatcherError(
+                    400, "parameter 'priority' needs priority_levels in the model's dynamic_batching"
+                )
             return 0
         if requested == 0:
             return self.default_priority_level

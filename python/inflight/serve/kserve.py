@@ -379,7 +379,7 @@ async def submit(
         if priority:
             raise KServeError(
                 400,
-                f"parameter 'priority' needs dynamic_batching with priority_levels in the config of '{state.model_name}'",
+                "parameter 'priority' needs priority_levels in the model's dynamic_batching",
             )
         return state.submit(prompts, params, stream, "text_input")
     policy = state.batcher.policy
