@@ -1,6 +1,6 @@
 """Test helpers: tiny random Hugging Face models (offline) and paged-KV step drivers.
 
-- :func:`make_tiny_model` writes a tiny llama / qwen2 / mistral checkpoint (config.json +
+- :func:`make_tiny_model` writes a tiny llama / qwen2 / mistral / qwen3 checkpoint (config.json +
   model.safetensors, optionally a byte-level BPE tokenizer with a chat template) into a directory.
 - :func:`make_attention_metadata` builds one step's :class:`AttentionMetadata` from per-sequence
   (block_ids, num_cached, num_new).
@@ -21,7 +21,7 @@ import torch
 
 from inflight.layers.attention import AttentionMetadata
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -72,6 +72,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
     },
+    "qwen3": {
+        # QK-norm, explicit head_dim (32 != 64 / 4), no biases, tied embeddings.
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
     "mistral": {
         # head_dim (32) != hidden_size / num_heads (16), GQA ratio 4; no sliding window (refused otherwise).
         "num_attention_heads": 4,
@@ -85,9 +93,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _config_class(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[arch]
 
 
 def make_tiny_tokenizer(path: str | Path, vocab_size: int = 384):

@@ -83,6 +83,8 @@ class FusedCpuLayers:
             return f"dtype {model.dtype}"
         if model.rotary.cos_sin.device.type != "cpu":
             return "not on the CPU"
+        if model.config.qk_norm:
+            return "QK-norm (Qwen3) has no fused kernel"
         for i, layer in enumerate(model.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 proj = getattr(layer, name)

@@ -23,12 +23,14 @@ from typing import Any
 from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.quantization.w4a16 import GROUP_SIZES, QUANT_METHOD
 
-# HF architecture name -> model_type. One model class covers all three: they differ only in which
-# projections carry a bias, the tied LM head and the sliding-window fields, all of which are config.
+# HF architecture name -> model_type. One model class covers them all: they differ only in which
+# projections carry a bias, the tied LM head, QK-norm (Qwen3) and the sliding-window fields, all of
+# which are config.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
@@ -62,6 +64,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias covers it; Qwen2 has none)
     mlp_bias: bool = False
+    # RMSNorm over each head of q and of k after the projection, before RoPE (Qwen3's QK-norm).
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # The window that the model actually applies (None: full attention in every layer).
@@ -205,7 +209,7 @@ class ModelConfig:
 
         if model_type == "qwen2":
             attention_bias, o_proj_bias = True, False
-        elif model_type == "llama":
+        elif model_type in ("llama", "qwen3"):  # Qwen3's attention_bias covers o_proj too
             attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
         else:  # mistral: no biases at all in transformers' MistralAttention
             attention_bias = o_proj_bias = False
@@ -238,6 +242,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
+            qk_norm=model_type == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_parse_sliding_window(d, model_type),
@@ -386,8 +391,8 @@ def _parse_sliding_window(d: dict[str, Any], model_type: str) -> int | None:
         return None
     if model_type == "mistral":
         return int(window)
-    if model_type == "qwen2":
-        # Qwen2 ignores sliding_window unless use_sliding_window, and then only in layers
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen2/3 ignore sliding_window unless use_sliding_window, and then only in layers
         # >= max_window_layers (or those that layer_types marks "sliding_attention").
         if not d.get("use_sliding_window", False):
             return None

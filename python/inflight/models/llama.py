@@ -1,4 +1,4 @@
-"""LlamaForCausalLM: one native model for Llama 2/3, Mistral, Qwen2, SmolLM2 and TinyLlama checkpoints.
+"""LlamaForCausalLM: one native model for Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2 and TinyLlama checkpoints.
 
 Numerics follow transformers' implementation op for op where it matters (RMSNorm in fp32 then cast,
 RoPE cos/sin from fp32 tables cast to the model dtype, residual adds in the model dtype), so fp32
@@ -97,6 +97,9 @@ class LlamaDecoderLayer(nn.Module):
             d, (self.q_size, self.kv_size, self.kv_size), bias=config.attention_bias, **kw
         )
         self.o_proj = linear_factory(self.q_size, (d,), bias=config.o_proj_bias, **kw)
+        # Qwen3's QK-norm: one RMSNorm over the head dimension for every q head, another for every k head.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, **kw)
         self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
         self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
@@ -107,6 +110,9 @@ class LlamaDecoderLayer(nn.Module):
             f"{prefix}.input_layernorm.weight": self.input_layernorm.weight,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
+        if self.q_norm is not None:
+            targets[f"{prefix}.self_attn.q_norm.weight"] = self.q_norm.weight
+            targets[f"{prefix}.self_attn.k_norm.weight"] = self.k_norm.weight
         shards = [
             ("self_attn.q_proj", self.qkv_proj, 0),
             ("self_attn.k_proj", self.qkv_proj, 1),
@@ -156,8 +162,13 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
         qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:  # QK-norm per head, before RoPE
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
         # q and k rotate together: one RoPE application instead of two.
-        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, signed_sin)
+        qk = apply_rotary(qk, cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale)
