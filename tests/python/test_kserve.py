@@ -276,7 +276,7 @@ def test_bad_words_and_end_id(server, llm):
     )
     assert r.json()["text_output"] == want.outputs[0].text != plain.text
     # A word of several tokens is banned only where the output already ends with its first tokens.
-    from inflight.serve.kserve import _bad_words_processor
+    from inflight.serve.kserve_llm import _bad_words_processor
 
     two = tok.decode(plain.token_ids[:2])
     seq = tok.encode(two, add_special_tokens=False)

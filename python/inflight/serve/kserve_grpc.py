@@ -29,6 +29,16 @@ from tritonclient.grpc import service_pb2_grpc as pbg
 from inflight.serve.batcher import BatcherError
 from inflight.serve.kserve import (
     EXTENSIONS,
+    failure_reason,
+    model_config,
+    model_ready,
+    model_state,
+    record_success,
+    server_ready,
+    statistics,
+    submit,
+)
+from inflight.serve.kserve_llm import (
     INPUTS,
     OUTPUTS,
     KServeError,
@@ -36,17 +46,9 @@ from inflight.serve.kserve import (
     _check_types,
     _failure,
     _outputs,
-    failure_reason,
     llm_request,
-    model_config,
-    model_ready,
-    model_state,
-    record_success,
     rows_of,
     schedule_parameters,
-    server_ready,
-    statistics,
-    submit,
 )
 from inflight.serve.kserve_tensors import DTYPES, TensorError, deserialize_bytes, serialize_bytes
 from inflight.serve.protocol import APIError
