@@ -1,7 +1,7 @@
 // CUDA attention ops: store_kv, paged_attention (decode), context_attention (prefill), their
 // CUDA-core *_simt twins and the decode workspace size. The arguments and their checks are the CPU
 // ops' (op_checks.h), with the stream (an integer cudaStream_t, e.g.
-// torch.cuda.current_stream().cuda_stream) last instead of num_threads; what only these kernels need
+// torch.cuda.current_stream().cuda_stream) in num_threads' place, before the window; what only these kernels need
 // (16-byte aligned rows, head_dim 64 or 128, grid limits) is checked here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -70,7 +70,8 @@ void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor c
 // The params of paged_attention and its twin; *device: the tensors' device.
 ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                       Tensor const& kv_lens, double scale, Tensor const& out,
-                                      std::optional<Tensor> const& workspace, int* device) {
+                                      std::optional<Tensor> const& workspace, int window, int* device) {
+  require_at_least(window, 0, "window");
   AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
@@ -93,27 +94,30 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
   fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
   p.workspace = ws != nullptr && ws->nbytes() > 0 ? ws->data() : nullptr;
   p.workspace_bytes = ws != nullptr ? static_cast<std::int64_t>(ws->nbytes()) : 0;
+  p.window = window;
   return p;
 }
 
 void paged_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
-                     double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream) {
+                     double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream,
+                     int window) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, window, &device);
   run(ck::launch_paged_attention, p, device, stream, "paged_attention");
 }
 
 void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
-                          double scale, Tensor const& out, std::uintptr_t stream) {
+                          double scale, Tensor const& out, std::uintptr_t stream, int window) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, window, &device);
   run(ck::launch_paged_attention_simt, p, device, stream, "paged_attention_simt");
 }
 
 // The params of context_attention and its twin; *device: the tensors' device.
 ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                           Tensor const& cu_seqlens, Tensor const& kv_lens, double scale,
-                                          Tensor const& out, int* device) {
+                                          Tensor const& out, int window, int* device) {
+  require_at_least(window, 0, "window");
   AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
@@ -131,21 +135,22 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
   fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
   p.cu_seqlens = static_cast<std::int32_t const*>(cu_seqlens.data());
   p.num_tokens = a.num_tokens;
+  p.window = window;
   return p;
 }
 
 void context_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& cu_seqlens,
-                       Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream) {
+                       Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream, int window) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, &device);
   run(ck::launch_context_attention, p, device, stream, "context_attention");
 }
 
 void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                             Tensor const& cu_seqlens, Tensor const& kv_lens, double scale, Tensor const& out,
-                            std::uintptr_t stream) {
+                            std::uintptr_t stream, int window) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, &device);
   run(ck::launch_context_attention_simt, p, device, stream, "context_attention_simt");
 }
 
@@ -158,12 +163,13 @@ INFLIGHT_REGISTER_OPS(cuda_attention) {
         "num_kv_heads, head_dim] at flat slot slot_mapping[t] (int64; negative: skipped) on `stream`.");
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream"),
-        "Decode attention: q [batch, num_heads, head_dim] against keys 0..kv_lens[b]-1 of the paged cache, into "
-        "out. workspace (any contiguous CUDA tensor of paged_attention_workspace_size() bytes, or None) lets "
-        "long contexts split over several CTAs; without it each sequence is one pass. float16/bfloat16 on "
-        "tensor cores, float32 on CUDA cores; head_dim 64 or 128.");
+        nb::arg("window") = 0,
+        "Decode attention: q [batch, num_heads, head_dim] against keys 0..kv_lens[b]-1 of the paged cache (window "
+        "> 0: only the last `window` of them), into out. workspace (any contiguous CUDA tensor of "
+        "paged_attention_workspace_size() bytes, or None) lets long contexts split over several CTAs; without it "
+        "each sequence is one pass. float16/bfloat16 on tensor cores, float32 on CUDA cores; head_dim 64 or 128.");
   m.def("paged_attention_simt", &paged_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
-        nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
+        nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"), nb::arg("window") = 0,
         "paged_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
   m.def("paged_attention_workspace_size", &ck::paged_attention_workspace_size, nb::arg("batch_size"),
         nb::arg("num_heads"), nb::arg("max_kv_len"), nb::arg("head_dim"),
@@ -171,10 +177,13 @@ INFLIGHT_REGISTER_OPS(cuda_attention) {
         "needed).");
   m.def("context_attention", &context_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
+        nb::arg("window") = 0,
         "Causal prefill attention over the paged cache: sequence i's queries q[cu_seqlens[i]:cu_seqlens[i+1]] "
-        "(int32 offsets) sit at positions kv_lens[i] - q_len + r. float16/bfloat16 on tensor cores, float32 on "
+        "(int32 offsets) sit at positions kv_lens[i] - q_len + r (window > 0: a query at p sees keys p - window "
+        "+ 1 .. p only). float16/bfloat16 on tensor cores, float32 on "
         "CUDA cores; head_dim 64 or 128.");
   m.def("context_attention_simt", &context_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
+        nb::arg("window") = 0,
         "context_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
 }

@@ -54,8 +54,9 @@ void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_
 }
 
 void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_lens, float scale, Tensor out,
-                     int num_threads) {
+                     int num_threads, int window) {
   require_at_least(num_threads, 1, "num_threads");
+  require_at_least(window, 0, "window");
   AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out);
   check_cpu_query(q, a);
   require_cpu(
@@ -66,6 +67,7 @@ void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_l
   fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
   p.q_head_stride = q.stride(1);
   p.num_threads = num_threads;
+  p.window = window;
   nb::gil_scoped_release release;
   // The partials of split sequences; the kernels allocate nothing themselves.
   p.workspace_bytes = kc::paged_attention_workspace_size(p);
@@ -75,8 +77,9 @@ void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_l
 }
 
 void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu_seqlens, Tensor kv_lens, float scale,
-                       Tensor out, int num_threads) {
+                       Tensor out, int num_threads, int window) {
   require_at_least(num_threads, 1, "num_threads");
+  require_at_least(window, 0, "window");
   AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out);
   check_cpu_query(q, a);
   require_cpu({{&q, "q"},
@@ -93,6 +96,7 @@ void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu
   p.cu_seqlens = static_cast<std::int32_t const*>(cu_seqlens.data());
   p.num_tokens = a.num_tokens;
   p.num_threads = num_threads;
+  p.window = window;
   nb::gil_scoped_release release;
   kc::launch_context_attention(p, kc::ThreadPool::global());
 }
@@ -105,13 +109,15 @@ INFLIGHT_REGISTER_OPS(attention) {
         "num_kv_heads, head_dim] at slot_mapping [num_tokens] int64 (slot = block * tokens_per_block + offset; "
         "negative = skip). In place.");
   m.def("paged_attention", &paged_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "kv_lens"_a, "scale"_a,
-        "out"_a.noconvert(), "num_threads"_a,
+        "out"_a.noconvert(), "num_threads"_a, "window"_a = 0,
         "Decode attention: q [batch, num_heads, head_dim], one query per sequence, against keys 0 .. kv_lens[i]-1 "
-        "of its blocks (block_tables [batch, max_blocks] int32, kv_lens [batch] int32). Writes out [batch, "
-        "num_heads, head_dim] (contiguous, q's dtype).");
+        "of its blocks (block_tables [batch, max_blocks] int32, kv_lens [batch] int32); window > 0: only the "
+        "last `window` of them (sliding-window attention), 0: all. Writes out [batch, num_heads, head_dim] "
+        "(contiguous, q's dtype).");
   m.def("context_attention", &context_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "cu_seqlens"_a, "kv_lens"_a,
-        "scale"_a, "out"_a.noconvert(), "num_threads"_a,
+        "scale"_a, "out"_a.noconvert(), "num_threads"_a, "window"_a = 0,
         "Prefill / chunked-prefill attention: sequence i's queries are q rows cu_seqlens[i] .. cu_seqlens[i+1]-1 "
-        "at positions kv_lens[i] - q_len + r, causal over the sequence's cached keys. Writes out [num_tokens, "
-        "num_heads, head_dim] (contiguous, q's dtype).");
+        "at positions kv_lens[i] - q_len + r, causal over the sequence's cached keys; window > 0: a query at "
+        "position p sees only keys p - window + 1 .. p (sliding-window attention), 0: all. Writes out "
+        "[num_tokens, num_heads, head_dim] (contiguous, q's dtype).");
 }

@@ -1,6 +1,6 @@
 """CPU attention ops (store_kv, paged_attention, context_attention) against their plain-torch twins,
-on every ISA path this CPU has (the forced portable one included), and NativeAttentionBackend
-against TorchAttentionBackend.
+on every ISA path this CPU has (the forced portable one included), with and without a sliding
+window, and NativeAttentionBackend against TorchAttentionBackend.
 
 fp32 must match the fp32 reference tightly. bf16 / fp16 must stay within 2x of the reference's own
 low-precision error, both measured against the fp32 reference on the same (rounded) inputs.
@@ -252,6 +252,164 @@ def test_chunked_prefill_equals_one_pass(isa):
     md = make_attention_metadata([(blocks, 0, n)], tpb)
     one = ops.context_attention(q, cache, md.block_tables, md.cu_seqlens, md.kv_lens, hd**-0.5)
     torch.testing.assert_close(torch.cat(outs), one, atol=2e-6, rtol=2e-6)
+
+
+# ---- sliding window ---------------------------------------------------------------------------------
+
+# 4096: longer than every sequence here, i.e. no window in effect.
+WINDOWS = [1, 7, 32, 4096]
+# head_dim -> (num_heads, num_kv_heads); 256 with 4 query heads on 1 KV head is Gemma 3's.
+WINDOW_HEADS = {64: (9, 3), 256: (4, 1)}
+
+
+def _naive(q, c, lens, q_lens, scale, window):
+    """Attention per query token in fp32 with the window written out: the query at position p sees
+    keys p - window < j <= p (all j <= p for window 0). Decode when every q_len is 1."""
+    flat = c.cache.float().view(2, -1, *c.cache.shape[3:])
+    group = q.shape[1] // c.cache.shape[3]
+    rows, t = [], 0
+    for b, (kv_len, q_len) in enumerate(zip(lens, q_lens)):
+        slots = [c.blocks[b][j // c.tpb] * c.tpb + j % c.tpb for j in range(kv_len)]
+        k = flat[0, slots].repeat_interleave(group, 1)
+        v = flat[1, slots].repeat_interleave(group, 1)
+        for r in range(q_len):
+            pos = kv_len - q_len + r
+            lo = max(0, pos - window + 1) if window else 0
+            s = torch.einsum("hd,jhd->hj", q[t].float(), k[lo : pos + 1]) * scale
+            rows.append(torch.einsum("hj,jhd->hd", s.softmax(-1), v[lo : pos + 1]))
+            t += 1
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 40])
+def test_reference_window_is_the_explicit_mask(window):
+    """The reference's window mask against a per-token loop with the window written out."""
+    gen = torch.Generator().manual_seed(12)
+    c = _Cache([(n, 0) for n in (1, 17, 50)], 2, 16, torch.float32, tpb=8)
+    q = torch.randn(3, 4, 16, generator=gen)
+    out = ref.paged_attention(q, c.cache, c.md.block_tables, c.md.kv_lens, 0.3, window=window)
+    torch.testing.assert_close(out, _naive(q, c, [1, 17, 50], [1, 1, 1], 0.3, window), atol=1e-5, rtol=1e-5)
+    seqs = [(0, 21), (30, 9), (40, 1)]
+    c = _Cache(seqs, 2, 16, torch.float32, tpb=8)
+    ref.store_kv(c.new_k, c.new_v, c.cache, c.md.slot_mapping)
+    q = torch.randn(c.md.num_tokens, 4, 16, generator=gen)
+    out = ref.context_attention(
+        q, c.cache, c.md.block_tables, c.md.cu_seqlens, c.md.kv_lens, 0.3, window=window
+    )
+    lens, q_lens = [a + n for a, n in seqs], [n for _, n in seqs]
+    torch.testing.assert_close(out, _naive(q, c, lens, q_lens, 0.3, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("head_dim", list(WINDOW_HEADS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+def test_paged_attention_window_matches_reference(isa, dtype, head_dim, window):
+    num_heads, num_kv_heads = WINDOW_HEADS[head_dim]
+    kv_lens = DECODE_BATCHES["mixed"]
+    c = _Cache([(n, 0) for n in kv_lens], num_kv_heads, head_dim, dtype, seed=head_dim + 1)
+    q = torch.randn(len(kv_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(8)).to(dtype)
+    args = (c.cache, c.md.block_tables, c.md.kv_lens, head_dim**-0.5)
+    out = ops.paged_attention(q, *args, window=window)
+    key = ("paged_window", dtype, head_dim, window)
+    _check_close(out, *_references(key, lambda *a: ref.paged_attention(*a, window=window), q, *args))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("batch", list(CONTEXT_BATCHES), ids=str)
+@pytest.mark.parametrize("head_dim", list(WINDOW_HEADS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+def test_context_attention_window_matches_reference(isa, dtype, head_dim, batch, window):
+    """Fresh prompts and chunks after cached tokens (kv lens off the block size), so windows start
+    mid-tile, inside earlier chunks, and (1000 cached) far past the first key tiles."""
+    num_heads, num_kv_heads = WINDOW_HEADS[head_dim]
+    c = _Cache(CONTEXT_BATCHES[batch], num_kv_heads, head_dim, dtype, seed=head_dim + 2)
+    ops.store_kv(c.new_k, c.new_v, c.cache, c.md.slot_mapping)
+    q = torch.randn(c.md.num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(
+        dtype
+    )
+    args = (c.cache, c.md.block_tables, c.md.cu_seqlens, c.md.kv_lens, head_dim**-0.5)
+    out = ops.context_attention(q, *args, window=window)
+    key = ("context_window", dtype, head_dim, batch, window)
+    _check_close(out, *_references(key, lambda *a: ref.context_attention(*a, window=window), q, *args))
+
+
+def test_window_zero_is_unchanged(isa):
+    """window=0 is the default, bit for bit, and so is a window at least as long as every sequence."""
+    c = _Cache([(n, 0) for n in DECODE_BATCHES["mixed"]], 3, 64, torch.bfloat16)
+    q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    args = (c.cache, c.md.block_tables, c.md.kv_lens, 0.125)
+    out = ops.paged_attention(q, *args)
+    assert torch.equal(ops.paged_attention(q, *args, window=0), out)
+    assert torch.equal(ops.paged_attention(q, *args, window=1025), out)
+    cc = _Cache(CONTEXT_BATCHES["long_prefix"], 3, 64, torch.bfloat16, seed=2)
+    ops.store_kv(cc.new_k, cc.new_v, cc.cache, cc.md.slot_mapping)
+    qc = torch.randn(cc.md.num_tokens, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cargs = (cc.cache, cc.md.block_tables, cc.md.cu_seqlens, cc.md.kv_lens, 0.125)
+    out = ops.context_attention(qc, *cargs)
+    assert torch.equal(ops.context_attention(qc, *cargs, window=0), out)
+    assert torch.equal(ops.context_attention(qc, *cargs, window=1025), out)
+    # Positional, after out.
+    res = torch.empty_like(out)
+    assert ops.context_attention(qc, *cargs, res, 0) is res and torch.equal(res, out)
+
+
+@pytest.mark.parametrize("window", [100, 300, 512])
+def test_window_decode_split_over_threads(isa, window):
+    """Windowed decode split into partitions (several threads) and merged: partitions cover only the
+    window, and the result matches the reference whatever the thread count."""
+    lens = [1025, 300, 2000, 129]
+    c = _Cache([(n, 0) for n in lens], 1, 256, torch.float32, seed=4)
+    q = torch.randn(len(lens), 4, 256, generator=torch.Generator().manual_seed(5))
+    args = (c.cache, c.md.block_tables, c.md.kv_lens, 0.0625)
+    expected = ref.paged_attention(q, *args, window=window)
+    for n in (1, 2, 4):
+        torch.set_num_threads(n)
+        torch.testing.assert_close(
+            ops.paged_attention(q, *args, window=window), expected, atol=2e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("window", [1, 30, 130])
+def test_chunked_prefill_with_window_equals_one_pass(isa, window):
+    """Windows reaching back into earlier chunks: three chunks equal one pass, and the reference."""
+    tpb, kvh, nh, hd, n = 16, 1, 4, 256, 200
+    gen = torch.Generator().manual_seed(6)
+    blocks = [9, 2, 7, 0, 11, 4, 5, 13, 1, 8, 3, 6, 12]
+    keys, values = torch.randn(n, kvh, hd, generator=gen), torch.randn(n, kvh, hd, generator=gen)
+    q = torch.randn(n, nh, hd, generator=gen)
+    cache = torch.randn(2, 14, tpb, kvh, hd, generator=gen)
+    outs, start = [], 0
+    for chunk in (77, 100, 23):
+        md = make_attention_metadata([(blocks, start, chunk)], tpb)
+        sl = slice(start, start + chunk)
+        ops.store_kv(keys[sl], values[sl], cache, md.slot_mapping)
+        outs.append(
+            ops.context_attention(
+                q[sl], cache, md.block_tables, md.cu_seqlens, md.kv_lens, hd**-0.5, window=window
+            )
+        )
+        start += chunk
+    md = make_attention_metadata([(blocks, 0, n)], tpb)
+    args = (cache, md.block_tables, md.cu_seqlens, md.kv_lens, hd**-0.5)
+    one = ops.context_attention(q, *args, window=window)
+    torch.testing.assert_close(torch.cat(outs), one, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(one, ref.context_attention(q, *args, window=window), atol=2e-5, rtol=1e-5)
+
+
+def test_bad_window_names_the_argument():
+    c = _Cache([(20, 0), (5, 0)], 2, 64, torch.float32)
+    q = torch.randn(2, 4, 64)
+    args = (c.cache, c.md.block_tables, c.md.kv_lens, 1.0)
+    cargs = (c.cache, c.md.block_tables, torch.tensor([0, 1, 2], dtype=torch.int32), c.md.kv_lens, 1.0)
+    for call in (
+        lambda **kw: ops.paged_attention(q, *args, **kw),
+        lambda **kw: ops.context_attention(q, *cargs, **kw),
+    ):
+        with pytest.raises(ValueError, match="window must be >= 0, got -1"):
+            call(window=-1)
+        for bad in (1.5, True, "8", None):
+            with pytest.raises(TypeError, match="window must be an int"):
+                call(window=bad)
 
 
 # ---- validation -------------------------------------------------------------------------------------

@@ -65,13 +65,15 @@ constexpr int kMinPartition = 128;
 // Work items per thread to aim for: enough that dynamic scheduling evens out unequal items.
 constexpr int kItemsPerThread = 8;
 
-// The split of plan_paged_attention, or (split = false) one partition per sequence.
+// The split of plan_paged_attention, or (split = false) one partition per sequence. Lengths are the
+// keys each sequence reads: its window's, not kv_len, so a windowed decode costs and splits by window.
 PagedAttentionPlan make_plan(PagedAttentionParams const& p, bool split) {
   int max_kv = 0;
   int64_t total = 0;
   for (int b = 0; b < p.batch_size; ++b) {
-    max_kv = std::max(max_kv, p.kv_lens[b]);
-    total += p.kv_lens[b];
+    int const keys = p.kv_lens[b] - decode_key_begin(p.window, p.kv_lens[b]);
+    max_kv = std::max(max_kv, keys);
+    total += keys;
   }
   PagedAttentionPlan plan;
   plan.partition_size = std::max(max_kv, 1);

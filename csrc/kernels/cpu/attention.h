@@ -61,15 +61,17 @@ struct PagedAttentionParams : AttentionParams {
 struct ContextAttentionParams : AttentionParams {
   std::int64_t q_head_stride = 0;  // CPU only: elements between heads of q (CUDA: head_dim)
   // [batch_size + 1]: sequence i's queries are tokens cu_seqlens[i] .. cu_seqlens[i+1]-1, at positions
-  // kv_lens[i] - q_len_i + r (so q_len_i <= kv_lens[i]); causal over the sequence's cache.
+  // kv_lens[i] - q_len_i + r (so q_len_i <= kv_lens[i]); causal over the sequence's cache (and within
+  // `window`: key tiles wholly before a query tile's window are skipped).
   std::int32_t const* cu_seqlens = nullptr;
   std::int64_t num_tokens = 0;  // rows of q and out
   int num_threads = 1;          // CPU only: at most this many of the pool's threads
 };
 
-// How a decode batch is split: each sequence's keys in partitions of `partition_size` tokens, so a
-// small batch with long contexts still gives every thread work; partitions are merged by
-// log-sum-exp. Depends only on the shapes, kv_lens and num_threads (not on the workspace).
+// How a decode batch is split: each sequence's keys (those in its window: decode_key_begin ..
+// kv_len - 1) in partitions of `partition_size` tokens, so a small batch with long contexts still
+// gives every thread work; partitions are merged by log-sum-exp. Depends only on the shapes, kv_lens,
+// the window and num_threads (not on the workspace).
 struct PagedAttentionPlan {
   int partition_size = 0;
   int max_partitions = 1;  // over the batch
@@ -96,6 +98,12 @@ inline int decode_kv_heads_per_item(int num_heads, int num_kv_heads, int head_di
   if (per_item > kMaxDecodeRowFloats / head_dim) per_item = kMaxDecodeRowFloats / head_dim;
   return per_item < 1 ? 1 : (per_item < num_kv_heads ? per_item : num_kv_heads);
 }
+
+// The first key a query at position `pos` sees: pos - window + 1 under a window, else 0.
+inline int window_key_begin(int window, int pos) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
+
+// The first key decode reads for a sequence of kv_len keys (its query sits at kv_len - 1).
+inline int decode_key_begin(int window, int kv_len) { return window_key_begin(window, kv_len - 1); }
 
 }  // namespace
 

@@ -255,7 +255,8 @@ struct AttentionKernels {
     }
   }
 
-  // One (sequence, run of KV heads, partition): the run's query heads against keys [j0, j1).
+  // One (sequence, run of KV heads, partition): the run's query heads against keys [j0, j1), partitions
+  // counted from the window's first key (keys before it are never read).
   // A work item takes several KV heads because a token's rows for all KV heads are adjacent in the
   // cache: one item per KV head would read every block once per head, at a stride (measured here:
   // ~10 GB/s from DRAM for that pattern against ~18 GB/s for the block in order, one thread).
@@ -263,7 +264,8 @@ struct AttentionKernels {
   static void decode_item(PagedAttentionParams const& p, PagedAttentionPlan const& plan, int b, int g0, int ng,
                           int part) {
     int const kv_len = p.kv_lens[b];
-    int const j0 = part * plan.partition_size;
+    int const key0 = decode_key_begin(p.window, kv_len);
+    int const j0 = key0 + part * plan.partition_size;
     if (j0 >= kv_len) return;
     int const j1 = std::min(kv_len, j0 + plan.partition_size);
     int const hd = head_dim(p.head_dim), nvec = hd / W;
@@ -336,7 +338,7 @@ struct AttentionKernels {
       }
     }
 
-    if (plan.max_partitions == 1 || kv_len <= plan.partition_size) {
+    if (plan.max_partitions == 1 || kv_len - key0 <= plan.partition_size) {
       T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h0) * hd;
       for (int h = 0; h < heads; ++h) store_output_row(out + h * hd, acc + h * hd, 1.0f / l[h], nvec);
     } else {
@@ -352,10 +354,10 @@ struct AttentionKernels {
 
   // Log-sum-exp merge of one (sequence, head)'s partitions.
   static void merge_partitions(PagedAttentionParams const& p, PagedAttentionPlan const& plan, int b, int h) {
-    int const kv_len = p.kv_lens[b];
-    if (kv_len <= plan.partition_size) return;
+    int const num_keys = p.kv_lens[b] - decode_key_begin(p.window, p.kv_lens[b]);
+    if (num_keys <= plan.partition_size) return;
     int const hd = head_dim(p.head_dim), nvec = hd / W;
-    int const num_parts = (kv_len + plan.partition_size - 1) / plan.partition_size;
+    int const num_parts = (num_keys + plan.partition_size - 1) / plan.partition_size;
     float const* ws =
         static_cast<float const*>(p.workspace) + (int64_t(b) * p.num_heads + h) * plan.max_partitions * (hd + 2);
     float m_max = kNegInf;
@@ -396,7 +398,8 @@ struct AttentionKernels {
   // ---- context attention (prefill, chunked prefill) -----------------------------------------------
 
   // One (sequence, kv head, query tile): query tokens [r0, r0 + nq) of the sequence, each with the
-  // group's heads as rows (row = token * group + head), flash-style over key tiles 0 .. last position.
+  // group's heads as rows (row = token * group + head), flash-style over key tiles from the first
+  // row's window start (0 without a window) to the last row's position.
   static void context_item(ContextAttentionParams const& p, int b, int g, int r0, int nq) {
     int const hd = head_dim(p.head_dim), nvec = hd / W;
     int const group = p.num_heads / p.num_kv_heads;
@@ -404,8 +407,9 @@ struct AttentionKernels {
     int const tok0 = p.cu_seqlens[b];
     int const q_len = p.cu_seqlens[b + 1] - tok0;
     int const kv_len = p.kv_lens[b];
-    int const pos0 = kv_len - q_len + r0;  // position of the tile's first query token
-    int const num_keys = pos0 + nq;        // keys 0 .. last query's position
+    int const pos0 = kv_len - q_len + r0;               // position of the tile's first query token
+    int const num_keys = pos0 + nq;                     // keys 0 .. last query's position
+    int const key0 = window_key_begin(p.window, pos0);  // keys before the first row's window: skipped
     int const rows = nq * group;
     T const* q = static_cast<T const*>(p.q);
     T const* k_cache = static_cast<T const*>(p.kv_cache);
@@ -431,7 +435,7 @@ struct AttentionKernels {
     std::fill(m, m + rows, kNegInf);
     std::fill(l, l + rows, 0.0f);
 
-    for (int kt0 = 0; kt0 < num_keys; kt0 += kKeyTile) {
+    for (int kt0 = key0; kt0 < num_keys; kt0 += kKeyTile) {
       int const n = std::min(kKeyTile, num_keys - kt0);
       tile_rows(key_rows, table, kt0, n, tpb, kvh);
       for (int i = 0; i < n; ++i) {
@@ -459,6 +463,13 @@ struct AttentionKernels {
           }
         }
       }
+      // Window mask: row r sees keys j > pos0 + r - window (a row may see none of this tile yet).
+      if (p.window > 0 && kt0 < pos0 + nq - p.window) {
+        for (int r = 0; r < nq; ++r) {
+          int const first_visible = std::clamp(pos0 + r - p.window + 1 - kt0, 0, kKeyTile);
+          for (int h = 0; h < group; ++h) std::fill_n(s + (r * group + h) * kKeyTile, first_visible, kNegInf);
+        }
+      }
       for (int r = 0; r < rows; ++r) scale_row(o + r * hd, softmax_update(s + r * kKeyTile, m[r], l[r]), nvec);
       pv_rows(o, hd, s, kKeyTile, vrows, n, rows, nvec);
     }
@@ -478,7 +489,9 @@ struct AttentionKernels {
     for (int b = 0; b < p.batch_size; ++b) {
       int const q_len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
       max_q_len = std::max(max_q_len, q_len);
-      macs += int64_t(q_len) * (p.kv_lens[b] - q_len / 2) * p.num_heads * p.head_dim * 2;
+      int64_t keys = p.kv_lens[b] - q_len / 2;  // per query, on average
+      if (p.window > 0) keys = std::min<int64_t>(keys, p.window);
+      macs += int64_t(q_len) * keys * p.num_heads * p.head_dim * 2;
     }
     int const num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
     int const max_tiles = (max_q_len + tile_q - 1) / tile_q;

@@ -51,6 +51,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
   int const kv_len = clamp_kv_len(p.kv_lens[seq], p.max_blocks_per_seq, p.tokens_per_block);
   std::int64_t const q_pos = static_cast<std::int64_t>(kv_len) - q_len + row;
   int const num_keys = q_pos + 1 < 0 ? 0 : (q_pos + 1 > kv_len ? kv_len : static_cast<int>(q_pos + 1));
+  // Under a window the query sees keys q_pos - window + 1 .. q_pos only.
+  int const first_key = p.window > 0 && q_pos - p.window + 1 > 0 ? static_cast<int>(q_pos - p.window + 1) : 0;
   int const kv_head = head / (p.num_heads / p.num_kv_heads);
 
   T const* q = static_cast<T const*>(p.q) + token * p.q_token_stride + static_cast<std::int64_t>(head) * kHeadDim;
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
   float m = -INFINITY, l = 0.f;
-  for (int j = 0; j < num_keys; ++j) {
+  for (int j = first_key; j < num_keys; ++j) {
     std::int64_t const offset =
         paged_kv_offset(table, j, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
     if (offset < 0) continue;  // the same value in every lane: the warp stays converged

@@ -12,7 +12,7 @@
 namespace inflight::kernels::cuda {
 
 // params.cu_seqlens == nullptr selects the decode layout (token i is sequence i's only query, at
-// position kv_lens[i] - 1); otherwise the context layout of context_attention.h.
+// position kv_lens[i] - 1); otherwise the context layout of context_attention.h. params.window as there.
 cudaError_t launch_attention_simt(ContextAttentionParams const& params, cudaStream_t stream);
 
 }  // namespace inflight::kernels::cuda

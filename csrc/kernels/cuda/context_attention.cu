@@ -91,6 +91,10 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
   std::int64_t const last_key = pos0 + rows_here - 1;
   int const num_keys = last_key + 1 < 0 ? 0 : (last_key + 1 > kv_len ? kv_len : static_cast<int>(last_key + 1));
   int const num_tiles = (num_keys + C::kBlockN - 1) / C::kBlockN;
+  // Under a window row r sees keys > pos0 + r - window: the tiles before the first row's window start
+  // are skipped (0 .. first_tile - 1), the rest masked per row.
+  std::int64_t const key_lo = p.window > 0 && pos0 - p.window + 1 > 0 ? pos0 - p.window + 1 : 0;
+  int const first_tile = key_lo < num_keys ? static_cast<int>(key_lo / C::kBlockN) : num_tiles;
 
   T const* q = static_cast<T const*>(p.q) + static_cast<std::int64_t>(head) * kHeadDim;
   T const* k_cache = static_cast<T const*>(p.kv_cache);
@@ -111,17 +115,17 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
     for (int r = tid / C::kChunks; r < C::kBlockN; r += C::kThreads / C::kChunks) {
       int const key = kv_tile * C::kBlockN + r;
       std::int64_t offset = -1;
-      if (key < num_keys) {
+      if (key >= key_lo && key < num_keys) {
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
-      bool const valid = offset >= 0;  // rows past the keys are zero-filled (masked below; 0 * V stays 0)
+      bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
       std::int64_t const src = valid ? offset + chunk * 8 : 0;
       cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
       cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
     }
   };
 
-  if (num_tiles > 0) load_tile(0, 0);
+  if (first_tile < num_tiles) load_tile(first_tile, 0);
   cp_async_commit();
 
   std::uint32_t q_frag[kHeadDim / 16][4];
@@ -133,21 +137,24 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
   float const scale_log2 = p.scale * kLog2e;
   // Positions of this lane's two rows.
   std::int64_t const row_pos[2] = {pos0 + warp * 16 + g, pos0 + warp * 16 + g + 8};
+  // Keys at or before these are outside the rows' windows (-1: no window).
+  std::int64_t const row_lo[2] = {p.window > 0 ? row_pos[0] - p.window : -1, p.window > 0 ? row_pos[1] - p.window : -1};
 
-  for (int n = 0; n < num_tiles; ++n) {
+  for (int n = first_tile; n < num_tiles; ++n) {
+    int const stage = (n - first_tile) & 1;
     // Prefetch tile n + 1 into the other stage (free: the previous iteration ended with a barrier).
-    if (n + 1 < num_tiles) load_tile(n + 1, (n + 1) & 1);
+    if (n + 1 < num_tiles) load_tile(n + 1, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
 
-    if (n == 0) {
+    if (n == first_tile) {
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         ldmatrix_x4(q_frag[kk], s_q + (warp * 16 + (mi & 1) * 8 + (lane & 7)) * C::kRowElems + kk * 16 + (mi >> 1) * 8);
       }
     }
-    T const* s_k = s_kv + (2 * (n & 1)) * C::kTileElems;
+    T const* s_k = s_kv + (2 * stage) * C::kTileElems;
     T const* s_v = s_k + C::kTileElems;
 
     // S = Q K^T: 16 rows x 64 keys per warp, eight 8-key column tiles.
@@ -165,14 +172,14 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
       }
     }
 
-    // Causal and length mask, then the online softmax update of both rows.
+    // Causal, window and length mask, then the online softmax update of both rows.
     int const key_base = n * C::kBlockN + 2 * t;
 #pragma unroll
     for (int j = 0; j < C::kBlockN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int const key = key_base + j * 8 + (e & 1);
-        bool const visible = key < kv_len && key <= row_pos[e >> 1];
+        bool const visible = key < kv_len && key <= row_pos[e >> 1] && key > row_lo[e >> 1];
         s[j][e] = visible ? s[j][e] * scale_log2 : -INFINITY;
       }
     }

@@ -57,7 +57,11 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
   int const rows = min(C::kRows, kv_head * group + group - head_begin);
   int const seq = blockIdx.z;
   int const kv_len = clamp_kv_len(p.kv_lens[seq], p.max_blocks_per_seq, p.tokens_per_block);
-  int const num_tiles = (kv_len + C::kTileKeys - 1) / C::kTileKeys;
+  // Under a window only the keys key_begin .. kv_len - 1 are seen: the tiles before the one holding
+  // key_begin are not read, and its keys before key_begin are masked.
+  int const key_begin = p.window > 0 && kv_len > p.window ? kv_len - p.window : 0;
+  int const first_tile = key_begin / C::kTileKeys;
+  int const num_tiles = (kv_len + C::kTileKeys - 1) / C::kTileKeys - first_tile;
   int const my_tiles = partition < num_tiles ? (num_tiles - partition + num_partitions - 1) / num_partitions : 0;
 
   T const* q = static_cast<T const*>(p.q) + seq * p.q_token_stride;
@@ -81,17 +85,17 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
     for (int r = tid / C::kChunks; r < C::kTileKeys; r += C::kThreads / C::kChunks) {
       int const key = tile * C::kTileKeys + r;
       std::int64_t offset = -1;
-      if (key < kv_len) {
+      if (key >= key_begin && key < kv_len) {
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
-      bool const valid = offset >= 0;  // rows past kv_len are zero-filled (masked below; 0 * V stays 0)
+      bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
       std::int64_t const src = valid ? offset + chunk * 8 : 0;
       cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
       cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
     }
   };
 
-  if (my_tiles > 0) load_tile(partition, 0);
+  if (my_tiles > 0) load_tile(first_tile + partition, 0);
   cp_async_commit();
 
   std::uint32_t q_frag[kHeadDim / 16][4];
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
   int const mi = lane / 8;  // which of the four 8x8 matrices this lane addresses in ldmatrix
 
   for (int i = 0; i < my_tiles; ++i) {
-    int const tile = partition + i * num_partitions;
+    int const tile = first_tile + partition + i * num_partitions;
     // Prefetch the next tile into the other stage; the trailing barrier of the previous iteration
     // guarantees nobody still reads it. An empty group keeps the wait count uniform.
     if (i + 1 < my_tiles) load_tile(tile + num_partitions, (i + 1) & 1);
@@ -137,7 +141,7 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int const key = key_base + nt * 8 + (e & 1);
-        s[nt][e] = key < kv_len ? s[nt][e] * scale_log2 : -INFINITY;
+        s[nt][e] = key < kv_len && key >= key_begin ? s[nt][e] * scale_log2 : -INFINITY;
       }
     }
 #pragma unroll
@@ -267,8 +271,10 @@ int max_partitions_for(std::int64_t max_kv_len) {
 }
 
 // Partitions: enough CTAs for about four per multiprocessor, no partition shorter than
-// kPagedAttentionMinPartitionKeys of the table's capacity, and no more than the workspace holds.
-cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partition, int& num_partitions) {
+// kPagedAttentionMinPartitionKeys of the table's capacity (or of the window), and no more than the
+// workspace holds.
+cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partition, int tile_keys,
+                              int& num_partitions) {
   num_partitions = 1;
   if (p.workspace == nullptr) return cudaSuccess;
   std::int64_t const per_partition = static_cast<std::int64_t>(p.batch_size) * p.num_heads * (p.head_dim + 1) * 4;
@@ -279,7 +285,10 @@ cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partit
   status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
   int const by_occupancy = ceil_div(4LL * num_sms, ctas_per_partition);
-  int const by_length = max_partitions_for(static_cast<std::int64_t>(p.max_blocks_per_seq) * p.tokens_per_block);
+  // Keys a sequence can read: the table's capacity, or under a window at most window + one tile.
+  std::int64_t max_keys = static_cast<std::int64_t>(p.max_blocks_per_seq) * p.tokens_per_block;
+  if (p.window > 0 && p.window + tile_keys < max_keys) max_keys = p.window + tile_keys;
+  int const by_length = max_partitions_for(max_keys);
   std::int64_t n = by_occupancy < by_length ? by_occupancy : by_length;
   if (n > by_workspace) n = by_workspace;
   num_partitions = n < 1 ? 1 : static_cast<int>(n);
@@ -294,7 +303,7 @@ cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   std::int64_t const grid_y = static_cast<std::int64_t>(p.num_kv_heads) * chunks_per_group;
   if (grid_y > 65535 || p.batch_size > 65535) return cudaErrorInvalidValue;
   int num_partitions = 1;
-  cudaError_t status = choose_partitions(p, static_cast<int>(grid_y) * p.batch_size, num_partitions);
+  cudaError_t status = choose_partitions(p, static_cast<int>(grid_y) * p.batch_size, C::kTileKeys, num_partitions);
   if (status != cudaSuccess) return status;
 
   auto kernel = paged_decode_kernel<T, kHeadDim>;

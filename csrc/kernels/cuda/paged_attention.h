@@ -1,13 +1,15 @@
 // paged_attention: decode attention, one query token per sequence, over the paged KV cache.
 //   out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, keys 0 .. kv_lens[b]-1 of sequence b, read from
-//   kv_cache[0/1, block_tables[b, j // tpb], j % tpb, h // (num_heads / num_kv_heads)].
+//   kv_cache[0/1, block_tables[b, j // tpb], j % tpb, h // (num_heads / num_kv_heads)]. Under a window
+//   (params.window > 0) only keys kv_lens[b] - window .. kv_lens[b] - 1 (those >= 0) are read.
 //
 // Work split: one CTA per (partition, KV head, 16-head chunk of its query group, sequence). The query
 // heads that share a KV head are the 16 rows of one tensor-core tile, so each K/V row is read from
 // memory once per KV head. Long contexts are split over `num_partitions` CTAs (flash-decoding): CTA p
-// takes key tiles p, p + P, p + 2P, ..., writes its normalised partial output and log-sum-exp to the
-// workspace, and a second kernel merges the partitions. The partition count is chosen by the launcher
-// from the grid size, the block-table width and the workspace it is given; no workspace means no split.
+// takes key tiles p, p + P, p + 2P, ... (counted from the window's first tile), writes its normalised
+// partial output and log-sum-exp to the workspace, and a second kernel merges the partitions. The
+// partition count is chosen by the launcher from the grid size, the block-table width (or the window)
+// and the workspace it is given; no workspace means no split.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,8 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_k
 
 The cache has q's dtype (float32, bfloat16 or float16); accumulation is fp32. CPU tensors go to
 :mod:`inflight._C` (threads = ``torch.get_num_threads()``), CUDA tensors to :mod:`inflight._C_cuda`
-on the current stream. q, k and v may be strided views (a slice of a fused qkv projection) as long as
+on the current stream. ``window`` (both attention ops): sliding-window attention as in transformers,
+a query at position ``p`` sees only keys ``p - window < j <= p``; 0 means no window. q, k and v may be strided views (a slice of a fused qkv projection) as long as
 head_dim is contiguous; ``out`` must be contiguous. Arguments are validated in C++ (errors name them).
 Plain-torch twins: :mod:`inflight.ops.reference.attention`.
 
@@ -34,6 +35,11 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _check_window(window: int) -> None:
+    if type(window) is not int:  # not bool, not a float that nanobind would name vaguely
+        raise TypeError(f"window must be an int >= 0 (0: no window), got {type(window).__name__}")
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at
     ``slot_mapping`` ``[num_tokens]`` int64, in place; a negative slot skips its token (padding)."""
@@ -50,21 +56,31 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[batch, num_heads, head_dim]`` holds one query per sequence, which
     attends to its keys ``0 .. kv_lens[i]-1`` (``block_tables`` ``[batch, max_blocks]`` int32,
-    ``kv_lens`` ``[batch]`` int32). GQA when num_heads is a multiple of num_kv_heads. Returns ``out``
+    ``kv_lens`` ``[batch]`` int32); with ``window > 0`` only to the last ``window`` of them (the keys
+    before are not read). GQA when num_heads is a multiple of num_kv_heads. Returns ``out``
     ``[batch, num_heads, head_dim]`` (allocated when None)."""
+    _check_window(window)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
         # No split-K workspace: one partition per (sequence, head); a caller that wants long
         # contexts split passes through the _C_cuda op with a workspace of
         # paged_attention_workspace_size(...) bytes.
-        _cuda_op("paged_attention")(q, kv_cache, block_tables, kv_lens, scale, out, None, _stream(q))
+        _cuda_op("paged_attention")(q, kv_cache, block_tables, kv_lens, scale, out, None, _stream(q), window)
     else:
         _C.paged_attention(
-            _dl(q), _dl(kv_cache), _dl(block_tables), _dl(kv_lens), scale, _dl(out), torch.get_num_threads()
+            _dl(q),
+            _dl(kv_cache),
+            _dl(block_tables),
+            _dl(kv_lens),
+            scale,
+            _dl(out),
+            torch.get_num_threads(),
+            window,
         )
     return out
 
@@ -77,17 +93,22 @@ def context_attention(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Prefill / chunked-prefill attention over the paged cache. Sequence ``i``'s queries are rows
     ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` of ``q`` ``[num_tokens, num_heads, head_dim]``, at
     positions ``kv_lens[i] - q_len_i + r``; each attends causally to the sequence's cached keys
-    (earlier chunks and reused prefix blocks included; this step's K/V must already be stored).
-    ``cu_seqlens`` ``[batch + 1]`` int32, ``kv_lens`` ``[batch]`` int32. Returns ``out``
-    ``[num_tokens, num_heads, head_dim]`` (allocated when None)."""
+    (earlier chunks and reused prefix blocks included; this step's K/V must already be stored), with
+    ``window > 0`` only to keys ``position - window + 1 .. position``. ``cu_seqlens`` ``[batch + 1]``
+    int32, ``kv_lens`` ``[batch]`` int32. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
+    (allocated when None)."""
+    _check_window(window)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
-        _cuda_op("context_attention")(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, _stream(q))
+        _cuda_op("context_attention")(
+            q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, _stream(q), window
+        )
     else:
         _C.context_attention(
             _dl(q),
@@ -98,5 +119,6 @@ def context_attention(
             scale,
             _dl(out),
             torch.get_num_threads(),
+            window,
         )
     return out

@@ -33,6 +33,10 @@ struct AttentionParams {
   int head_dim = 0;                         // CUDA: 64 or 128
   float scale = 1.0f;                       // of q . k, before the softmax
   ScalarType dtype = ScalarType::kFloat32;  // of q, out and the cache: a float type
+  // Sliding-window (local) attention: a query at position p sees the keys j with p - window < j <= p
+  // (the last `window` tokens, itself included), as transformers' sliding_window. 0: no window (full
+  // causal attention). Decode's query sits at kv_lens[i] - 1; keys before the window are not read.
+  int window = 0;
 };
 
 }  // namespace inflight::kernels

@@ -5,6 +5,7 @@ each sequence's keys through its block table into a padded batch, matmuls in the
 softmax in fp32, probabilities rounded back to the input dtype. Batched (no Python loop over
 sequences), so they also serve as the baseline in ``benchmarks/bench_attention_cpu.py``. Called
 with fp32 tensors they are the ground truth the tests measure the low-precision error against.
+``window > 0`` masks explicitly (a query at position ``p`` sees keys ``p - window < j <= p``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -55,7 +57,11 @@ def paged_attention(
     max_kv = key.shape[1]
     qh = q.reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qh, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group, max_kv]
-    valid = torch.arange(max_kv, device=q.device)[None, :] < kv_lens.to(q.device)[:, None].long()
+    j = torch.arange(max_kv, device=q.device)[None, :]
+    kv_len_t = kv_lens.to(q.device)[:, None].long()
+    valid = j < kv_len_t
+    if window > 0:  # the query sits at kv_len - 1
+        valid &= j > kv_len_t - 1 - window
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     result = torch.matmul(probs, value.transpose(1, 2)).reshape(batch, num_heads, head_dim)
@@ -73,6 +79,7 @@ def context_attention(
     kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -95,12 +102,16 @@ def context_attention(
     qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, num_kv_heads, group * max_q, head_dim)
 
-    # Query row r of sequence i sits at position kv_len - q_len + r and sees keys 0 .. that position.
-    # Padded rows (r >= q_len) see all kv_len keys: never fully masked, no NaN.
+    # Query row r of sequence i sits at position kv_len - q_len + r and sees keys 0 .. that position
+    # (the last `window` of them under a window). Padded rows (r >= q_len) are placed at kv_len - 1:
+    # never fully masked, no NaN.
     kv_len_t = torch.tensor(lens, dtype=torch.int64)
     q_pos = (kv_len_t - q_len_t)[:, None] + torch.arange(max_q)[None, :]
+    q_pos = torch.minimum(q_pos, kv_len_t[:, None] - 1)
     j = torch.arange(max_kv)
     mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len_t[:, None, None])
+    if window > 0:
+        mask &= j[None, None, :] > q_pos[:, :, None] - window
     mask = mask.to(q.device)[:, None, None]  # [batch, 1, 1, max_q, max_kv]
 
     scores = torch.matmul(qp, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group*max_q, max_kv]
