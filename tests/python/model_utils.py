@@ -21,7 +21,7 @@ import torch
 
 from inflight.layers.attention import AttentionMetadata
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -80,6 +80,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
     },
+    "gemma3": {
+        # Gemma 3: a sliding layer (window 8, shorter than most prompts, local RoPE base) then a global
+        # one (its own base), QK-norm, GeGLU, (1 + w) norms, a query_pre_attn_scalar != head_dim.
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "tie_word_embeddings": True,
+    },
     "mistral": {
         # head_dim (32) != hidden_size / num_heads (16), GQA ratio 4; no sliding window (refused otherwise).
         "num_attention_heads": 4,
@@ -93,9 +108,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _config_class(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[arch]
+    return {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "mistral": MistralConfig,
+        "qwen3": Qwen3Config,
+        "gemma3": Gemma3TextConfig,
+    }[arch]
 
 
 def make_tiny_tokenizer(path: str | Path, vocab_size: int = 384):

@@ -91,7 +91,7 @@ def test_prefill_then_greedy_decode(tiny, arch):
     torch.testing.assert_close(torch.stack(step_logits), ref, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_mixed_batch_in_one_forward(tiny, arch):
     """Contexts (fresh, and a chunk after a cached prefix) and decodes share one flattened step."""
     _, hf, model = tiny[arch]
@@ -317,3 +317,22 @@ def test_bad_arguments_raise(tiny):
         _load(path, torch.float32, max_seq_len=513)
     with pytest.raises(ValueError, match="model must be a Hugging Face model directory.*nowhere"):
         _load(path / "nowhere", torch.float32)
+
+
+def test_gemma3_window_and_local_rope_matter(tiny, tmp_path):
+    """The tiny Gemma 3's sliding layer (window 8) and its local RoPE base change the logits of a long
+    prompt: transformers without them disagrees with the model that matched it above."""
+    import transformers
+
+    path, hf, model = tiny["gemma3"]
+    ids = _prompt(40, seed=11)
+    kv = PagedKV.for_model(model, tokens_per_block=4)
+    input_ids, positions, md = kv.step([(0, ids)], logits="all")
+    ours = model(input_ids, positions, md, kv.kv_caches)
+    torch.testing.assert_close(ours, _hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
+    config = json.loads((path / "config.json").read_text())
+    for change in ({"sliding_window": 4096}, {"layer_types": ["full_attention", "full_attention"]}):
+        other = transformers.Gemma3TextConfig(**{**config, **change})
+        variant = transformers.Gemma3ForCausalLM(other).eval()
+        variant.load_state_dict(hf.state_dict())
+        assert (_hf_logits(variant, ids) - ours).abs().max() > 1e-2, change

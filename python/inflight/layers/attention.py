@@ -77,5 +77,7 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Query token ``t`` at position ``p`` attends to its sequence's tokens ``0..p``."""
+        """Query token ``t`` at position ``p`` attends to its sequence's tokens ``0..p``; with a
+        ``window`` W > 0 (a sliding-window layer) only to ``p-W+1..p``, transformers' convention."""

@@ -84,7 +84,7 @@ class FusedCpuLayers:
         if model.rotary.cos_sin.device.type != "cpu":
             return "not on the CPU"
         if model.config.qk_norm:
-            return "QK-norm (Qwen3) has no fused kernel"
+            return "QK-norm (Qwen3, Gemma 3) has no fused kernel"
         for i, layer in enumerate(model.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 proj = getattr(layer, name)

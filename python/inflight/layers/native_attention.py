@@ -11,7 +11,8 @@ context chunks, so the single-token decodes after them stay on ``paged_attention
 row among them sends everything from the first context on through ``context_attention``).
 
 The per-step argument slices depend only on the metadata, so they are built once per step (by the
-first layer to see a metadata object) and reused by the other layers, as in
+first layer to see a metadata object) and reused by the other layers (a sliding-window layer passes
+its ``window`` to both kernels, which then read only the window's keys), as in
 :class:`~inflight.layers.torch_attention.TorchAttentionBackend`.
 """
 
@@ -76,6 +77,7 @@ class NativeAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         if self._planned_for is not metadata:
             self._plan, self._planned_for = plan_kernels(metadata), metadata
@@ -89,9 +91,16 @@ class NativeAttentionBackend(AttentionBackend):
         if plan.ctx_block_tables is not None:
             qc, oc = (q, out) if n == q.shape[0] else (q[:n], out[:n])
             context_attention(
-                qc, kv_cache, plan.ctx_block_tables, plan.ctx_cu_seqlens, plan.ctx_kv_lens, scale, oc
+                qc,
+                kv_cache,
+                plan.ctx_block_tables,
+                plan.ctx_cu_seqlens,
+                plan.ctx_kv_lens,
+                scale,
+                oc,
+                window=window,
             )
         if plan.dec_block_tables is not None:
             qd, od = (q, out) if n == 0 else (q[n:], out[n:])
-            paged_attention(qd, kv_cache, plan.dec_block_tables, plan.dec_kv_lens, scale, od)
+            paged_attention(qd, kv_cache, plan.dec_block_tables, plan.dec_kv_lens, scale, od, window=window)
         return out if out.dtype == dtype else out.to(dtype)

@@ -1,4 +1,5 @@
-"""RMSNorm with transformers' numerics: normalise in fp32, cast back, then scale by the weight."""
+"""RMSNorm with transformers' numerics: Llama's (normalise in fp32, cast back, then scale by the
+weight) and Gemma's (normalise and scale by ``1 + weight`` in fp32, then cast back)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``(x / rms(x)) * (1 + weight)`` computed in fp32, then cast to x's dtype (the
+    checkpoint stores ``weight`` centred on 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)

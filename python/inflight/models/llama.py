@@ -20,7 +20,7 @@ from torch import nn
 from inflight.layers.attention import AttentionBackend, AttentionMetadata
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
-from inflight.layers.norm import RMSNorm
+from inflight.layers.norm import GemmaRMSNorm, RMSNorm
 from inflight.layers.quantized_linear import W8A16Linear
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary
 from inflight.layers.torch_attention import TorchAttentionBackend
@@ -88,19 +88,27 @@ class LlamaDecoderLayer(nn.Module):
                 f"tensor_parallel_size={tp.size}"
             )
         self.intermediate_size = config.intermediate_size // tp.size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer_idx)  # 0: a global layer
+        self.gemma = config.is_gemma
         self.attention_backend = attention_backend
         d = config.hidden_size
         kw = {"dtype": dtype, "device": device}
-        self.input_layernorm = RMSNorm(d, config.rms_norm_eps, **kw)
+        norm = GemmaRMSNorm if self.gemma else RMSNorm
+        self.input_layernorm = norm(d, config.rms_norm_eps, **kw)
         self.qkv_proj = linear_factory(
             d, (self.q_size, self.kv_size, self.kv_size), bias=config.attention_bias, **kw
         )
         self.o_proj = linear_factory(self.q_size, (d,), bias=config.o_proj_bias, **kw)
-        # Qwen3's QK-norm: one RMSNorm over the head dimension for every q head, another for every k head.
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, **kw)
+        # QK-norm (Qwen3, Gemma 3): one RMSNorm over the head dimension for every q head, another for
+        # every k head.
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.post_attention_layernorm = norm(d, config.rms_norm_eps, **kw)
+        # Gemma's "sandwich": the attention output is normed before the residual add (by
+        # post_attention_layernorm), and the MLP has a norm on each side.
+        self.pre_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
+        self.post_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
         self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
         self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
 
@@ -113,6 +121,9 @@ class LlamaDecoderLayer(nn.Module):
         if self.q_norm is not None:
             targets[f"{prefix}.self_attn.q_norm.weight"] = self.q_norm.weight
             targets[f"{prefix}.self_attn.k_norm.weight"] = self.k_norm.weight
+        if self.gemma:
+            targets[f"{prefix}.pre_feedforward_layernorm.weight"] = self.pre_feedforward_layernorm.weight
+            targets[f"{prefix}.post_feedforward_layernorm.weight"] = self.post_feedforward_layernorm.weight
         shards = [
             ("self_attn.q_proj", self.qkv_proj, 0),
             ("self_attn.k_proj", self.qkv_proj, 1),
@@ -171,6 +182,14 @@ class LlamaDecoderLayer(nn.Module):
         qk = apply_rotary(qk, cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.gemma:
+            attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window)
+            attn = self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
+            hidden = hidden + self.post_attention_layernorm(attn)
+            gate_up = self.gate_up_proj(self.pre_feedforward_layernorm(hidden))
+            inter = self.intermediate_size
+            mlp = self.down_proj(F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:])
+            return hidden + self.post_feedforward_layernorm(self.tp.all_reduce(mlp))
         attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale)
         # Row-parallel o_proj / down_proj: each rank's partial product, summed over the ranks.
         hidden = hidden + self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
@@ -242,7 +261,8 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, self.attention_backend, dtype, device, linear_factory, tp)
             for i in stage.layers
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw) if stage.last else None
+        norm = GemmaRMSNorm if config.is_gemma else RMSNorm
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, **kw) if stage.last else None
         # Tied: the very same tensor, so loading the embedding loads the head (and no memory is doubled).
         # Under tensor parallelism the head is this rank's block of the padded vocabulary (a tied one
         # too: loaded from the same checkpoint tensor); the embedding stays whole.
@@ -278,6 +298,14 @@ class LlamaForCausalLM(nn.Module):
         self._fused = None
         self.rotary = RotaryEmbedding(
             config.head_dim, max_seq_len, config.rope_theta, config.rope_scaling, dtype=dtype, device=device
+        )
+        # Gemma 3's sliding-window layers rotate with their own base (and no scaling).
+        self.rotary_local = (
+            RotaryEmbedding(
+                config.head_dim, max_seq_len, config.rope_local_theta, None, dtype=dtype, device=device
+            )
+            if config.rope_local_theta is not None
+            else None
         )
 
     # ---- shapes for the resource manager -------------------------------------------------------
@@ -340,6 +368,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden = self.embedding.embed(input_ids)
             else:
                 hidden = F.embedding(input_ids, self.embed_tokens)
+            if self.config.is_gemma:  # scaled by sqrt(hidden), the scale rounded to the model dtype
+                hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         fused = self.fused_layers()
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
         if run_fused:
@@ -347,9 +377,10 @@ class LlamaForCausalLM(nn.Module):
                 hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches, self.tp
             )
         else:
-            cos, signed_sin = self.rotary.lookup(positions)
+            rope = self.rotary.lookup(positions)
+            local = self.rotary_local.lookup(positions) if self.rotary_local is not None else rope
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden = layer(hidden, cos, signed_sin, kv_cache, metadata)
+                hidden = layer(hidden, *(local if layer.window else rope), kv_cache, metadata)
         if not self.stage.last:
             return hidden
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.

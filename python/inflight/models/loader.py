@@ -6,6 +6,7 @@ This is the one loader: the engine and the tests both build models through :func
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,8 @@ from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+logger = logging.getLogger("inflight")
 
 
 @dataclass
@@ -168,8 +171,21 @@ def load_model(
             dtype = (
                 dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
             )
+            if native:  # the caller asked for native weights: say which types have no kernel yet
+                unsupported = {
+                    k: n
+                    for k, n in gguf_loader.gguf_tensor_kinds(reader).items()
+                    if k not in ("F32", "F16", "BF16")
+                }
+                logger.warning(
+                    "%s: GGUF tensor types %s have no native kernel set here (native: every linear in "
+                    "Q4_0/Q4_1); all weights are dequantised to %s",
+                    path.name,
+                    ", ".join(f"{k} x{n}" for k, n in sorted(unsupported.items())),
+                    str(dtype).removeprefix("torch."),
+                )
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
-        tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path)  # noqa: E731
+        tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path, config)  # noqa: E731
     elif path.is_dir():
         if mode == "gguf":
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
