@@ -138,9 +138,14 @@ def cmd_quantize(args) -> int:
     # The quantization package knows tensor names, not models: whether the runtime supports the
     # checkpoint's architecture is checked here, before anything is written.
     try:
-        ModelConfig.from_hf_dir(args.model)
+        config = ModelConfig.from_hf_dir(args.model)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
+    if config.num_experts:
+        raise ValueError(
+            f"{config.architecture} is a mixture-of-experts model (num_experts={config.num_experts}): "
+            "inflight quantize does not support its expert weights"
+        )
     t0 = time.perf_counter()
     if args.method == "smoothquant":
         if not args.calib_file:

@@ -1,6 +1,6 @@
 """Test helpers: tiny random Hugging Face models (offline) and paged-KV step drivers.
 
-- :func:`make_tiny_model` writes a tiny llama / qwen2 / mistral / qwen3 checkpoint (config.json +
+- :func:`make_tiny_model` writes a tiny checkpoint of one of ``ARCHS`` (config.json +
   model.safetensors, optionally a byte-level BPE tokenizer with a chat template) into a directory.
 - :func:`make_attention_metadata` builds one step's :class:`AttentionMetadata` from per-sequence
   (block_ids, num_cached, num_new).
@@ -21,7 +21,7 @@ import torch
 
 from inflight.layers.attention import AttentionMetadata
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "mixtral", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -104,11 +104,45 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
+    "mixtral": {
+        # Every layer sparse: 4 experts (of intermediate_size), top-2, renormalised fp32 routing weights.
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 96,
+        "sliding_window": None,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        # Layer 0 dense (decoder_sparse_step 2: only every second layer is sparse), layer 1 sparse with
+        # 8 experts of moe_intermediate_size 64, top-3, norm_topk_prob; QK-norm as Qwen3.
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
 }
 
 
 def _config_class(arch: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {
         "llama": LlamaConfig,
@@ -116,6 +150,8 @@ def _config_class(arch: str):
         "mistral": MistralConfig,
         "qwen3": Qwen3Config,
         "gemma3": Gemma3TextConfig,
+        "mixtral": MixtralConfig,
+        "qwen3_moe": Qwen3MoeConfig,
     }[arch]
 
 

@@ -91,7 +91,7 @@ def test_prefill_then_greedy_decode(tiny, arch):
     torch.testing.assert_close(torch.stack(step_logits), ref, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "mixtral", "qwen3_moe"])
 def test_mixed_batch_in_one_forward(tiny, arch):
     """Contexts (fresh, and a chunk after a cached prefix) and decodes share one flattened step."""
     _, hf, model = tiny[arch]

@@ -132,7 +132,11 @@ def create_py_executor(args: LlmArgs, response_callback: Callable[[Response], No
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         c = load_config(args.model)  # sizes that do not split fail here, before any rank starts
         check_tensor_parallel(
-            c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, args.tensor_parallel_size
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.intermediate_size,
+            args.tensor_parallel_size,
+            moe_intermediate_size=c.moe_intermediate_size,
         )
         Mapping(args.pipeline_parallel_size, 0, 1, args.pipeline_parallel_size).layer_range(
             c.num_hidden_layers

@@ -1,4 +1,5 @@
-"""Native llama-family models (Llama 2/3, Mistral, Qwen2, SmolLM2, TinyLlama) and their one loader."""
+"""Native llama-family models (Llama 2/3, Mistral, Qwen2/3, Gemma 3, SmolLM2, TinyLlama, Mixtral,
+Qwen3-MoE) and their one loader."""
 
 from __future__ import annotations
 

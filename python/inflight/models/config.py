@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inflight.models.moe import moe_fields, validate_moe
 from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.quantization.w4a16 import GROUP_SIZES, QUANT_METHOD
 
@@ -34,6 +35,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Gemma 3's text model: (1 + w) RMSNorms before and after attention and MLP, QK-norm, GeGLU,
     # scaled embeddings, and interleaved sliding-window / global layers with their own RoPE bases.
     "Gemma3ForCausalLM": "gemma3_text",
+    # Mixture of experts (inflight.models.moe): Mistral / Qwen3 attention, routed expert MLPs.
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
@@ -83,6 +87,14 @@ class ModelConfig:
     sliding_window: int | None = None
     # The checkpoint's stored dtype ("bfloat16", ...), for dtype="auto"; None when not stated.
     checkpoint_dtype: str | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE; see inflight.models.moe): each token of a sparse layer
+    # (moe_layers[i] True) runs its num_experts_per_tok best experts, MLPs of moe_intermediate_size;
+    # norm_topk_prob renormalises their routing weights. num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
     model_type: str = field(default="", compare=False)
     # Weight-only quantisation of the checkpoint's linear layers, or None (float weights). The only
     # method: {"quant_method": "inflight_w4a16", "group_size": 32 | 64 | 128, "symmetric": bool}, or
@@ -141,6 +153,8 @@ class ModelConfig:
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
             _validate_rope_scaling(self.rope_scaling)
+        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
+        validate_moe(self)
 
     def __hash__(self) -> int:
         # The generated hash would fail on the rope_scaling dict; hash its items instead.
@@ -162,6 +176,10 @@ class ModelConfig:
     @property
     def is_gemma(self) -> bool:
         return self.model_type == "gemma3_text"
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def window_of(self, layer: int) -> int:
         """Layer ``layer``'s attention window (0: global)."""
@@ -248,9 +266,9 @@ class ModelConfig:
 
         if model_type == "qwen2":
             attention_bias, o_proj_bias = True, False
-        elif model_type in ("llama", "qwen3"):  # Qwen3's attention_bias covers o_proj too
+        elif model_type in ("llama", "qwen3", "qwen3_moe"):  # Qwen3's attention_bias covers o_proj too
             attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
-        else:  # mistral: no biases at all in transformers' MistralAttention
+        else:  # mistral, mixtral: no biases at all in their attention
             attention_bias = o_proj_bias = False
         mlp_bias = bool(d.get("mlp_bias", False)) if model_type == "llama" else False
 
@@ -281,13 +299,14 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_parse_sliding_window(d, model_type),
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
             model_type=model_type,
             quantization=quantization,
+            **moe_fields(d, model_type, quantization),
         )
 
 
@@ -428,8 +447,10 @@ def _parse_sliding_window(d: dict[str, Any], model_type: str) -> int | None:
     window = d.get("sliding_window")
     if window is None:
         return None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return int(window)
+    if model_type == "qwen3_moe":  # every layer, when use_sliding_window (Qwen3MoeConfig)
+        return int(window) if d.get("use_sliding_window", False) else None
     if model_type in ("qwen2", "qwen3"):
         # Qwen2/3 ignore sliding_window unless use_sliding_window, and then only in layers
         # >= max_window_layers (or those that layer_types marks "sliding_attention").

@@ -128,6 +128,12 @@ def config_from_gguf(reader) -> ModelConfig:
             f"GGUF general.architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCH)})"
         )
     p = f"{arch}."
+    experts = _field(reader, p + "expert_count")
+    if experts:  # Mixtral-style GGUF files say llama, with ffn_*_exps tensors
+        raise ValueError(
+            f"GGUF mixture-of-experts models ({p}expert_count={experts}) are not supported; load the "
+            "Hugging Face directory instead"
+        )
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")

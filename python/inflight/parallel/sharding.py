@@ -87,12 +87,18 @@ class PipelineStage:
 
 
 def check_tensor_parallel(
-    num_attention_heads: int, num_key_value_heads: int, intermediate_size: int, tp_size: int
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    intermediate_size: int,
+    tp_size: int,
+    moe_intermediate_size: int = 0,
 ) -> None:
     """Raises the ``ValueError`` of the first size that cannot be split over ``tp_size`` ranks (checked
-    before any rank starts)."""
+    before any rank starts). ``moe_intermediate_size``: the experts' (0: a dense model)."""
     AttentionShard.of(num_attention_heads, num_key_value_heads, 0, tp_size)
     _divisible("intermediate_size", intermediate_size, tp_size)
+    if moe_intermediate_size:
+        _divisible("moe_intermediate_size", moe_intermediate_size, tp_size)
 
 
 def column_shard(
