@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -76,7 +77,7 @@ ScalarType model_dtype_of(std::string const& dtype) {
 class LlamaLayerStack {
  public:
   LlamaLayerStack(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale,
-                  std::string const& dtype) {
+                  std::string const& dtype, bool qk_norm, bool gemma) {
     if (hidden < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2 || intermediate < 1) {
       throw_value_error("shape must be positive: hidden=" + std::to_string(hidden) +
                         ", num_heads=" + std::to_string(num_heads) + ", num_kv_heads=" + std::to_string(num_kv_heads) +
@@ -98,19 +99,56 @@ class LlamaLayerStack {
     shape_.eps = eps;
     shape_.scale = scale;
     shape_.dtype = model_dtype_of(dtype);
+    shape_.qk_norm = qk_norm;
+    shape_.gemma = gemma;
   }
 
-  void add_layer(Tensor input_norm, Tensor post_norm, nb::object qkv, nb::object o, nb::object gate_up,
-                 nb::object down) {
+  void add_layer(Tensor input_norm, Tensor post_norm, nb::object qkv, nb::object o, nb::object gate_up, nb::object down,
+                 std::optional<Tensor> q_norm, std::optional<Tensor> k_norm, std::optional<Tensor> pre_ffn_norm,
+                 std::optional<Tensor> post_ffn_norm, int window, bool local_rope) {
     std::string const where = "layer " + std::to_string(layers_.size()) + ": ";
-    for (auto const& [norm, name] : {NamedTensor{&input_norm, "input_norm"}, NamedTensor{&post_norm, "post_norm"}}) {
-      require_dtype_of(*norm, name, shape_.dtype, kModelDtype);
-      require_shape(*norm, name, {shape_.hidden}, "[hidden_size]");
+    if (q_norm.has_value() != shape_.qk_norm || k_norm.has_value() != shape_.qk_norm) {
+      throw_value_error(where + (shape_.qk_norm ? "a qk_norm stack needs q_norm and k_norm"
+                                                : "q_norm / k_norm need a stack built with qk_norm=True"));
     }
-    require_cpu_contiguous({{&input_norm, "input_norm"}, {&post_norm, "post_norm"}});
+    if (pre_ffn_norm.has_value() != shape_.gemma || post_ffn_norm.has_value() != shape_.gemma) {
+      throw_value_error(where + (shape_.gemma ? "a gemma stack needs pre_ffn_norm and post_ffn_norm"
+                                              : "pre_ffn_norm / post_ffn_norm need a stack built with gemma=True"));
+    }
+    require_at_least(window, 0, "window");
+    struct Norm {
+      Tensor const* tensor;
+      char const* name;
+      bool per_head;  // [head_dim], else [hidden_size]
+    };
+    std::vector<Norm> norms{{&input_norm, "input_norm", false}, {&post_norm, "post_norm", false}};
+    if (shape_.gemma) {
+      norms.push_back({&*pre_ffn_norm, "pre_ffn_norm", false});
+      norms.push_back({&*post_ffn_norm, "post_ffn_norm", false});
+    }
+    if (shape_.qk_norm) {
+      norms.push_back({&*q_norm, "q_norm", true});
+      norms.push_back({&*k_norm, "k_norm", true});
+    }
+    for (Norm const& n : norms) {
+      require_dtype_of(*n.tensor, n.name, shape_.dtype, kModelDtype);
+      if (n.per_head) {
+        require_shape(*n.tensor, n.name, {shape_.head_dim}, "[head_dim]");
+      } else {
+        require_shape(*n.tensor, n.name, {shape_.hidden}, "[hidden_size]");
+      }
+      require_cpu_contiguous({{n.tensor, n.name}});
+    }
     kc::LlamaLayerWeights w;
     w.input_norm = input_norm.data();
     w.post_norm = post_norm.data();
+    w.window = window;
+    w.local_rope = local_rope;
+    for (auto const& [opt, dst] :
+         {std::pair{&q_norm, &w.q_norm}, std::pair{&k_norm, &w.k_norm}, std::pair{&pre_ffn_norm, &w.pre_ffn_norm},
+          std::pair{&post_ffn_norm, &w.post_ffn_norm}}) {
+      if (opt->has_value()) *dst = (*opt)->data();
+    }
     int const qkv_n = shape_.q_size() + 2 * shape_.kv_size();
     w.qkv = linear_op(qkv, where + "qkv", shape_.hidden, qkv_n);
     w.o = linear_op(o, where + "o", shape_.q_size(), shape_.hidden);
@@ -122,6 +160,9 @@ class LlamaLayerStack {
     layers_.push_back(w);
     norms_.push_back(std::move(input_norm));
     norms_.push_back(std::move(post_norm));
+    for (std::optional<Tensor>* opt : {&q_norm, &k_norm, &pre_ffn_norm, &post_ffn_norm}) {
+      if (opt->has_value()) norms_.push_back(std::move(**opt));
+    }
     for (nb::object* obj : {&qkv, &o, &gate_up, &down}) weights_.push_back(std::move(*obj));
     caches_set_ = false;
   }
@@ -157,7 +198,7 @@ class LlamaLayerStack {
                std::optional<Tensor> ctx_block_tables, std::optional<Tensor> ctx_cu_seqlens,
                std::optional<Tensor> ctx_kv_lens, std::optional<Tensor> dec_block_tables,
                std::optional<Tensor> dec_kv_lens, int num_threads, std::optional<Tensor> reduce_buffer,
-               std::optional<nb::object> reduce, double reduce_timeout_s) {
+               std::optional<nb::object> reduce, double reduce_timeout_s, std::optional<Tensor> cos_sin_local) {
     if (!caches_set_) {
       throw_value_error("set_kv_caches() must be called after the last add_layer() and before forward()");
     }
@@ -168,6 +209,15 @@ class LlamaLayerStack {
     require_dim(hidden, "hidden", 1, shape_.hidden, "hidden_size");
     require_dtype_of(cos_sin, "cos_sin", shape_.dtype, kModelDtype);
     require_shape(cos_sin, "cos_sin", {nt, 2, shape_.head_dim}, "[num_tokens, 2, head_dim]");
+    bool const local_rope = std::any_of(layers_.begin(), layers_.end(), [](auto const& l) { return l.local_rope; });
+    if (local_rope != cos_sin_local.has_value()) {
+      throw_value_error(local_rope ? "the layers with local_rope need cos_sin_local"
+                                   : "cos_sin_local is for layers with local_rope (this stack has none)");
+    }
+    if (cos_sin_local) {
+      require_dtype_of(*cos_sin_local, "cos_sin_local", shape_.dtype, kModelDtype);
+      require_shape(*cos_sin_local, "cos_sin_local", {nt, 2, shape_.head_dim}, "[num_tokens, 2, head_dim]");
+    }
     require_vector(slot_mapping, "slot_mapping", ScalarType::kInt64, nt, "[num_tokens]");
     if (num_ctx_tokens < 0 || num_ctx_tokens > nt) {
       throw_value_error("num_ctx_tokens must be in 0 .. " + std::to_string(nt) + ", got " +
@@ -197,6 +247,7 @@ class LlamaLayerStack {
     // The kernels read the block tables with rows max_blocks_per_seq apart.
     require_cpu_contiguous({{&hidden, "hidden"},
                             {&cos_sin, "cos_sin"},
+                            {cos_sin_local ? &*cos_sin_local : nullptr, "cos_sin_local"},
                             {&slot_mapping, "slot_mapping"},
                             {ctx_tables, "ctx_block_tables"},
                             {ctx_cu, "ctx_cu_seqlens"},
@@ -218,6 +269,7 @@ class LlamaLayerStack {
     step.hidden = hidden.data();
     step.num_tokens = int(nt);
     step.cos_sin = cos_sin.data();
+    step.cos_sin_local = cos_sin_local ? cos_sin_local->data() : nullptr;
     step.slot_mapping = static_cast<std::int64_t const*>(slot_mapping.data());
     step.num_ctx_tokens = num_ctx_tokens;
     if (ctx_tables != nullptr) {
@@ -364,19 +416,28 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
                               "The decoder layers of a Llama-family model, run by one call per step on the CPU "
                               "(RMSNorm, q/k/v, RoPE, store_kv, attention, o_proj, MLP, residuals). Holds its "
                               "weights and KV caches alive.")
-      .def(nb::init<int, int, int, int, int, float, float, std::string const&>(), "hidden_size"_a, "num_heads"_a,
-           "num_kv_heads"_a, "head_dim"_a, "intermediate_size"_a, "eps"_a, "scale"_a, "dtype"_a)
+      .def(nb::init<int, int, int, int, int, float, float, std::string const&, bool, bool>(), "hidden_size"_a,
+           "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "intermediate_size"_a, "eps"_a, "scale"_a, "dtype"_a,
+           "qk_norm"_a = false, "gemma"_a = false,
+           "qk_norm: an RMSNorm over head_dim per q head and per k head before RoPE (Qwen3, Gemma 3). gemma: "
+           "Gemma 3's layer: (1 + w) norms in fp32, post_norm on the o_proj output before its residual add, "
+           "pre_ffn_norm / post_ffn_norm around the MLP, GeGLU (tanh GELU).")
       .def("add_layer", &LlamaLayerStack::add_layer, "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "gate_up"_a,
-           "down"_a)
+           "down"_a, "q_norm"_a.none() = nb::none(), "k_norm"_a.none() = nb::none(),
+           "pre_ffn_norm"_a.none() = nb::none(), "post_ffn_norm"_a.none() = nb::none(), "window"_a = 0,
+           "local_rope"_a = false,
+           "window: the layer's attention window (keys p-window+1 .. p; 0: global). local_rope: the layer "
+           "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a)
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),
-           "reduce"_a.none() = nb::none(), "reduce_timeout_s"_a = 120.0,
+           "reduce"_a.none() = nb::none(), "reduce_timeout_s"_a = 120.0, "cos_sin_local"_a.none() = nb::none(),
            "Runs every layer over the step's flattened batch, in place on hidden [num_tokens, hidden_size]. "
            "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*). "
            "Tensor parallelism: after each layer's o_proj and down_proj the partial product is written to "
            "reduce_buffer [num_tokens, hidden_size] and reduced over the ranks in place: by reduce, a ShmComm "
-           "(all_reduce in C++, no GIL) or a callable reduce() (called with the GIL).")
+           "(all_reduce in C++, no GIL) or a callable reduce() (called with the GIL). cos_sin_local: the RoPE "
+           "rows of the layers added with local_rope.")
       .def_prop_ro("num_layers", &LlamaLayerStack::num_layers);
 }

@@ -43,37 +43,100 @@ void for_tokens(int num_tokens, Threads t, F&& f) {
   pool_detail::parallel_for(t.pool, num_tokens, threads, false, [&](std::int64_t i, int) { f(int(i)); });
 }
 
-// out = weight * rms_norm(x): normalised in fp32, rounded to T, then scaled (one more rounding), as
-// inflight.layers.norm.rms_norm.
+// sum(x * x) over a row of d values in fp32, in the order torch sums a contiguous row
+// (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum), so that
+// the normalisation agrees bit for bit with F.rms_norm (on the CPU x * rsqrt(mean(x.pow(2)) + eps)):
+// vectors of 8 floats (torch runs its AVX2 sum kernel on AVX-512 machines too), 4 accumulators over
+// interleaved vectors, cascaded in levels of 16 (or more) steps for long rows; then the vectors past the
+// last whole step into the first accumulator, the accumulators in order, and the row's scalar tail
+// followed by the 8 lanes in order. No FMA here (this file is built for the baseline ISA): each square
+// is rounded before it is added, as x.pow(2) is.
 template <class T>
+inline float sum_squares(T const* row, int d) {
+  constexpr int kW = 8, kIlp = 4, kLevels = 4;
+  int const nvec = d / kW;
+  int const steps = nvec / kIlp;
+  int ceil_log2 = 0;
+  while ((1 << ceil_log2) < steps) ++ceil_log2;
+  int const level_power = std::max(4, ceil_log2 / kLevels);
+  int const level_step = 1 << level_power;
+  int const level_mask = level_step - 1;
+  float acc[kLevels][kIlp][kW] = {};
+  auto add_vec = [&](float* dst, int v) {
+    for (int l = 0; l < kW; ++l) {
+      float const x = to_float(row[v * kW + l]);
+      dst[l] += x * x;
+    }
+  };
+  int i = 0;
+  while (i + level_step <= steps) {
+    for (int j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], i * kIlp + k);
+    for (int lv = 1; lv < kLevels; ++lv) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < kW; ++l) {
+          acc[lv][k][l] += acc[lv - 1][k][l];
+          acc[lv - 1][k][l] = 0.0f;
+        }
+      if ((i & (level_mask << (lv * level_power))) != 0) break;
+    }
+  }
+  for (; i < steps; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], i * kIlp + k);
+  for (int lv = 1; lv < kLevels; ++lv)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < kW; ++l) acc[0][k][l] += acc[lv][k][l];
+  for (int v = steps * kIlp; v < nvec; ++v) add_vec(acc[0][0], v);
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < kW; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.0f;
+  for (int j = nvec * kW; j < d; ++j) {
+    float const x = to_float(row[j]);
+    sum += x * x;
+  }
+  for (int l = 0; l < kW; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+// 1 / rms(x) of a row of d values in fp32: rsqrt(mean(x^2) + eps), the mean a division by d.
+template <class T>
+inline float inv_rms(T const* row, int d, float eps) {
+  return 1.0f / std::sqrt(sum_squares(row, d) / float(d) + eps);
+}
+
+// One normalised element, x * r the fp32 normalisation. Llama's (inflight.layers.norm.rms_norm):
+// rounded to T, then scaled by the weight (one more rounding). Gemma's (GemmaRMSNorm): scaled by
+// 1 + weight in fp32, then rounded once.
+template <class T, bool kGemma>
+inline T norm_elem(float x, float r, T w) {
+  if constexpr (kGemma) {
+    float const normed = x * r;
+    return from_float<T>(normed * (1.0f + to_float(w)));
+  } else {
+    return from_float<T>(to_float(w) * rnd<T>(x * r));
+  }
+}
+
+// out = norm(x) (kAdd: out += norm(x), the residual add of a normed branch, one more rounding).
+template <class T, bool kGemma, bool kAdd = false>
 void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float eps, Threads threads) {
   for_tokens(num_tokens, threads, [&](int t) {
     T const* row = x + std::int64_t(t) * d;
     T* dst = out + std::int64_t(t) * d;
-    constexpr int kLanes = 16;
-    float partial[kLanes] = {};
-    int j = 0;
-    for (; j + kLanes <= d; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        float const v = to_float(row[j + l]);
-        partial[l] += v * v;
-      }
-    float ss = 0.0f;
-    for (; j < d; ++j) {
-      float const v = to_float(row[j]);
-      ss += v * v;
+    float const r = inv_rms(row, d, eps);
+    for (int i = 0; i < d; ++i) {
+      T const y = norm_elem<T, kGemma>(to_float(row[i]), r, weight[i]);
+      dst[i] = kAdd ? from_float<T>(to_float(dst[i]) + to_float(y)) : y;
     }
-    for (int l = 0; l < kLanes; ++l) ss += partial[l];
-    float const r = 1.0f / std::sqrt(ss / float(d) + eps);
-    for (int i = 0; i < d; ++i) dst[i] = from_float<T>(to_float(weight[i]) * rnd<T>(to_float(row[i]) * r));
   });
 }
 
 // RoPE (rotate-half) on the q and k heads of each qkv row, in place: x*cos + roll(x, hd/2)*signed_sin,
-// each product and the sum rounded to T (three torch ops in the Python layer).
-template <class T>
-void rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int num_rot_heads, int head_dim,
-          Threads threads) {
+// each product and the sum rounded to T (three torch ops in the Python layer). With q_norm / k_norm
+// (QK-norm) each head is first normalised (its rounding points kept: RoPE reads the rounded values).
+template <class T, bool kGemma>
+void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int num_heads, int num_kv_heads,
+                  int head_dim, T const* q_norm, T const* k_norm, float eps, Threads threads) {
   int const half = head_dim / 2;
   for_tokens(num_tokens, threads, [&](int t) {
     T const* cs = cos_sin + std::int64_t(t) * 2 * head_dim;
@@ -83,9 +146,15 @@ void rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int
       sinv[i] = to_float(cs[head_dim + i]);
     }
     T* row = qkv + std::int64_t(t) * row_stride;
-    for (int h = 0; h < num_rot_heads; ++h) {
+    for (int h = 0; h < num_heads + num_kv_heads; ++h) {
       T* head = row + std::int64_t(h) * head_dim;
-      for (int i = 0; i < head_dim; ++i) x[i] = to_float(head[i]);
+      if (q_norm != nullptr) {
+        T const* w = h < num_heads ? q_norm : k_norm;
+        float const r = inv_rms(head, head_dim, eps);
+        for (int i = 0; i < head_dim; ++i) x[i] = to_float(norm_elem<T, kGemma>(to_float(head[i]), r, w[i]));
+      } else {
+        for (int i = 0; i < head_dim; ++i) x[i] = to_float(head[i]);
+      }
       for (int i = 0; i < head_dim; ++i) {
         int const src = i < half ? i + half : i - half;
         head[i] = from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i]));
@@ -103,17 +172,27 @@ void add_into(T* hidden, T const* y, int num_tokens, int d, Threads threads) {
   });
 }
 
-// inter = silu(gate) * up, gate and up the two halves of each gate_up row (F.silu then a multiply:
-// two roundings to T).
-template <class T>
-void silu_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads) {
+// F.gelu(x, approximate="tanh") in fp32, in torch's CPU kernel's order of operations.
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = float(M_SQRT2 * M_2_SQRTPI * 0.5);
+  constexpr float kKappa = 0.044715f;
+  float const cube = x * x * x;
+  float const inner = kBeta * (x + kKappa * cube);
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
+// inter = act(gate) * up, gate and up the two halves of each gate_up row (F.silu or F.gelu, then a
+// multiply: two roundings to T). kGelu: GeGLU (Gemma), else SwiGLU.
+template <class T, bool kGelu>
+void act_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads) {
   for_tokens(num_tokens, threads, [&](int t) {
     T const* g = gate_up + std::int64_t(t) * 2 * n;
     T const* u = g + n;
     T* out = inter + std::int64_t(t) * n;
     for (int i = 0; i < n; ++i) {
       float const gv = to_float(g[i]);
-      out[i] = from_float<T>(rnd<T>(gv / (1.0f + std::exp(-gv))) * to_float(u[i]));
+      float const a = kGelu ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
+      out[i] = from_float<T>(rnd<T>(a) * to_float(u[i]));
     }
   });
 }
@@ -207,7 +286,9 @@ struct Layout {
   }
 };
 
-Layout layout(LlamaShape const& s, LlamaStep const& step, int num_threads) {
+Layout layout(LlamaLayersParams const& p) {
+  LlamaShape const& s = p.shape;
+  LlamaStep const& step = p.step;
   Layout l;
   std::size_t const e = scalar_type_size(s.dtype);
   std::size_t const t = std::size_t(step.num_tokens);
@@ -216,7 +297,13 @@ Layout layout(LlamaShape const& s, LlamaStep const& step, int num_threads) {
                                  std::size_t(s.intermediate), std::size_t(s.hidden)};
   for (int i = 0; i < 6; ++i) l.sizes[i] = aligned(t * widths[i] * e);
   if (step.dec_batch > 0) {
-    l.paged_bytes = std::size_t(paged_attention_workspace_size(decode_params(s, step, num_threads)));
+    // The split depends on the window: room for the largest of the layers' windows' partials.
+    PagedAttentionParams dec = decode_params(s, step, p.num_threads);
+    for (int i = 0; i < p.num_layers; ++i) {
+      if (i > 0 && p.layers[i].window == p.layers[i - 1].window) continue;
+      dec.window = p.layers[i].window;
+      l.paged_bytes = std::max(l.paged_bytes, std::size_t(paged_attention_workspace_size(dec)));
+    }
   }
   if (s.w8a8) {  // the widest W8A8 projection's scratch (w8a8_workspace_bytes), sharing the region
     std::size_t const k = std::size_t(std::max({s.hidden, s.q_size(), s.intermediate}));
@@ -228,12 +315,12 @@ Layout layout(LlamaShape const& s, LlamaStep const& step, int num_threads) {
   return l;
 }
 
-template <class T>
+template <class T, bool kGemma>
 void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   LlamaShape const& s = params.shape;
   LlamaStep const& step = params.step;
   Threads const threads{pool, params.num_threads};
-  Layout const l = layout(s, step, params.num_threads);
+  Layout const l = layout(params);
   auto* base = static_cast<unsigned char*>(params.workspace);
   void* bufs[6];
   for (int i = 0; i < 6; ++i) {
@@ -254,6 +341,7 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   int const qkv_n = s.q_size() + 2 * s.kv_size();
   T* hidden = static_cast<T*>(step.hidden);
   auto const* cos_sin = static_cast<T const*>(step.cos_sin);
+  auto const* cos_sin_local = static_cast<T const*>(step.cos_sin_local);
 
   StoreKvParams store;
   store.k = qkv + s.q_size();
@@ -284,35 +372,49 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
 
   for (int li = 0; li < params.num_layers; ++li) {
     LlamaLayerWeights const& L = params.layers[li];
-    rms_norm<T>(hidden, static_cast<T const*>(L.input_norm), normed, nt, d, s.eps, threads);
+    auto const* post_norm = static_cast<T const*>(L.post_norm);
+    rms_norm<T, kGemma>(hidden, static_cast<T const*>(L.input_norm), normed, nt, d, s.eps, threads);
     linear(L.qkv, normed, qkv, nt, s.dtype, threads, scratch);
-    rope<T>(qkv, qkv_n, cos_sin, nt, s.num_heads + s.num_kv_heads, s.head_dim, threads);
+    qk_norm_rope<T, kGemma>(qkv, qkv_n, L.local_rope ? cos_sin_local : cos_sin, nt, s.num_heads, s.num_kv_heads,
+                            s.head_dim, static_cast<T const*>(s.qk_norm ? L.q_norm : nullptr),
+                            static_cast<T const*>(L.k_norm), s.eps, threads);
     store.kv_cache = L.kv_cache;
     launch_store_kv(store, pool);
     if (step.ctx_batch > 0) {
       ctx.kv_cache = L.kv_cache;
+      ctx.window = L.window;
       launch_context_attention(ctx, pool);
     }
     if (step.dec_batch > 0) {
       dec.kv_cache = L.kv_cache;
+      dec.window = L.window;
       launch_paged_attention(dec, pool);
     }
     linear(L.o, attn, proj, nt, s.dtype, threads, scratch);
     if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
-    add_into<T>(hidden, proj, nt, d, threads);
-    rms_norm<T>(hidden, static_cast<T const*>(L.post_norm), normed, nt, d, s.eps, threads);
+    if constexpr (kGemma) {  // hidden += post_norm(o); the MLP between pre_ffn_norm and post_ffn_norm
+      rms_norm<T, true, true>(proj, post_norm, hidden, nt, d, s.eps, threads);
+      rms_norm<T, true>(hidden, static_cast<T const*>(L.pre_ffn_norm), normed, nt, d, s.eps, threads);
+    } else {
+      add_into<T>(hidden, proj, nt, d, threads);
+      rms_norm<T, false>(hidden, post_norm, normed, nt, d, s.eps, threads);
+    }
     linear(L.gate_up, normed, gate_up, nt, s.dtype, threads, scratch);
-    silu_mul<T>(gate_up, inter, nt, s.intermediate, threads);
+    act_mul<T, kGemma>(gate_up, inter, nt, s.intermediate, threads);
     linear(L.down, inter, proj, nt, s.dtype, threads, scratch);
     if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
-    add_into<T>(hidden, proj, nt, d, threads);
+    if constexpr (kGemma) {
+      rms_norm<T, true, true>(proj, static_cast<T const*>(L.post_ffn_norm), hidden, nt, d, s.eps, threads);
+    } else {
+      add_into<T>(hidden, proj, nt, d, threads);
+    }
   }
 }
 
 }  // namespace
 
 std::int64_t llama_layers_workspace_size(LlamaLayersParams const& params) {
-  return std::int64_t(layout(params.shape, params.step, params.num_threads).total());
+  return std::int64_t(layout(params).total());
 }
 
 void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool) {
@@ -322,7 +424,13 @@ void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool) {
     throw std::invalid_argument("llama_layers: workspace must be >= " + std::to_string(need) + " bytes, got " +
                                 std::to_string(params.workspace_bytes));
   }
-  dispatch_float_type(params.shape.dtype, [&](auto t) { forward_t<decltype(t)>(params, pool); });
+  dispatch_float_type(params.shape.dtype, [&](auto t) {
+    if (params.shape.gemma) {
+      forward_t<decltype(t), true>(params, pool);
+    } else {
+      forward_t<decltype(t), false>(params, pool);
+    }
+  });
 }
 
 }  // namespace inflight::kernels::cpu

@@ -2,14 +2,25 @@
 //
 // The Python model runs a layer as ~15 torch ops; at SmolLM2's size (30 layers, hidden 576) each op
 // costs more in dispatch than in arithmetic, so a decode step spends most of its time outside the
-// kernels. This runs every layer of a step — RMSNorm, fused q/k/v GEMM, RoPE, store_kv, context and
-// paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj + residual —
-// from C++ with no Python in between, over the same flattened batch, weights and paged KV cache the
-// Python path uses (so the two can alternate step by step).
+// kernels. This runs every layer of a step — RMSNorm, fused q/k/v GEMM, (QK-norm,) RoPE, store_kv,
+// context and paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj +
+// residual — from C++ with no Python in between, over the same flattened batch, weights and paged KV
+// cache the Python path uses (so the two can alternate step by step).
+//
+// Two variants of the layer, as the Python layer's two branches:
+//   qk_norm (Qwen3, Gemma 3)  an RMSNorm over head_dim on every q head (q_norm) and every k head
+//                             (k_norm), after the q/k/v GEMM and before RoPE.
+//   gemma (Gemma 3)           every norm is Gemma's, (x / rms(x)) * (1 + w) in fp32, then rounded; the
+//                             "sandwich": the o_proj output is normed (post_norm) before its residual
+//                             add, the MLP has a norm on each side (pre_ffn_norm, post_ffn_norm); GeGLU
+//                             with tanh-approximate GELU; per layer an attention window and a choice
+//                             of RoPE table (the sliding layers' own base).
 //
 // Numerics follow the Python layer (inflight/models/llama.py) rounding point for rounding point:
 // every intermediate the torch ops would materialise in the model dtype is rounded to it here too
-// (for fp32 models rounding is the identity); arithmetic inside an op is fp32.
+// (for fp32 models rounding is the identity); arithmetic inside an op is fp32. The norms sum their
+// squares in torch's order (bit for bit F.rms_norm); SiLU and GELU take exp / tanh from libm, which
+// differs from torch's (SLEEF) by an ulp now and then.
 //
 // Like every kernel: a params struct (LlamaLayersParams) and a launcher, launch_llama_layers(params,
 // pool), that allocates nothing (the workspace comes in) and runs the other ops' launchers on the same
@@ -40,13 +51,19 @@ struct LinearOp {
 };
 
 struct LlamaLayerWeights {
-  void const* input_norm = nullptr;  // [hidden], model dtype
-  void const* post_norm = nullptr;   // [hidden], model dtype
-  LinearOp qkv;                      // hidden -> q_size + 2 * kv_size (q, k, v rows in that order)
-  LinearOp o;                        // q_size -> hidden
-  LinearOp gate_up;                  // hidden -> 2 * intermediate (gate rows, then up rows)
-  LinearOp down;                     // intermediate -> hidden
-  void* kv_cache = nullptr;          // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], model dtype
+  void const* input_norm = nullptr;     // [hidden], model dtype
+  void const* post_norm = nullptr;      // [hidden], model dtype: before the MLP; gemma: on the o_proj output
+  void const* q_norm = nullptr;         // [head_dim], model dtype: with LlamaShape::qk_norm
+  void const* k_norm = nullptr;         // [head_dim], model dtype: with LlamaShape::qk_norm
+  void const* pre_ffn_norm = nullptr;   // [hidden], model dtype: with LlamaShape::gemma, before the MLP
+  void const* post_ffn_norm = nullptr;  // [hidden], model dtype: with LlamaShape::gemma, on the MLP output
+  int window = 0;                       // attention window (keys p-window+1 .. p); 0: global
+  bool local_rope = false;              // rotate with LlamaStep::cos_sin_local instead of cos_sin
+  LinearOp qkv;                         // hidden -> q_size + 2 * kv_size (q, k, v rows in that order)
+  LinearOp o;                           // q_size -> hidden
+  LinearOp gate_up;                     // hidden -> 2 * intermediate (gate rows, then up rows)
+  LinearOp down;                        // intermediate -> hidden
+  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], model dtype
 };
 
 struct LlamaShape {
@@ -56,6 +73,8 @@ struct LlamaShape {
   ScalarType dtype = ScalarType::kFloat32;   // the model dtype: float32, bfloat16 or float16
   int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
   bool w8a8 = false;                         // some projection is W8A8: the workspace holds its scratch
+  bool qk_norm = false;                      // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
+  bool gemma = false;                        // Gemma 3's layer (see the top of this file)
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };
@@ -67,6 +86,7 @@ struct LlamaStep {
   void* hidden = nullptr;  // [num_tokens, hidden], model dtype, in/out
   int num_tokens = 0;
   void const* cos_sin = nullptr;               // [num_tokens, 2, head_dim]: cos, then sign-folded sin
+  void const* cos_sin_local = nullptr;         // like cos_sin, for the layers with local_rope (else unused)
   std::int64_t const* slot_mapping = nullptr;  // [num_tokens]; negative: not stored
   int num_ctx_tokens = 0;
   int ctx_batch = 0, ctx_max_blocks = 0;

@@ -6,6 +6,11 @@ arithmetic (30 layers x 15 ops x ~15 us is ~7 ms per step, against ~3 ms of GEMM
 same paged KV cache, same numerics (every rounding point of the Python layer is kept), no Python
 between the ops. The final norm and the LM head stay in Python (a few ops per step, not per layer).
 
+Both branches of :class:`~inflight.models.llama.LlamaDecoderLayer` run fused: the Llama one (with
+Qwen3's QK-norm) and Gemma 3's (``gemma=True``: (1 + w) norms, the sandwich norms, GeGLU, the
+``query_pre_attn_scalar`` scale, each layer's attention window, and the sliding layers' own RoPE table,
+passed as ``local_cos_sin``).
+
 It is used by the ``native`` attention backend on the CPU when every projection is a kernel-backed
 weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
 :class:`~inflight.layers.quantized_linear.W8A16Linear` / :class:`~inflight.layers.quantized_linear.W8A8Linear`,
@@ -71,6 +76,8 @@ class FusedCpuLayers:
         self.max_tokens = max_tokens  # a step with more tokens runs the Python layers (None: no limit)
         self._caches: list[torch.Tensor] | None = None  # the list last given to set_kv_caches
         self._cache_ids: tuple[int, ...] = ()
+        # Some layer rotates with the model's second RoPE table (rotary_local): forward needs local_cos_sin.
+        self.local_rope = False
 
     @staticmethod
     def unsupported_reason(model) -> str | None:
@@ -83,11 +90,11 @@ class FusedCpuLayers:
             return f"dtype {model.dtype}"
         if model.rotary.cos_sin.device.type != "cpu":
             return "not on the CPU"
-        if model.config.qk_norm:
-            return "QK-norm (Qwen3, Gemma 3) has no fused kernel"
         for i, layer in enumerate(model.layers):
+            if getattr(layer, "moe", None) is not None:
+                return f"layers[{i}] is a mixture-of-experts layer (no fused kernel)"
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                proj = getattr(layer, name)
+                proj = getattr(layer, name, None)
                 if isinstance(proj, (W4A16Linear, W8A16Linear, W8A8Linear)):
                     weight = proj.qweight
                 elif isinstance(proj, Linear):
@@ -106,6 +113,7 @@ class FusedCpuLayers:
             return None
         c = model.config
         first = model.layers[0]  # this rank's shapes (a slice of each layer under tensor parallelism)
+        gemma = first.gemma
         stack = _C.LlamaLayerStack(
             c.hidden_size,
             first.num_heads,
@@ -113,24 +121,43 @@ class FusedCpuLayers:
             c.head_dim,
             first.intermediate_size,
             float(c.rms_norm_eps),
-            float(c.head_dim**-0.5),
+            float(first.scale),
             dtype_name(model.dtype),
+            qk_norm=first.q_norm is not None,
+            gemma=gemma,
         )
+
+        def norm(module):
+            return _dl(module.weight.detach()) if module is not None else None
+
+        local_rope = False
         for layer in model.layers:
+            # As the Python layer: a sliding layer rotates with the local table when the model has one.
+            local = bool(layer.window) and model.rotary_local is not None
+            local_rope = local_rope or local
             stack.add_layer(
-                _dl(layer.input_layernorm.weight.detach()),
-                _dl(layer.post_attention_layernorm.weight.detach()),
+                norm(layer.input_layernorm),
+                norm(layer.post_attention_layernorm),
                 _kernel_weight(layer.qkv_proj),
                 _kernel_weight(layer.o_proj),
                 _kernel_weight(layer.gate_up_proj),
                 _kernel_weight(layer.down_proj),
+                q_norm=norm(layer.q_norm),
+                k_norm=norm(layer.k_norm),
+                pre_ffn_norm=norm(layer.pre_feedforward_layernorm),
+                post_ffn_norm=norm(layer.post_feedforward_layernorm),
+                # The Llama branch of the Python layer attends without a window.
+                window=layer.window if gemma else 0,
+                local_rope=local,
             )
         dense = any(
             isinstance(getattr(layer, name), Linear)
             for layer in model.layers
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         )
-        return cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
+        fused = cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
+        fused.local_rope = local_rope
+        return fused
 
     def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype, num_tokens: int) -> bool:
         """Whether this step runs fused: caches in the model dtype on the CPU, not too many tokens."""
@@ -152,9 +179,12 @@ class FusedCpuLayers:
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         tp=None,
+        local_cos_sin: torch.Tensor | None = None,  # [T, 2, head_dim] of rotary_local (Gemma 3)
     ) -> torch.Tensor:
         """``tp``: the model's :class:`~inflight.parallel.comm.TensorParallel`; with more than one rank
-        the stack calls back after each o_proj and down_proj to all-reduce the partial products."""
+        the stack calls back after each o_proj and down_proj to all-reduce the partial products.
+        ``local_cos_sin``: the RoPE rows of the sliding layers' table, read when :attr:`local_rope`
+        (ignored otherwise)."""
         self._bind_caches(kv_caches)
         plan = plan_kernels(metadata)
         none = None
@@ -180,5 +210,6 @@ class FusedCpuLayers:
             reduce_buffer,
             reduce,
             timeout,
+            _dl(local_cos_sin) if self.local_rope else none,
         )
         return hidden

@@ -1,5 +1,7 @@
 """LlamaForCausalLM: one native model for Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2 and TinyLlama checkpoints.
 
+Mixtral and Qwen3-MoE too: their sparse layers' MLP is a :class:`~inflight.models.moe.SparseMoeBlock`.
+
 Numerics follow transformers' implementation op for op where it matters (RMSNorm in fp32 then cast,
 RoPE cos/sin from fp32 tables cast to the model dtype, residual adds in the model dtype), so fp32
 logits agree with ``AutoModelForCausalLM`` to ~1e-5.
@@ -25,6 +27,7 @@ from inflight.layers.quantized_linear import W8A16Linear
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models.config import ModelConfig
+from inflight.models.moe import make_moe_block, split_stacked_experts
 from inflight.ops.gemm import dense_gemm
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import (
@@ -109,8 +112,12 @@ class LlamaDecoderLayer(nn.Module):
         # post_attention_layernorm), and the MLP has a norm on each side.
         self.pre_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
         self.post_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
-        self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
-        self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
+        # A sparse (mixture-of-experts) layer's MLP; it has no dense gate_up_proj / down_proj then.
+        self.moe = make_moe_block(config, layer_idx, dtype, device, tp)
+        self.gate_up_proj = self.down_proj = None
+        if self.moe is None:
+            self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
+            self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, _Target]:
         """HF tensor name -> where it is loaded."""
@@ -133,6 +140,9 @@ class LlamaDecoderLayer(nn.Module):
             ("mlp.up_proj", self.gate_up_proj, 1),
             ("mlp.down_proj", self.down_proj, 0),
         ]
+        if self.moe is not None:
+            targets.update(self.moe.checkpoint_targets(prefix))
+            shards = shards[:4]
         for hf_name, module, shard in shards:
             for tensor_name in module.checkpoint_tensor_names():
                 targets[f"{prefix}.{hf_name}.{tensor_name}"] = (module, shard, tensor_name)
@@ -153,11 +163,16 @@ class LlamaDecoderLayer(nn.Module):
             "mlp.gate_proj": (self.gate_up_proj, lambda t: column_shard(t, tp.rank, tp.size)),
             "mlp.up_proj": (self.gate_up_proj, lambda t: column_shard(t, tp.rank, tp.size)),
         }
+        row = [("self_attn.o_proj", self.o_proj), ("mlp.down_proj", self.down_proj)]
         slicers: dict[str, _Slicer] = {}
+        if self.moe is not None:
+            slicers.update(self.moe.shard_slicers(prefix))
+            column = {k: v for k, v in column.items() if k.startswith("self_attn.")}
+            row = row[:1]
         for hf_name, (module, fn) in column.items():
             for tensor_name in module.checkpoint_tensor_names():
                 slicers[f"{prefix}.{hf_name}.{tensor_name}"] = fn
-        for hf_name, module in (("self_attn.o_proj", self.o_proj), ("mlp.down_proj", self.down_proj)):
+        for hf_name, module in row:
             for tensor_name in module.checkpoint_tensor_names():
                 slicers[f"{prefix}.{hf_name}.{tensor_name}"] = _row_parallel_slicer(module, tensor_name, tp)
         return slicers
@@ -193,6 +208,8 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale)
         # Row-parallel o_proj / down_proj: each rank's partial product, summed over the ranks.
         hidden = hidden + self.tp.all_reduce(self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        if self.moe is not None:
+            return hidden + self.tp.all_reduce(self.moe(self.post_attention_layernorm(hidden)))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         inter = self.intermediate_size
         return hidden + self.tp.all_reduce(self.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]))
@@ -373,8 +390,9 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_layers()
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
         if run_fused:
+            local = self.rotary_local.cos_sin.index_select(0, positions) if fused.local_rope else None
             hidden = fused.forward(
-                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches, self.tp
+                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches, self.tp, local
             )
         else:
             rope = self.rotary.lookup(positions)
@@ -457,6 +475,8 @@ class LlamaForCausalLM(nn.Module):
         shape mismatch. Rotary ``inv_freq`` buffers are ignored (we compute our own), as is a
         ``lm_head.weight`` saved alongside tied embeddings (transformers ignores it too).
         """
+        if self.config.num_experts:  # transformers' stacked expert tensors -> the per-expert names
+            weights = split_stacked_experts(weights, self.config.model_type)
         targets = self.checkpoint_targets()
         slicers = self.shard_slicers()
         tied_tp = self.tp.enabled and self.config.tie_word_embeddings and self.stage.last
