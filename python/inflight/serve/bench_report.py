@@ -1,6 +1,6 @@
 """The results of ``inflight bench serve`` (:mod:`inflight.serve.bench`): one :class:`RequestResult`
-per request, their statistics for one request rate (:func:`summarize`: TTFT, TPOT, ITL and E2E
-percentiles, throughput), the printed summary and the plot of latency against request rate
+per request, their statistics for one request rate and backend (:func:`summarize`: TTFT, TPOT, ITL
+and E2E percentiles, throughput), the printed summary and the plot of latency against request rate
 (matplotlib, imported only for ``--plot``)."""
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     }
 
 
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
+def summarize(results: list[RequestResult], duration: float, rate: float, backend: str = "openai") -> dict:
+    """One run's statistics (latencies in ms); ``backend`` names the protocol it was sent over."""
     ok = [r for r in results if r.ok]
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     in_tok = sum(r.prompt_len for r in ok)
@@ -51,6 +52,7 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         if not r.ok:
             errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
     return {
+        "backend": backend,
         "request_rate": rate if math.isfinite(rate) else "inf",
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -70,7 +72,7 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
 
 
 def print_summary(s: dict) -> None:
-    print(f"\n==== request rate {s['request_rate']} req/s ====")
+    print(f"\n==== {s['backend']}: request rate {s['request_rate']} req/s ====")
     print(f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s")
     for err, n in s["errors"].items():
         print(f"  error x{n}: {err}")
