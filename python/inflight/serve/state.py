@@ -89,7 +89,9 @@ class ServerState:
         return self.llm.stall_seconds > self.stall_timeout
 
     def max_active_requests(self) -> int:
-        """Most requests the engine runs at once (its active batch)."""
+        """Most requests the engine runs at once (its active batch); 0 once the engine was freed."""
+        if self.llm is None:
+            return 0
         executor = getattr(self.llm, "executor", None)
         return getattr(executor, "max_num_active_requests", None) or self.llm.args.max_batch_size
 
