@@ -272,14 +272,7 @@ class ModelConfig:
             attention_bias = o_proj_bias = False
         mlp_bias = bool(d.get("mlp_bias", False)) if model_type == "llama" else False
 
-        eos = d.get("eos_token_id")
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, int):
-            eos_ids = (eos,)
-        else:
-            eos_ids = tuple(int(e) for e in eos)
-
+        eos_ids = _eos_ids(d)
         dtype = d.get("torch_dtype", d.get("dtype"))
         return cls(
             architecture=architecture,
@@ -331,6 +324,14 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
     if not isinstance(symmetric, bool):
         raise ValueError(f"quantization_config.symmetric must be a boolean, got {symmetric!r}")
     return {"quant_method": method, "group_size": group_size, "symmetric": symmetric}
+
+
+def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
+    """``eos_token_id`` (absent, one id or a list) as a tuple."""
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
 def _req_int(d: dict[str, Any], key: str) -> int:
@@ -508,8 +509,7 @@ def _gemma3_from_dict(cls, d: dict[str, Any], architecture: str) -> ModelConfig:
         )
     theta, scaling = _parse_rope({"rope_parameters": global_rope}, max_pos)
     hidden = _req_int(d, "hidden_size")
-    eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+    eos_ids = _eos_ids(d)
     dtype = d.get("torch_dtype", d.get("dtype"))
     bias = bool(d.get("attention_bias", False))
     return cls(

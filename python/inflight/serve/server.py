@@ -284,6 +284,19 @@ def make_server(
     return _make_server_class()(config, app.state.models, drain_timeout, grpc_port)
 
 
+def _server_for(app, args):
+    """make_server with the command line's server options."""
+    return make_server(
+        app,
+        args.host,
+        args.port,
+        drain_timeout=args.drain_timeout,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log,
+        grpc_port=args.grpc_port,
+    )
+
+
 def _shutdown_llm(llm, timeout: float = 60.0) -> None:
     t = threading.Thread(target=llm.shutdown, name="inflight-shutdown", daemon=True)
     t.start()
@@ -318,15 +331,7 @@ def run(args) -> int:
             stall_timeout=args.health_stall_timeout,
             web=args.web,
         )
-        server = make_server(
-            app,
-            args.host,
-            args.port,
-            drain_timeout=args.drain_timeout,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_access_log,
-            grpc_port=args.grpc_port,
-        )
+        server = _server_for(app, args)
         logger.info(
             "serving %s as %r on http://%s:%d (max_seq_len %d)",
             model,
@@ -378,15 +383,7 @@ def _run_repository(args) -> int:
     try:
         repository.load_at_startup(args.load_model)
         app = build_models_app(repository, web=args.web)
-        server = make_server(
-            app,
-            args.host,
-            args.port,
-            drain_timeout=args.drain_timeout,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_access_log,
-            grpc_port=args.grpc_port,
-        )
+        server = _server_for(app, args)
         logger.info(
             "serving the model repository %s on http://%s:%d (%s ready)",
             args.model_repository,

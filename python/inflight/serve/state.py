@@ -14,6 +14,7 @@ the public members of :class:`~inflight.llm.LLM` only.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from typing import Any
@@ -291,7 +292,7 @@ class Job:
             self.state.release(self)
 
 
-class ModelSet:
+class ModelSet(abc.ABC):
     """The models a server serves, by name (``app.state.models``): the routes look a model up here.
 
     ``draining`` (SIGTERM) applies to every model, ``in_flight`` and :meth:`abort_all` cover every
@@ -309,9 +310,9 @@ class ModelSet:
         self._draining = False
 
     # -- to override
+    @abc.abstractmethod
     def serving(self) -> list[ServerState]:
         """The models taking requests."""
-        raise NotImplementedError
 
     def running(self) -> list[ServerState]:
         """Every model with an engine (taking requests or finishing its last ones)."""
