@@ -358,6 +358,34 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert steps == [[20, 21, EOS, EOS], [20, 21, EOS, EOS], [EOS, EOS, EOS, EOS]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_min_tokens_rows_equal_the_masked_argmax(dtype):
+    # The all-greedy fast path argmaxes the raw logits and redoes only the rows whose argmax is a
+    # masked id: each row must equal the argmax of the fully processed (masked) logits, ties included.
+    g = torch.Generator().manual_seed(5)
+    sampler = Sampler(V)
+    for trial in range(40):
+        n = 6
+        logits = (torch.randint(-3, 4, (n, V), generator=g).float()).to(dtype)  # many ties
+        hot = torch.randint(0, n, (3,), generator=g).tolist()
+        logits[hot, EOS] = 9.0  # some rows want EOS while it is masked
+        logits[hot[0], 20] = 9.0  # a tie between a masked id and a stop id
+        states = [
+            state(min_tokens=3, temperature=0.0, stop_token_ids=[20]),
+            state(min_tokens=3, temperature=0.0),
+            state(min_tokens=0, temperature=0.0),
+            state(min_tokens=3, temperature=0.0, ignore_eos=True, stop_token_ids=[20, 21]),
+            state(min_tokens=1, temperature=0.0, output=[3]),  # reached: nothing masked
+            state(min_tokens=3, temperature=0.0, output=[3, 4]),
+        ]
+        want = sampler.process_logits(logits, states).argmax(dim=-1)
+        got = sampler.sample(logits, states).token_ids
+        assert got.tolist() == want.tolist(), trial
+        for s, t in zip(states, got.tolist()):
+            if s.needs_min_tokens_mask:
+                assert t not in s.min_tokens_mask_ids
+
+
 # ---------------------------------------------------------------------------------------------
 # Temperature, top-k, top-p, min-p
 # ---------------------------------------------------------------------------------------------

@@ -231,8 +231,8 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        if self._plain_greedy(states):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+        if self._plain_greedy(states, allow_min_tokens=True):
+            return SamplerOutput(token_ids=self._greedy_min_tokens(logits, states))
 
         want_logprobs = [s.params.logprobs for s in states]
         raw_logprobs = None
@@ -318,12 +318,33 @@ class Sampler:
         return logits[:, : self.vocab_size]
 
     @staticmethod
-    def _plain_greedy(states: Sequence[SamplingState]) -> bool:
+    def _plain_greedy(states: Sequence[SamplingState], *, allow_min_tokens: bool = False) -> bool:
         for s in states:
             p = s.params
-            if not p.greedy or p.has_penalties or p.logprobs is not None or s.needs_min_tokens_mask:
+            if not p.greedy or p.has_penalties or p.logprobs is not None:
+                return False
+            if not allow_min_tokens and s.needs_min_tokens_mask:
                 return False
         return True
+
+    @staticmethod
+    def _greedy_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Greedy tokens of rows whose only processing is a pending min_tokens mask (or none): one
+        argmax over the raw logits, and a row is redone with its ids masked only when that argmax
+        is one of them. Exact: masking ids other than the first maximum leaves it the first maximum.
+        (The serving paths that force a length with min_tokens no longer copy the logits each step.)"""
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask]
+        if not rows:
+            return tokens
+        picked = tokens[rows].tolist()
+        for i, t in zip(rows, picked):
+            ids = states[i].min_tokens_mask_ids
+            if t in ids:
+                row = logits[i].to(torch.float32, copy=True)
+                row[torch.tensor(ids, device=row.device)] = float("-inf")
+                tokens[i] = row.argmax()
+        return tokens
 
     def _process(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """See :meth:`process_logits`."""
