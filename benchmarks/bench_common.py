@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -22,3 +23,12 @@ def cpu_header() -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return f"CPU: {describe_cpu()}, {torch.get_num_threads()} threads; inflight {commit}"
+
+
+def cpu_tag(model_name: str) -> str:
+    """The file-name tag of a CPU: its family (epyc, xeon, ...), else its name's first word."""
+    low = model_name.lower()
+    for family in ("epyc", "xeon", "ryzen", "graviton", "neoverse"):
+        if family in low:
+            return family
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-").split("-")[0] or "unknown"

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_common import cpu_header
+from bench_common import cpu_header, cpu_tag
 
 from inflight.ops import cpu_info
 from inflight.serve import bench
@@ -68,15 +68,6 @@ def lscpu_model() -> str:
     if not names:
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     return names[0].strip() if names else "unknown"
-
-
-def cpu_tag(model_name: str) -> str:
-    """The file-name tag of a CPU: its family (epyc, xeon, ...), else its name's first word."""
-    low = model_name.lower()
-    for family in ("epyc", "xeon", "ryzen", "graviton", "neoverse"):
-        if family in low:
-            return family
-    return re.sub(r"[^a-z0-9]+", "-", low).strip("-").split("-")[0] or "unknown"
 
 
 def generated_tokens(url: str) -> float:

@@ -24,6 +24,9 @@ namespace kc = inflight::kernels::cpu;
 
 inline bool cpu_group_size_ok(int group_size) { return group_size == 32 || group_size == 64 || group_size == 128; }
 inline constexpr GroupSizeRule kCpuGroupSizes{cpu_group_size_ok, "32, 64 or 128"};
+// int8 also takes groups of 16 (GGUF Q6_K's sub-blocks).
+inline bool cpu_int8_group_size_ok(int group_size) { return group_size == 16 || cpu_group_size_ok(group_size); }
+inline constexpr GroupSizeRule kCpuInt8GroupSizes{cpu_int8_group_size_ok, "16, 32, 64 or 128"};
 
 // The checks and fields of one call of weights imported once: x [m, k] and out [m, n] of one float
 // dtype, the bias's if there is one. P: kc::W4A16GemmParams or kc::W8A16GemmParams.
@@ -55,7 +58,8 @@ class QuantizedWeight {
       : qweight_(std::move(qweight)), scales_(std::move(scales)), offsets_(std::move(offsets)), bias_(std::move(bias)) {
     Tensor const* off = offsets_ ? &*offsets_ : nullptr;
     Tensor const* b = bias_ ? &*bias_ : nullptr;
-    QuantizedWeightArgs const w = check_quantized_weight(qweight_, scales_, off, group_size, kBits, kCpuGroupSizes);
+    QuantizedWeightArgs const w = check_quantized_weight(qweight_, scales_, off, group_size, kBits,
+                                                         kBits == 8 ? kCpuInt8GroupSizes : kCpuGroupSizes);
     if (b != nullptr) {
       bias_type_ = float_type(*b, "bias");
       require_shape(*b, "bias", {w.n}, "[n]");

@@ -23,8 +23,8 @@ void weight_only_gemm(Tensor x, Tensor qweight, Tensor scales, std::optional<Ten
                       Tensor out, std::optional<Tensor> bias, int num_threads) {
   require_at_least(num_threads, 1, "num_threads");
   check_weight_only_gemm_args(x, {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}, qweight, scales,
-                              offsets ? &*offsets : nullptr, group_size, kBits, kCpuGroupSizes, out,
-                              bias ? &*bias : nullptr);
+                              offsets ? &*offsets : nullptr, group_size, kBits,
+                              kBits == 8 ? kCpuInt8GroupSizes : kCpuGroupSizes, out, bias ? &*bias : nullptr);
   QuantizedWeight<kBits>(std::move(qweight), std::move(scales), std::move(offsets), group_size, std::move(bias))
       .gemm(std::move(x), std::move(out), num_threads);
 }

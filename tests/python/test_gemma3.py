@@ -104,7 +104,18 @@ def reference(gguf_path, llm):
     return prompts, outs
 
 
-def test_greedy_identical_to_transformers_on_the_same_gguf(llm, reference):
+@pytest.fixture(scope="module")
+def native_llm(gguf_path):
+    """The default load: every linear weight runs natively (Q5_0 / Q8_0 / Q6_K as W8A16, Q4_K as
+    W4A16), the Q8_0 embedding is the W8A16 LM head, fp32 activations."""
+    engine = LLM("gemma3-270m", kv_cache_config=KvCacheConfig(max_tokens=8192))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("which", ["dequantised_fp32", "native"])
+def test_greedy_identical_to_transformers_on_the_same_gguf(which, request, reference):
+    llm = request.getfixturevalue("llm" if which == "dequantised_fp32" else "native_llm")
     prompts, expected = reference
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = llm.generate(prompts, params, use_tqdm=False)
@@ -150,7 +161,8 @@ def test_load_says_what_runs_dequantised(caplog_module):
     text = " ".join(r.getMessage() for r in caplog_module)
     # fp32 was asked for explicitly, so nothing native was expected and no warning is due...
     assert "no native kernel" not in text
-    # ...but the default (dtype auto) wanted native weights and names the types it dequantises.
+    # ...and the default (dtype auto) runs every tensor type of this file natively: no warning, and
+    # each module in the layer class of its GGUF type.
     records: list[str] = []
 
     class Keep(logging.Handler):
@@ -160,15 +172,33 @@ def test_load_says_what_runs_dequantised(caplog_module):
     handler = Keep(level=logging.WARNING)
     logging.getLogger("inflight").addHandler(handler)
     try:
+        from inflight.models.gguf_loader import read_gguf
         from inflight.models.loader import load_config, load_model
 
         load_config("gemma3-270m")  # no warning from the config alone
         assert not records
         loaded = load_model("gemma3-270m", max_seq_len=1024)
-        assert loaded.dtype == torch.bfloat16
+        assert loaded.dtype == torch.float32
     finally:
         logging.getLogger("inflight").removeHandler(handler)
-    warning = " ".join(records)
-    for kind in ("Q4_K x27", "Q5_0 x81", "Q6_K x9", "Q8_0 x10"):
-        assert kind in warning, warning
-    assert "dequantised to bfloat16" in warning
+    assert not any("no native kernel" in r for r in records), records
+    from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding, W8A16Linear
+
+    reader, _ = read_gguf(resolve_known_model("gemma3-270m"))
+    down_kind = {
+        int(t.name.split(".")[1]): t.tensor_type.name
+        for t in reader.tensors
+        if t.name.endswith("ffn_down.weight")
+    }
+    model = loaded.model
+    assert isinstance(model.embedding, W8A16Embedding)
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer.qkv_proj, W8A16Linear) and layer.qkv_proj.group_size == 32  # Q5_0 (+ Q8_0 v)
+        assert isinstance(layer.gate_up_proj, W8A16Linear)  # Q5_0
+        assert isinstance(layer.o_proj, W4A16Linear) and layer.o_proj.scales.dtype == torch.float32  # Q4_K
+        if down_kind[i] == "Q6_K":
+            assert isinstance(layer.down_proj, W8A16Linear) and layer.down_proj.group_size == 16
+        else:
+            assert isinstance(layer.down_proj, W4A16Linear)
+    # The fused CPU layer stack takes the mix (W8A16 with groups of 32 and 16, W4A16 with fp32 scales).
+    assert model.fused_layers() is not None

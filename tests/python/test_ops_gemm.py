@@ -65,7 +65,7 @@ def test_w4a16_matches_reference(isa, group_size, symmetric, dtype):
         assert torch.equal(packed(x), got)
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128])  # 16: GGUF Q6_K's sub-blocks (int8 only)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a16_matches_reference(isa, group_size, dtype):
     gen = torch.Generator().manual_seed(group_size)
@@ -79,6 +79,18 @@ def test_w8a16_matches_reference(isa, group_size, dtype):
         got = ops.w8a16_gemm(x, qweight, scales, group_size, bias=bias)
         _close(got, want, dtype)
         assert torch.equal(ops.W8A16Weight(qweight, scales, group_size, bias)(x), got)
+
+
+def test_w8a16_groups_of_16_on_every_batched_path(isa):
+    # k a multiple of 32 lets batched bf16 x take the dequantised panels (two scales per 32 weights),
+    # fp32 x the tiled kernel; an odd number of groups of 16 keeps bf16 off the panels.
+    gen = torch.Generator().manual_seed(16)
+    for m, k in ((48, 512), (48, 16 * 33), (5, 512)):
+        qweight = torch.randint(-32, 32, (70, k), dtype=torch.int8, generator=gen)
+        scales = torch.rand(70, k // 16, generator=gen) * 0.01 + 0.001
+        for dtype in DTYPES:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            _close(ops.w8a16_gemm(x, qweight, scales, 16), ref.w8a16_gemm(x, qweight, scales, 16), dtype)
 
 
 def test_fp32_is_much_tighter_than_the_spec(isa):
@@ -214,6 +226,11 @@ def test_bad_arguments_name_the_parameter():
         ops.W4A16Weight(qweight, scales, offsets, 32)(torch.randn(2, 64))
     with pytest.raises(TypeError, match="qweight must be int8, got uint8"):
         ops.w8a16_gemm(x, torch.zeros(8, 128, dtype=torch.uint8), scales, 32)
+    # Groups of 16 are an int8 format only.
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128, got 16"):
+        ops.w4a16_gemm(x, qweight, torch.ones(8, 8).half(), None, 16)
+    with pytest.raises(ValueError, match="group_size must be 16, 32, 64 or 128, got 8"):
+        ops.w8a16_gemm(x, torch.zeros(8, 128, dtype=torch.int8), torch.ones(8, 16).half(), 8)
 
 
 def test_set_cpu_isa_is_capped_and_restorable():

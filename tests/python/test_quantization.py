@@ -143,7 +143,10 @@ def test_smollm2_native_tensors_equal_the_dequantised_loader():
 
     reader, config = gguf_loader.read_gguf(gguf_loader.resolve_known_model("smollm2"))
     plan = gguf_loader.gguf_quant_plan(reader, config)
-    assert plan == gguf_loader.GGUFQuantPlan(symmetric=False, q8_embedding=True)
+    w4 = gguf_loader.ModuleFormat(4, 32, symmetric=False, scale_dtype=torch.float16)
+    assert set(plan.modules.values()) == {w4} and len(plan.modules) == 4 * config.num_hidden_layers
+    assert plan.embedding == gguf_loader.ModuleFormat(8, 32, scale_dtype=torch.float16)
+    assert plan.dequantised == {}
 
     def layer0(it):
         out = {}

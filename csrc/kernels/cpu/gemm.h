@@ -13,7 +13,7 @@
 //   int8:  qweight [N, K] int8, scales [N, K/group_size], w = scale * q (GGUF Q8_0: group 32).
 // x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another, scale_type
 // (fp32, bf16, fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is
-// 32, 64 or 128.
+// 32, 64 or 128; int8 also takes 16 (GGUF Q6_K's sub-blocks).
 //
 // Kernels follow the params struct + launcher + compile-time dispatch pattern: the launcher,
 // launch_<op>(params, pool), validates the struct and picks the ISA (cpu_features.h); the pool is a

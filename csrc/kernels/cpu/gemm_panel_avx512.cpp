@@ -104,13 +104,11 @@ struct W8Bf16Panel {
       std::int8_t const* w = p.qweight + (n0 + r) * k_dim;
       ST const* s = static_cast<ST const*>(p.scales) + (n0 + r) * groups;
       std::uint16_t* dst = panel + r * k_dim;
-      for (std::int64_t g = 0; g < groups; ++g) {
-        __m512 const sc = Vec512::bcast(s + g);
-        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 32) {
-          __m512 const a = _mm512_mul_ps(Vec512::int8(w + kb), sc);
-          __m512 const b = _mm512_mul_ps(Vec512::int8(w + kb + 16), sc);
-          _mm512_store_si512(dst + kb, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
+      // 32 weights per step, each 16 with its group's scale (groups of 16 or more).
+      for (std::int64_t kb = 0; kb < k_dim; kb += 32) {
+        __m512 const a = _mm512_mul_ps(Vec512::int8(w + kb), Vec512::bcast(s + kb / g_size));
+        __m512 const b = _mm512_mul_ps(Vec512::int8(w + kb + 16), Vec512::bcast(s + (kb + 16) / g_size));
+        _mm512_store_si512(dst + kb, (__m512i)_mm512_cvtne2ps_pbh(b, a));
       }
     }
   }
@@ -132,7 +130,8 @@ bool w4a16_panels(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 bool w8a16_panels(W8A16GemmParams const& p, ThreadPool& pool) {
-  if (p.dtype != ScalarType::kBFloat16 || p.m < kPanelMinM || !panel_fits(p.k)) return false;
+  // Panels dequantise 32 weights per step: k a multiple of 32 (groups of 16 allow k = 16 (2j + 1)).
+  if (p.dtype != ScalarType::kBFloat16 || p.m < kPanelMinM || !panel_fits(p.k) || p.k % 32 != 0) return false;
   dispatch_float_type(p.scale_type, [&](auto st) { run_panels(W8Bf16Panel<decltype(st)>{p}, pool); });
   return true;
 }

@@ -98,5 +98,7 @@ class Linear(nn.Module):
         )
 
 
-# (in_features, output_sizes, *, bias, dtype, device) -> module with forward / checkpoint_tensor_names / load_shard
+# (in_features, output_sizes, *, bias, dtype, device) -> module with forward / checkpoint_tensor_names / load_shard.
+# A factory may also have for_module(layer_idx, name) -> the factory of that module (name: qkv_proj,
+# o_proj, gate_up_proj, down_proj), when modules differ (a GGUF file's per-tensor types).
 LinearFactory = Callable[..., nn.Module]

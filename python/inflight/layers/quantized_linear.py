@@ -23,14 +23,14 @@ from torch import nn
 
 from inflight.ops.gemm import W4A16Weight, W8A8Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
 from inflight.ops.reference.gemm import w8a8_gemm
-from inflight.quantization.w4a16 import GROUP_SIZES, quantize_w4, quantize_w8
+from inflight.quantization.w4a16 import GROUP_SIZES, W8_GROUP_SIZES, quantize_w4, quantize_w8
 
 __all__ = ["W4A16Linear", "W8A8Linear", "W8A16Embedding", "W8A16Linear"]
 
 
-def _check_group(in_features: int, group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+def _check_group(in_features: int, group_size: int, allowed: tuple[int, ...] = GROUP_SIZES) -> None:
+    if group_size not in allowed:
+        raise ValueError(f"group_size must be one of {allowed}, got {group_size!r}")
     if in_features % group_size != 0:
         raise ValueError(f"in_features ({in_features}) must be a multiple of group_size ({group_size})")
 
@@ -192,7 +192,7 @@ class W8A16Linear(_FusedRows):
         scale_dtype: torch.dtype = torch.float16,
     ) -> None:
         super().__init__(in_features, output_sizes)
-        _check_group(in_features, group_size)
+        _check_group(in_features, group_size, W8_GROUP_SIZES)
         self.group_size = group_size
         self.dtype = dtype
         n, k = self.out_features, in_features

@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's format): config, weights and tokenizer from one file.
 
 Weights are dequantised with the `gguf` package's own reference code (Q4_0/Q4_1/Q8_0/F16/...) into
-the chosen dtype, or (:func:`iter_gguf_quantized_tensors`) kept quantised: Q4_0/Q4_1 linear weights are
-repacked into the W4A16 layout and a Q8_0 tied embedding into W8A16, bit for bit. llama.cpp's
+the chosen dtype, or (:func:`iter_gguf_quantized_tensors`) kept quantised: linear weights in Q4_0 /
+Q4_1 / Q4_K are repacked into the W4A16 layout, in Q5_0 / Q8_0 / Q6_K into W8A16, and a tied Q8_0
+(or Q5_0 / Q6_K) embedding into W8A16, bit for bit (:class:`GGUFQuantPlan` says which module runs how). llama.cpp's
 converter permutes the rows of the Q and K projections (it rotates interleaved pairs, Hugging Face
 rotates halves); the loader undoes that permutation so the tensors are in the Hugging Face layout the
 model expects. The tokenizer (and chat template) are built by
@@ -27,7 +28,15 @@ import numpy as np
 import torch
 
 from inflight.models.config import ModelConfig
-from inflight.quantization.gguf_import import q4_0_offsets, q4_0_to_w4a16, q4_1_to_w4a16, q8_0_to_w8a16
+from inflight.quantization.gguf_import import (
+    q4_0_offsets,
+    q4_0_to_w4a16,
+    q4_1_to_w4a16,
+    q4_k_to_w4a16,
+    q5_0_to_w8a16,
+    q6_k_to_w8a16,
+    q8_0_to_w8a16,
+)
 
 logger = logging.getLogger("inflight")
 
@@ -274,84 +283,165 @@ def gguf_tensor_kinds(reader) -> dict[str, int]:
     return kinds
 
 
-# ---- native quantised weights (W4A16 linears, W8A16 tied embedding) ---------------------------------
+# ---- native quantised weights (W4A16 / W8A16 linears, W8A16 tied embedding) -------------------------
 
-_LINEAR_WEIGHTS = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-)
-GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks
+# GGUF types the weight-only GEMMs run as they are (repacked bit for bit, see gguf_import): 4-bit ones
+# as W4A16 (group 32), 5- to 8-bit ones as W8A16 (group 32; Q6_K's sub-blocks of 16: group 16).
+W4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+W8_KINDS = frozenset({"Q8_0", "Q5_0", "Q6_K"})
+GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks, Q4_K sub-blocks
+# HF linear weight name -> (layer, the model's module: q/k/v share qkv_proj, gate/up gate_up_proj).
+_LINEAR = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight")
+_MODULE_OF = {
+    "q": "qkv_proj",
+    "k": "qkv_proj",
+    "v": "qkv_proj",
+    "o": "o_proj",
+    "gate": "gate_up_proj",
+    "up": "gate_up_proj",
+    "down": "down_proj",
+}
+
+
+@dataclass(frozen=True)
+class ModuleFormat:
+    """How one model linear module (all its fused shards) holds its weights: ``bits`` 4 (W4A16), 8
+    (W8A16) or 0 (dense: dequantised into the model dtype)."""
+
+    bits: int
+    group_size: int = GGUF_GROUP_SIZE
+    symmetric: bool = False
+    scale_dtype: torch.dtype = torch.float16
+
+    @classmethod
+    def of(cls, kinds: set[str] | frozenset[str]) -> ModuleFormat:
+        """The format the shards of GGUF types ``kinds`` share: fp16 scales when every shard's are
+        fp16 in the file, fp32 when a K-quant's products need it (fp16 values widen exactly); a mix
+        of 4- and 8-bit shards, or any other type, is dense."""
+        if kinds and kinds <= W4_KINDS:
+            k_quant = "Q4_K" in kinds
+            return cls(
+                4, symmetric=kinds == {"Q4_0"}, scale_dtype=torch.float32 if k_quant else torch.float16
+            )
+        if kinds and kinds <= W8_KINDS:
+            g16 = "Q6_K" in kinds  # Q8_0 / Q5_0 scales repeat once per 16 then
+            return cls(8, 16 if g16 else GGUF_GROUP_SIZE, scale_dtype=torch.float32 if g16 else torch.float16)
+        return cls(0)
 
 
 @dataclass(frozen=True)
 class GGUFQuantPlan:
-    """How a GGUF file's weights run natively: every linear weight is Q4_0/Q4_1 (-> W4A16, group 32;
-    ``symmetric`` when all are Q4_0, else Q4_0 tensors get offsets ``-8 d``), and ``q8_embedding``
-    when the token embedding is Q8_0 and tied to the LM head (-> W8A16Embedding)."""
+    """How a GGUF file's weights run natively: one :class:`ModuleFormat` per linear module, keyed
+    ``(layer, module)`` (``module``: qkv_proj, o_proj, gate_up_proj, down_proj), and the format of a
+    tied token embedding kept quantised (a W8A16Embedding; None: dequantised)."""
 
-    symmetric: bool
-    q8_embedding: bool
+    modules: dict[tuple[int, str], ModuleFormat]
+    embedding: ModuleFormat | None
+    # GGUF type -> tensors of it dequantised although native weights were asked for (for the warning).
+    dequantised: dict[str, int]
+
+    def format_of(self, layer: int, module: str) -> ModuleFormat:
+        return self.modules.get((layer, module), ModuleFormat(0))
+
+    @property
+    def num_native(self) -> int:
+        return sum(1 for f in self.modules.values() if f.bits) + (self.embedding is not None)
 
 
 def _is_gemma(reader) -> bool:
     return _field(reader, "general.architecture") == "gemma3"
 
 
+def _linear_module(name: str) -> tuple[int, str] | None:
+    m = _LINEAR.fullmatch(name)
+    return None if m is None else (int(m.group(1)), _MODULE_OF[m.group(2)])
+
+
 def gguf_linear_kinds(reader) -> set[str]:
     """The GGUF tensor types of the file's linear (attention and MLP projection) weights."""
     gemma = _is_gemma(reader)
-    return {t.tensor_type.name for t in reader.tensors if _hf_name(t.name, gemma).endswith(_LINEAR_WEIGHTS)}
+    return {t.tensor_type.name for t in reader.tensors if _linear_module(_hf_name(t.name, gemma))}
 
 
 def gguf_quant_plan(reader, config: ModelConfig) -> GGUFQuantPlan | None:
-    """The native plan, or None when some linear weight is in another format (then dequantise all)."""
-    kinds = gguf_linear_kinds(reader)
+    """The native plan, or None when no weight of the file can run natively (then dequantise all)."""
+    kinds: dict[tuple[int, str], set[str]] = {}
     embedding_kind = None
+    by_name: dict[str, str] = {}
     for t in reader.tensors:
-        if _hf_name(t.name, config.is_gemma) == "model.embed_tokens.weight":
+        name = _hf_name(t.name, config.is_gemma)
+        by_name[name] = t.tensor_type.name
+        module = _linear_module(name)
+        if module is not None:
+            kinds.setdefault(module, set()).add(t.tensor_type.name)
+        elif name == "model.embed_tokens.weight":
             embedding_kind = t.tensor_type.name
-    if not kinds or not kinds <= {"Q4_0", "Q4_1"}:
-        return None
-    return GGUFQuantPlan(
-        symmetric=kinds == {"Q4_0"}, q8_embedding=config.tie_word_embeddings and embedding_kind == "Q8_0"
-    )
+    modules = {key: ModuleFormat.of(k) for key, k in kinds.items()}
+    embedding = None
+    if config.tie_word_embeddings and embedding_kind in W8_KINDS:
+        embedding = ModuleFormat.of({embedding_kind})
+    dequantised: dict[str, int] = {}
+    for name, kind in by_name.items():
+        module = _linear_module(name)
+        native = (module is not None and modules[module].bits) or (
+            name == "model.embed_tokens.weight" and embedding is not None
+        )
+        if not native and kind not in ("F32", "F16", "BF16"):
+            dequantised[kind] = dequantised.get(kind, 0) + 1
+    plan = GGUFQuantPlan(modules, embedding, dequantised)
+    return plan if plan.num_native else None
+
+
+def _native_parts(t, fmt: ModuleFormat) -> dict[str, torch.Tensor | None]:
+    """One GGUF tensor repacked into ``fmt`` (its module's format): qweight, scales (and offsets)."""
+    kind = t.tensor_type.name
+    offsets = None
+    if fmt.bits == 4:
+        if kind == "Q4_K":
+            qweight, scales, offsets = q4_k_to_w4a16(t.data)
+        elif kind == "Q4_1":
+            qweight, scales, offsets = q4_1_to_w4a16(t.data)
+        else:
+            qweight, scales = q4_0_to_w4a16(t.data)
+        scales = scales.to(fmt.scale_dtype)  # fp16 -> fp32 is exact
+        if offsets is not None:
+            offsets = offsets.to(fmt.scale_dtype)
+        elif not fmt.symmetric:
+            offsets = q4_0_offsets(scales)
+    elif kind == "Q6_K":
+        qweight, scales = q6_k_to_w8a16(t.data)
+    else:
+        qweight, scales = (q5_0_to_w8a16 if kind == "Q5_0" else q8_0_to_w8a16)(t.data)
+        if fmt.group_size == 16:  # a Q6_K shard shares the module: each scale covers two groups of 16
+            scales = scales.repeat_interleave(2, dim=1)
+        scales = scales.to(fmt.scale_dtype)
+    return {"qweight": qweight, "scales": scales, "offsets": offsets}
 
 
 def iter_gguf_quantized_tensors(
     reader, config: ModelConfig, dtype: torch.dtype, plan: GGUFQuantPlan
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Like :func:`iter_gguf_tensors`, but linear weights come as ``<prefix>.qweight/.scales(/.offsets)``
-    repacked bit for bit from their Q4 blocks (and a Q8_0 tied embedding as ``qweight/scales``); the
-    Q/K row permutation is undone on the packed rows and their scales alike (rows only: exact)."""
+    """Like :func:`iter_gguf_tensors`, but the weights of native modules come as
+    ``<prefix>.qweight/.scales(/.offsets)`` repacked bit for bit from their GGUF blocks in the module's
+    format (and a quantised tied embedding as ``qweight/scales``); the Q/K row permutation is undone on
+    the packed rows and their scales alike (rows only: exact)."""
     for t in reader.tensors:
         name = _hf_name(t.name, config.is_gemma)
-        kind = t.tensor_type.name
         prefix = name[: -len("weight")]
-        if name.endswith(_LINEAR_WEIGHTS):
-            if kind == "Q4_1":
-                qweight, scales, offsets = q4_1_to_w4a16(t.data)
-            else:
-                qweight, scales = q4_0_to_w4a16(t.data)
-                offsets = None if plan.symmetric else q4_0_offsets(scales)
-            parts = {"qweight": qweight, "scales": scales, "offsets": offsets}
-            heads = _qk_heads(config, name)
-            for suffix, tensor in parts.items():
-                if tensor is None:
-                    continue
-                if heads is not None:
-                    tensor = _unpermute_qk(tensor, heads).contiguous()
-                yield prefix + suffix, tensor
-        elif name == "model.embed_tokens.weight" and plan.q8_embedding:
-            qweight, scales = q8_0_to_w8a16(t.data)
-            yield prefix + "qweight", qweight
-            yield prefix + "scales", scales
-        else:
+        module = _linear_module(name)
+        fmt = plan.format_of(*module) if module is not None else None
+        if name == "model.embed_tokens.weight" and plan.embedding is not None:
+            fmt = plan.embedding
+        if fmt is None or not fmt.bits:
             yield name, _dequantized(t, name, config, dtype)
+            continue
+        heads = _qk_heads(config, name)
+        for suffix, tensor in _native_parts(t, fmt).items():
+            if tensor is None:
+                continue
+            if heads is not None:
+                tensor = _unpermute_qk(tensor, heads).contiguous()
+            yield prefix + suffix, tensor
 
 
 # Gemma's turn format, for a Gemma GGUF that carries no chat template: a system message is

@@ -99,10 +99,13 @@ class LlamaDecoderLayer(nn.Module):
         kw = {"dtype": dtype, "device": device}
         norm = GemmaRMSNorm if self.gemma else RMSNorm
         self.input_layernorm = norm(d, config.rms_norm_eps, **kw)
-        self.qkv_proj = linear_factory(
+        # A factory with for_module (a GGUF file's per-tensor types) picks each module's layer class.
+        pick = getattr(linear_factory, "for_module", None)
+        make = (lambda name: pick(layer_idx, name)) if pick is not None else (lambda name: linear_factory)
+        self.qkv_proj = make("qkv_proj")(
             d, (self.q_size, self.kv_size, self.kv_size), bias=config.attention_bias, **kw
         )
-        self.o_proj = linear_factory(self.q_size, (d,), bias=config.o_proj_bias, **kw)
+        self.o_proj = make("o_proj")(self.q_size, (d,), bias=config.o_proj_bias, **kw)
         # QK-norm (Qwen3, Gemma 3): one RMSNorm over the head dimension for every q head, another for
         # every k head.
         self.q_norm = norm(config.head_dim, config.rms_norm_eps, **kw) if config.qk_norm else None
@@ -116,8 +119,10 @@ class LlamaDecoderLayer(nn.Module):
         self.moe = make_moe_block(config, layer_idx, dtype, device, tp)
         self.gate_up_proj = self.down_proj = None
         if self.moe is None:
-            self.gate_up_proj = linear_factory(d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw)
-            self.down_proj = linear_factory(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
+            self.gate_up_proj = make("gate_up_proj")(
+                d, (self.intermediate_size,) * 2, bias=config.mlp_bias, **kw
+            )
+            self.down_proj = make("down_proj")(self.intermediate_size, (d,), bias=config.mlp_bias, **kw)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, _Target]:
         """HF tensor name -> where it is loaded."""

@@ -17,8 +17,9 @@ import torch
 
 from inflight.cuda import cuda_compiled
 from inflight.layers.attention import AttentionBackend
+from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend
-from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Embedding
+from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Embedding, W8A16Linear
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
@@ -40,6 +41,42 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
     dtype: torch.dtype
+
+
+class GGUFLinearFactory:
+    """The linear factory of a GGUF model run natively: each module gets the layer class of its
+    :class:`~inflight.models.gguf_loader.ModuleFormat` (W4A16Linear, W8A16Linear, or a dense Linear for
+    one the kernels cannot run). The model asks :meth:`for_module`; a module the plan does not name
+    (called directly) is dense."""
+
+    def __init__(self, plan: gguf_loader.GGUFQuantPlan) -> None:
+        self.plan = plan
+
+    def for_module(self, layer: int, module: str):
+        fmt = self.plan.format_of(layer, module)
+        if fmt.bits == 4:
+            return partial(
+                W4A16Linear, group_size=fmt.group_size, symmetric=fmt.symmetric, scale_dtype=fmt.scale_dtype
+            )
+        if fmt.bits == 8:
+            return partial(W8A16Linear, group_size=fmt.group_size, scale_dtype=fmt.scale_dtype)
+        return Linear
+
+    def __call__(self, *args, **kwargs):
+        return Linear(*args, **kwargs)
+
+
+def _warn_dequantised(path: Path, kinds: dict[str, int], dtype: torch.dtype, what: str) -> None:
+    logger.warning(
+        "%s: GGUF tensor types %s have no native kernel set here (native: linears in %s, a tied embedding "
+        "in %s); they are dequantised to %s, %s",
+        path.name,
+        ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())),
+        "/".join(sorted(gguf_loader.W4_KINDS | gguf_loader.W8_KINDS)),
+        "/".join(sorted(gguf_loader.W8_KINDS)),
+        str(dtype).removeprefix("torch."),
+        what,
+    )
 
 
 ATTENTION_BACKENDS = ("native", "torch")
@@ -130,7 +167,8 @@ def load_model(
     ``quantization`` decides what happens to a GGUF file's 4-bit weights:
       - "auto" (None): native 4-bit kernels when ``dtype`` is auto and the device a CPU (fp32
         activations); an explicit dtype dequantises every weight into that dtype;
-      - "gguf": always native (Q4_0/Q4_1 linears as W4A16, a tied Q8_0 embedding as W8A16), with ``dtype``
+      - "gguf": always native (Q4_0/Q4_1/Q4_K linears as W4A16, Q5_0/Q8_0/Q6_K ones and a tied Q8_0
+        embedding as W8A16; a module of another type or of mixed bits dequantised), with ``dtype``
         as the activation dtype (auto: fp32 on a CPU, fp16 on a GPU), as vLLM runs GGUF files;
       - "none": always dequantised (auto dtype: bf16 on a CPU, fp16 on a GPU).
     Quantised Hugging Face directories (``inflight quantize``) always run natively.
@@ -146,44 +184,40 @@ def load_model(
     factories: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         reader, config = gguf_loader.read_gguf(path)
-        # "auto": dtype="auto" on a CPU keeps Q4_0/Q4_1 linears (and a Q8_0 tied embedding) quantised and
-        # runs them natively; an explicit dtype dequantises everything into it.
+        # "auto": dtype="auto" on a CPU keeps the weights the kernels run natively quantised; an
+        # explicit dtype dequantises everything into it.
         native = mode == "gguf" or (mode == "auto" and dtype is None and device.type == "cpu")
         plan = gguf_loader.gguf_quant_plan(reader, config) if native else None
         if mode == "gguf" and plan is None:
             raise ValueError(
-                f"quantization='gguf' needs every linear weight of {path.name} in Q4_0 or Q4_1, found "
+                f"quantization='gguf' needs linear weights of {path.name} in a natively run type "
+                f"({sorted(gguf_loader.W4_KINDS | gguf_loader.W8_KINDS)}), found "
                 f"{sorted(gguf_loader.gguf_linear_kinds(reader))}; use quantization=None to dequantise"
             )
         if plan is not None:
             if dtype is None:
                 dtype = QUANTIZED_CPU_DTYPE if device.type == "cpu" else torch.float16
-            factories["linear_factory"] = partial(
-                W4A16Linear, group_size=gguf_loader.GGUF_GROUP_SIZE, symmetric=plan.symmetric
-            )
-            if plan.q8_embedding:
+            factories["linear_factory"] = GGUFLinearFactory(plan)
+            if plan.embedding is not None:
+                e = plan.embedding
                 factories["embedding_factory"] = partial(
-                    W8A16Embedding, group_size=gguf_loader.GGUF_GROUP_SIZE
+                    W8A16Embedding, group_size=e.group_size, scale_dtype=e.scale_dtype
                 )
+            if plan.dequantised:
+                _warn_dequantised(path, plan.dequantised, dtype, "the rest runs natively")
             weights = gguf_loader.iter_gguf_quantized_tensors(reader, config, dtype, plan)
         else:
             # Dequantised weights: bfloat16 by default (the fp32 copy is twice the memory traffic).
             dtype = (
                 dtype if dtype is not None else (torch.bfloat16 if device.type == "cpu" else torch.float16)
             )
-            if native:  # the caller asked for native weights: say which types have no kernel yet
+            if native:  # the caller asked for native weights: say which types have no kernel
                 unsupported = {
                     k: n
                     for k, n in gguf_loader.gguf_tensor_kinds(reader).items()
                     if k not in ("F32", "F16", "BF16")
                 }
-                logger.warning(
-                    "%s: GGUF tensor types %s have no native kernel set here (native: every linear in "
-                    "Q4_0/Q4_1); all weights are dequantised to %s",
-                    path.name,
-                    ", ".join(f"{k} x{n}" for k, n in sorted(unsupported.items())),
-                    str(dtype).removeprefix("torch."),
-                )
+                _warn_dequantised(path, unsupported, dtype, "all weights are dequantised")
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
         tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path, config)  # noqa: E731
     elif path.is_dir():

@@ -10,7 +10,7 @@ Formats (the canonical interchange layout, shared with the CUDA kernels):
 - int8: ``qweight [N, K] int8``, ``scales [N, K//group_size]``, ``w = scale * q`` (GGUF Q8_0).
 
 ``x [M, K]`` is fp32, bf16 or fp16; ``out [M, N]`` and ``bias [N]`` have its dtype. Products and sums
-are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128. CPU tensors go to
+are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128 (int8 also 16). CPU tensors go to
 :mod:`inflight._C` (threads = ``torch.get_num_threads()``); CUDA tensors with fp16/bf16 activations to
 :mod:`inflight._C_cuda` on the current stream; anything else (fp32 on a GPU, other devices) to the
 plain-torch twins in :mod:`inflight.ops.reference.gemm`.

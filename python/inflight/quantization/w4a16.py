@@ -22,6 +22,7 @@ from inflight.ops.reference.gemm import dequantize_w4, dequantize_w8, unpack_int
 __all__ = [
     "GROUP_SIZES",
     "QUANT_METHOD",
+    "W8_GROUP_SIZES",
     "dequantize_w4",
     "dequantize_w8",
     "pack_int4",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 GROUP_SIZES = (32, 64, 128)
+# int8 weights also run with groups of 16 (GGUF Q6_K's sub-blocks; see gguf_import).
+W8_GROUP_SIZES = (16,) + GROUP_SIZES
 # The quantization_config["quant_method"] of a checkpoint written by quantize_checkpoint.
 QUANT_METHOD = "inflight_w4a16"
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,11 +51,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
-def _check(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> None:
+def _check(
+    w: torch.Tensor, group_size: int, scale_dtype: torch.dtype, allowed: tuple[int, ...] = GROUP_SIZES
+) -> None:
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"w must be a 2-D floating-point tensor, got {w.dtype} of shape {tuple(w.shape)}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if group_size not in allowed:
+        raise ValueError(f"group_size must be one of {allowed}, got {group_size!r}")
     if w.shape[1] % group_size != 0:
         raise ValueError(f"w.shape[1] ({w.shape[1]}) must be a multiple of group_size ({group_size})")
     if scale_dtype not in _SCALE_DTYPES:
@@ -95,7 +100,7 @@ def quantize_w8(
     w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest symmetric int8 (GGUF Q8_0's scheme): ``(qweight [N, K] int8, scales)``."""
-    _check(w, group_size, scale_dtype)
+    _check(w, group_size, scale_dtype, W8_GROUP_SIZES)
     n, k = w.shape
     g = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)
     scale = (g.abs().amax(dim=-1, keepdim=True) / 127.0).to(scale_dtype)
