@@ -135,6 +135,92 @@ def test_gguf_import_is_bit_exact(kind):
     torch.testing.assert_close(y, want_y, rtol=1e-4, atol=1e-4 * want_y.abs().max().item())
 
 
+def _random_blocks(rng, rows: int, blocks: int, block_bytes: int, fp16_at: tuple[int, ...]) -> np.ndarray:
+    """Random GGUF blocks: every bit pattern of the integer fields is a valid block; the fp16 scale
+    fields (at those byte offsets) get finite values of GGUF's usual size."""
+    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    for at in fp16_at:
+        d = (rng.uniform(1e-4, 2e-2, (rows, blocks)) * rng.choice([-1, 1], (rows, blocks))).astype(np.float16)
+        data[..., at : at + 2] = d.view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(rows, blocks * block_bytes)
+
+
+@needs_gguf
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_gguf_k_quant_and_q5_import_is_bit_exact(kind):
+    """Q5_0 -> int8 (group 32), Q4_K -> int4 with fp32 per-32 scales and offsets, Q6_K -> int8 with fp32
+    per-16 scales: dequantising the repacked tensors gives gguf's own dequantisation bit for bit, and
+    the kernels run them (every ISA path: the ISA fixture of test_ops_gemm covers group 16)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from inflight.ops.gemm import w4a16_gemm, w8a16_gemm
+    from inflight.quantization.gguf_import import q4_k_to_w4a16, q5_0_to_w8a16, q6_k_to_w8a16
+
+    rng = np.random.default_rng(11)
+    rows = 9
+    if kind == "Q5_0":
+        data = _random_blocks(rng, rows, 10, 22, (0,))
+    elif kind == "Q4_K":
+        data = _random_blocks(rng, rows, 2, 144, (0, 2))
+    else:
+        data = _random_blocks(rng, rows, 2, 210, (208,))
+    want = dequantize(data, GGMLQuantizationType[kind]).reshape(rows, -1)
+    k = want.shape[1]
+    x = torch.from_numpy(rng.standard_normal((4, k)).astype(np.float32))
+    if kind == "Q4_K":
+        qweight, scales, offsets = q4_k_to_w4a16(data)
+        assert scales.dtype == offsets.dtype == torch.float32 and scales.shape == (rows, k // 32)
+        got = dequantize_w4(qweight, scales, offsets, 32)
+        y = w4a16_gemm(x, qweight, scales, offsets, 32)
+    else:
+        qweight, scales = (q5_0_to_w8a16 if kind == "Q5_0" else q6_k_to_w8a16)(data)
+        group = 32 if kind == "Q5_0" else 16
+        lo, hi = (-16, 15) if kind == "Q5_0" else (-32, 31)
+        assert int(qweight.min()) >= lo and int(qweight.max()) <= hi and scales.shape == (rows, k // group)
+        got = dequantize_w8(qweight, scales, group)
+        y = w8a16_gemm(x, qweight, scales, group)
+    assert np.array_equal(got.numpy(), want), "repacked weights differ from gguf's dequantisation"
+    want_y = x @ torch.from_numpy(want).T
+    torch.testing.assert_close(y, want_y, rtol=1e-4, atol=1e-4 * want_y.abs().max().item())
+
+
+@needs_gguf
+def test_gguf_module_formats_and_mixed_shards():
+    """A fused module takes one format for all its shards: 4-bit types share W4A16 (fp32 scales when a
+    Q4_K is among them), 5- to 8-bit ones W8A16 (groups of 16 with a Q6_K: a Q5_0 shard's scales then
+    repeat per 16, exactly); a 4- and 8-bit mix, or an unsupported type, is dense."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from inflight.models import gguf_loader
+
+    fmt = gguf_loader.ModuleFormat
+    assert fmt.of({"Q4_0"}) == fmt(4, 32, symmetric=True, scale_dtype=torch.float16)
+    assert fmt.of({"Q4_0", "Q4_K"}) == fmt(4, 32, symmetric=False, scale_dtype=torch.float32)
+    assert fmt.of({"Q5_0", "Q8_0"}) == fmt(8, 32, scale_dtype=torch.float16)
+    assert fmt.of({"Q5_0", "Q6_K"}) == fmt(8, 16, scale_dtype=torch.float32)
+    assert fmt.of({"Q4_K", "Q6_K"}).bits == 0 and fmt.of({"Q5_1"}).bits == 0 and fmt.of({"F16"}).bits == 0
+    rng = np.random.default_rng(3)
+    for kind, block_bytes, fp16_at in (("Q5_0", 22, (0,)), ("Q8_0", 34, (0,)), ("Q4_0", 18, (0,))):
+        data = _random_blocks(rng, 5, 16, block_bytes, fp16_at)
+        t = SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=data)
+        want = dequantize(data, t.tensor_type).reshape(5, -1)
+        if kind == "Q4_0":  # in a module with a Q4_K: asymmetric, fp32
+            parts = gguf_loader._native_parts(t, fmt.of({"Q4_0", "Q4_K"}))
+            got = dequantize_w4(parts["qweight"], parts["scales"], parts["offsets"], 32)
+        else:  # in a module with a Q6_K: groups of 16
+            parts = gguf_loader._native_parts(t, fmt.of({kind, "Q6_K"}))
+            assert parts["scales"].dtype == torch.float32 and parts["scales"].shape == (
+                5,
+                want.shape[1] // 16,
+            )
+            got = dequantize_w8(parts["qweight"], parts["scales"], 16)
+        assert np.array_equal(got.numpy(), want), kind
+
+
 @needs_smollm2
 def test_smollm2_native_tensors_equal_the_dequantised_loader():
     """Layer 0 of the real file: repacked Q4_1 (with llama.cpp's Q/K row permutation undone on packed rows
