@@ -164,24 +164,37 @@ def test_load_says_what_runs_dequantised(caplog_module):
     # ...and the default (dtype auto) runs every tensor type of this file natively: no warning, and
     # each module in the layer class of its GGUF type.
     records: list[str] = []
+    warnings: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             records.append(record.getMessage())
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
 
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("inflight").addHandler(handler)
+    handler = Keep(level=logging.INFO)
+    logger = logging.getLogger("inflight")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
     try:
         from inflight.models.gguf_loader import read_gguf
         from inflight.models.loader import load_config, load_model
 
         load_config("gemma3-270m")  # no warning from the config alone
-        assert not records
+        assert not warnings
         loaded = load_model("gemma3-270m", max_seq_len=1024)
         assert loaded.dtype == torch.float32
     finally:
-        logging.getLogger("inflight").removeHandler(handler)
-    assert not any("no native kernel" in r for r in records), records
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert not warnings, warnings
+    # LLM says what runs natively: 18 layers x 4 modules; down_proj is Q6_K (groups of 16) in 9 layers.
+    native = [r for r in records if "native GGUF weights" in r]
+    assert native == [
+        "gemma-3-270m-q4_k_m.gguf: native GGUF weights: linear modules 27 x W4A16 g32, 9 x W8A16 g16, "
+        "36 x W8A16 g32; tied embedding / LM head W8A16 g32"
+    ], native
     from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding, W8A16Linear
 
     reader, _ = read_gguf(resolve_known_model("gemma3-270m"))

@@ -167,22 +167,26 @@ def test_gguf_k_quant_and_q5_import_is_bit_exact(kind):
         data = _random_blocks(rng, rows, 2, 210, (208,))
     want = dequantize(data, GGMLQuantizationType[kind]).reshape(rows, -1)
     k = want.shape[1]
-    x = torch.from_numpy(rng.standard_normal((4, k)).astype(np.float32))
     if kind == "Q4_K":
         qweight, scales, offsets = q4_k_to_w4a16(data)
         assert scales.dtype == offsets.dtype == torch.float32 and scales.shape == (rows, k // 32)
         got = dequantize_w4(qweight, scales, offsets, 32)
-        y = w4a16_gemm(x, qweight, scales, offsets, 32)
+        gemm = lambda x: w4a16_gemm(x, qweight, scales, offsets, 32)  # noqa: E731
     else:
         qweight, scales = (q5_0_to_w8a16 if kind == "Q5_0" else q6_k_to_w8a16)(data)
         group = 32 if kind == "Q5_0" else 16
         lo, hi = (-16, 15) if kind == "Q5_0" else (-32, 31)
         assert int(qweight.min()) >= lo and int(qweight.max()) <= hi and scales.shape == (rows, k // group)
         got = dequantize_w8(qweight, scales, group)
-        y = w8a16_gemm(x, qweight, scales, group)
+        gemm = lambda x: w8a16_gemm(x, qweight, scales, group)  # noqa: E731
     assert np.array_equal(got.numpy(), want), "repacked weights differ from gguf's dequantisation"
-    want_y = x @ torch.from_numpy(want).T
-    torch.testing.assert_close(y, want_y, rtol=1e-4, atol=1e-4 * want_y.abs().max().item())
+    # The native GEMM against the dequantised reference at decode and batch row counts, both dtypes.
+    for m in (1, 3, 4, 16, 64):
+        for dtype, rel in ((torch.float32, 1e-3), (torch.bfloat16, 1.6e-2)):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+            want_y = x.float() @ torch.from_numpy(want).T
+            err = (gemm(x).float() - want_y).abs().max() / want_y.abs().max()
+            assert err <= rel, (m, dtype, float(err))
 
 
 @needs_gguf

@@ -347,6 +347,16 @@ class GGUFQuantPlan:
     def num_native(self) -> int:
         return sum(1 for f in self.modules.values() if f.bits) + (self.embedding is not None)
 
+    def describe(self) -> str:
+        """One line: how many modules run as each format, and the embedding's."""
+        counts: dict[str, int] = {}
+        for f in self.modules.values():
+            key = "dense" if not f.bits else f"W{f.bits}A16 g{f.group_size}"
+            counts[key] = counts.get(key, 0) + 1
+        parts = [f"{n} x {k}" for k, n in sorted(counts.items())]
+        emb = "dequantised" if self.embedding is None else f"W8A16 g{self.embedding.group_size}"
+        return f"linear modules {', '.join(parts)}; tied embedding / LM head {emb}"
+
 
 def _is_gemma(reader) -> bool:
     return _field(reader, "general.architecture") == "gemma3"

@@ -203,6 +203,7 @@ def load_model(
                 factories["embedding_factory"] = partial(
                     W8A16Embedding, group_size=e.group_size, scale_dtype=e.scale_dtype
                 )
+            logger.info("%s: native GGUF weights: %s", path.name, plan.describe())
             if plan.dequantised:
                 _warn_dequantised(path, plan.dequantised, dtype, "the rest runs natively")
             weights = gguf_loader.iter_gguf_quantized_tensors(reader, config, dtype, plan)
