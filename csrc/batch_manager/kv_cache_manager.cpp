@@ -1,133 +1,44 @@
 // KVCacheManager: block accounting, the free queue and the prefix-reuse tree (TRT-LLM semantics,
-// see docs/batch-manager.md).
+// see docs/batch-manager.md). The secondary level and swap are in kv_cache_manager_secondary.cpp,
+// check_integrity in kv_cache_manager_integrity.cpp, the shared internals (the chained hash,
+// Block, ReuseIndex) in kv_cache_manager_internal.h.
 //
 // Data layout, chosen so that the per-step paths (add_token, copy_block_tables, the scheduling
 // helpers) are O(1) per block and allocation-free:
 //   * blocks_[id] holds the block's refcount, retention priority, its free-list links and its node
-//     in the reuse tree (parent, chained hash, children).
-//   * free_lists_[p] is an intrusive FIFO of the free blocks of retention priority p; the bitmask
-//     non_empty_lists_ finds the lowest non-empty priority without scanning 101 lists.
+//     in the reuse tree (parent, chained hash, children); primary ids first, then secondary ids.
+//   * free_lists_[level * 101 + p] is an intrusive FIFO of the free blocks of that level and
+//     retention priority p; the bitmask non_empty_lists_[level] finds the lowest non-empty priority
+//     without scanning 101 lists.
 //   * the reuse tree is stored as parent links plus one hash index (chained hash -> keyed blocks)
-//     for all levels. A node is identified by (parent block, tokens); the chained hash already
-//     covers the whole prefix, so one index serves every level and the parent/tokens comparison on
-//     lookup only guards against 64-bit collisions.
-//
-// Chained hash (what find_new_context_block returns; reproducible from the tokens alone, e.g. by
-// the Python twin). With fin = splitmix64's finalizer, G = 0x9E3779B97F4A7C15, rotl = rotate left:
-//   h_root = 0
-//   lane[j] = G * (j + 1) for j in 0..3
-//   for token i of the block: lane[i % 4] = rotl((lane[i % 4] ^ uint32(token_i)) * G, 31)
-//   h_block = h_parent; for j in 0..3: h_block = fin(h_block + G + lane[j])
-// Four independent lanes let the multiplies of consecutive tokens overlap instead of forming one
-// serial chain per block; the finalizer chain then gives every bit of the key full avalanche over
-// the parent key and the lanes. Equal prefixes (not equal block ids)
-// give equal keys across requests. A collision could only make two prefills look like duplicates
-// to the scheduler: lookups in the tree verify the tokens.
+//     for all depths and both levels. A node is identified by (parent block, tokens); the chained
+//     hash already covers the whole prefix, so one index serves every depth and the parent/tokens
+//     comparison on lookup only guards against 64-bit collisions.
 #include "inflight/batch_manager/kv_cache_manager.h"
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include "kv_cache_manager_internal.h"
+
 namespace inflight::batch_manager {
 
-namespace {
-
-constexpr BlockIdType kNoBlock = -1;
-// Parent id of the first block of a prefix: the root of the reuse tree is not a block.
-constexpr BlockIdType kRoot = -1;
-constexpr std::uint64_t kRootHash = 0;
-constexpr std::uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ULL;
-constexpr std::size_t kNumPriorities = static_cast<std::size_t>(kMaxRetentionPriority) + 1;
-
-constexpr std::uint64_t splitmix64_finalizer(std::uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBULL;
-  x ^= x >> 31;
-  return x;
-}
-
-std::uint64_t chain_hash(std::uint64_t parent_hash, TokenIdType const* tokens, SizeType32 count) {
-  std::uint64_t lane[4] = {kGoldenGamma, 2 * kGoldenGamma, 3 * kGoldenGamma, 4 * kGoldenGamma};
-  auto const mix = [](std::uint64_t state, TokenIdType token) {
-    return std::rotl((state ^ static_cast<std::uint32_t>(token)) * kGoldenGamma, 31);
-  };
-  SizeType32 i = 0;
-  for (; i + 4 <= count; i += 4) {
-    lane[0] = mix(lane[0], tokens[i]);
-    lane[1] = mix(lane[1], tokens[i + 1]);
-    lane[2] = mix(lane[2], tokens[i + 2]);
-    lane[3] = mix(lane[3], tokens[i + 3]);
-  }
-  for (; i < count; ++i) {
-    lane[i % 4] = mix(lane[i % 4], tokens[i]);
-  }
-  std::uint64_t h = parent_hash;
-  for (std::uint64_t const l : lane) {
-    h = splitmix64_finalizer(h + kGoldenGamma + l);
-  }
-  return h;
-}
-
-SizeType32 ceil_div(SizeType32 a, SizeType32 b) { return (a + b - 1) / b; }
-
-// First token of block `index` in a token array laid out block after block.
-template <typename T>
-T* block_start(T* tokens, SizeType32 index, SizeType32 tokens_per_block) {
-  return tokens + static_cast<std::size_t>(index) * static_cast<std::size_t>(tokens_per_block);
-}
-
-template <typename... Parts>
-std::string concat(Parts const&... parts) {
-  std::ostringstream message;
-  (message << ... << parts);
-  return message.str();
-}
-
-[[noreturn]] void integrity_error(std::string const& what) {
-  throw std::logic_error("KVCacheManager integrity check failed: " + what);
-}
-
-}  // namespace
-
-struct KVCacheManager::Block {
-  SizeType32 ref_count = 0;
-  SizeType32 retention_priority = kDefaultRetentionPriority;
-  // Links in free_lists_[retention_priority]; meaningful only while ref_count == 0.
-  BlockIdType prev_free = kNoBlock;
-  BlockIdType next_free = kNoBlock;
-  // Reuse-tree node; meaningful only while has_key.
-  bool has_key = false;
-  BlockIdType parent = kRoot;
-  std::uint64_t hash = 0;
-  // Position in the parent's children list, for O(1) unlinking.
-  SizeType32 child_index = -1;
-  std::vector<BlockIdType> children;
-};
-
-struct KVCacheManager::ReuseIndex {
-  // Contents of keyed blocks: block b's tokens are tokens[b * tpb, (b + 1) * tpb).
-  std::vector<TokenIdType> tokens;
-  // Every keyed block under its chained hash (a multimap only because of 64-bit collisions).
-  std::unordered_multimap<std::uint64_t, BlockIdType> by_hash;
-  std::vector<BlockIdType> root_children;
-  // Scratch for the iterative subtree drop (reserved once: no allocation on eviction).
-  std::vector<BlockIdType> drop_stack;
-};
+using namespace kv_detail;
 
 KVCacheManager::KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_block, SizeType32 max_seq_len,
-                               bool enable_block_reuse)
+                               bool enable_block_reuse, SizeType32 num_secondary_blocks,
+                               SizeType32 secondary_offload_min_priority)
     : num_blocks_(num_blocks),
       tokens_per_block_(tokens_per_block),
       max_seq_len_(max_seq_len),
-      enable_block_reuse_(enable_block_reuse) {
+      enable_block_reuse_(enable_block_reuse),
+      num_secondary_blocks_(num_secondary_blocks),
+      secondary_offload_min_priority_(secondary_offload_min_priority) {
   if (num_blocks < 1) {
     throw std::invalid_argument(concat("num_blocks must be >= 1, got ", num_blocks));
   }
@@ -137,32 +48,50 @@ KVCacheManager::KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_bloc
   if (max_seq_len < 1) {
     throw std::invalid_argument(concat("max_seq_len must be >= 1, got ", max_seq_len));
   }
-  blocks_.resize(static_cast<std::size_t>(num_blocks));
-  free_lists_.resize(kNumPriorities);
+  if (num_secondary_blocks < 0 || num_secondary_blocks > std::numeric_limits<SizeType32>::max() - num_blocks) {
+    throw std::invalid_argument(concat("num_secondary_blocks must be in [0, ",
+                                       std::numeric_limits<SizeType32>::max() - num_blocks, "], got ",
+                                       num_secondary_blocks));
+  }
+  if (secondary_offload_min_priority < kMinRetentionPriority ||
+      secondary_offload_min_priority > kMaxRetentionPriority) {
+    throw std::invalid_argument(
+        concat("secondary_offload_min_priority must be in [0, 100], got ", secondary_offload_min_priority));
+  }
+  std::size_t const total = static_cast<std::size_t>(num_blocks) + static_cast<std::size_t>(num_secondary_blocks);
+  blocks_.resize(total);
+  free_lists_.resize(kNumLevels * kNumPriorities);
   reuse_ = std::make_unique<ReuseIndex>();
   if (enable_block_reuse_) {
-    reuse_->tokens.resize(static_cast<std::size_t>(num_blocks) * static_cast<std::size_t>(tokens_per_block));
-    reuse_->drop_stack.reserve(static_cast<std::size_t>(num_blocks));
+    reuse_->tokens.resize(total * static_cast<std::size_t>(tokens_per_block));
+    reuse_->drop_stack.reserve(total);
     // At most one key per block: no rehash (and no allocation of buckets) while storing.
-    reuse_->by_hash.reserve(static_cast<std::size_t>(num_blocks));
+    reuse_->by_hash.reserve(total);
   }
-  for (BlockIdType id = 0; id < num_blocks; ++id) {
+  for (BlockIdType id = 0; id < static_cast<BlockIdType>(total); ++id) {
     push_free_back(id);
   }
-  scheduling_num_free_blocks_ = num_free_;
+  scheduling_num_free_blocks_ = num_free_[kPrimaryLevel];
 }
 
 KVCacheManager::~KVCacheManager() = default;
 
-SizeType32 KVCacheManager::num_free_blocks() const { return num_free_; }
+SizeType32 KVCacheManager::num_free_blocks() const { return num_free_[kPrimaryLevel]; }
 
 // ---------------------------------------------------------------------------------------------
 // Free queue.
 
+KVCacheManager::FreeList& KVCacheManager::free_list(BlockIdType block_id) {
+  auto const level = static_cast<std::size_t>(level_of(block_id));
+  auto const priority = static_cast<std::size_t>(blocks_[static_cast<std::size_t>(block_id)].retention_priority);
+  return free_lists_[level * kNumPriorities + priority];
+}
+
 void KVCacheManager::push_free_back(BlockIdType block_id) {
   Block& block = blocks_[static_cast<std::size_t>(block_id)];
+  SizeType32 const level = level_of(block_id);
   auto const priority = static_cast<std::size_t>(block.retention_priority);
-  FreeList& list = free_lists_[priority];
+  FreeList& list = free_list(block_id);
   block.prev_free = list.back;
   block.next_free = kNoBlock;
   if (list.back == kNoBlock) {
@@ -172,15 +101,35 @@ void KVCacheManager::push_free_back(BlockIdType block_id) {
   }
   list.back = block_id;
   ++list.size;
-  non_empty_lists_[priority / 64] |= std::uint64_t{1} << (priority % 64);
-  ++num_free_;
-  num_free_keyed_ += block.has_key ? 1 : 0;
+  non_empty_lists_[level][priority / 64] |= std::uint64_t{1} << (priority % 64);
+  ++num_free_[level];
+  num_free_keyed_[level] += block.has_key ? 1 : 0;
+}
+
+void KVCacheManager::push_free_front(BlockIdType block_id) {
+  Block& block = blocks_[static_cast<std::size_t>(block_id)];
+  SizeType32 const level = level_of(block_id);
+  auto const priority = static_cast<std::size_t>(block.retention_priority);
+  FreeList& list = free_list(block_id);
+  block.prev_free = kNoBlock;
+  block.next_free = list.front;
+  if (list.front == kNoBlock) {
+    list.back = block_id;
+  } else {
+    blocks_[static_cast<std::size_t>(list.front)].prev_free = block_id;
+  }
+  list.front = block_id;
+  ++list.size;
+  non_empty_lists_[level][priority / 64] |= std::uint64_t{1} << (priority % 64);
+  ++num_free_[level];
+  num_free_keyed_[level] += block.has_key ? 1 : 0;
 }
 
 void KVCacheManager::take_free_block(BlockIdType block_id) {
   Block& block = blocks_[static_cast<std::size_t>(block_id)];
+  SizeType32 const level = level_of(block_id);
   auto const priority = static_cast<std::size_t>(block.retention_priority);
-  FreeList& list = free_lists_[priority];
+  FreeList& list = free_list(block_id);
   if (block.prev_free == kNoBlock) {
     list.front = block.next_free;
   } else {
@@ -194,24 +143,28 @@ void KVCacheManager::take_free_block(BlockIdType block_id) {
   block.prev_free = kNoBlock;
   block.next_free = kNoBlock;
   if (--list.size == 0) {
-    non_empty_lists_[priority / 64] &= ~(std::uint64_t{1} << (priority % 64));
+    non_empty_lists_[level][priority / 64] &= ~(std::uint64_t{1} << (priority % 64));
   }
-  --num_free_;
-  num_free_keyed_ -= block.has_key ? 1 : 0;
+  --num_free_[level];
+  num_free_keyed_[level] -= block.has_key ? 1 : 0;
+}
+
+BlockIdType KVCacheManager::front_free_block(SizeType32 level) const {
+  std::uint64_t const* bits = non_empty_lists_[level];
+  std::size_t const priority = bits[0] != 0 ? static_cast<std::size_t>(std::countr_zero(bits[0]))
+                                            : 64 + static_cast<std::size_t>(std::countr_zero(bits[1]));
+  return free_lists_[static_cast<std::size_t>(level) * kNumPriorities + priority].front;
 }
 
 BlockIdType KVCacheManager::allocate_block(SizeType32 retention_priority) {
-  // Callers check num_free_ first, so some list is non-empty.
-  std::size_t const priority = non_empty_lists_[0] != 0
-                                   ? static_cast<std::size_t>(std::countr_zero(non_empty_lists_[0]))
-                                   : 64 + static_cast<std::size_t>(std::countr_zero(non_empty_lists_[1]));
-  BlockIdType const block_id = free_lists_[priority].front;
+  // Callers check num_free_[kPrimaryLevel] first, so some primary list is non-empty.
+  BlockIdType const block_id = front_free_block(kPrimaryLevel);
   take_free_block(block_id);
   Block& block = blocks_[static_cast<std::size_t>(block_id)];
   block.ref_count = 1;  // taken (before drop_key, which counts the free blocks losing their key)
-  // The memory is about to be overwritten: its cached prefix (and everything chained below it,
-  // now unreachable) must no longer be found.
-  if (block.has_key) {
+  // The memory is about to be overwritten: its cached prefix moves to the secondary level, or it
+  // (and everything chained below it, now unreachable) must no longer be found.
+  if (block.has_key && !offload(block_id)) {
     drop_key(block_id);
   }
   block.retention_priority = retention_priority;
@@ -220,7 +173,14 @@ BlockIdType KVCacheManager::allocate_block(SizeType32 retention_priority) {
 
 void KVCacheManager::release_block(BlockIdType block_id) {
   Block& block = blocks_[static_cast<std::size_t>(block_id)];
-  if (--block.ref_count == 0) {
+  if (--block.ref_count != 0) {
+    return;
+  }
+  if (level_of(block_id) == kSecondaryLevel && !block.has_key) {
+    // A secondary block caches nothing without a key: it is the first one to take for new contents.
+    block.retention_priority = kMinRetentionPriority;
+    push_free_front(block_id);
+  } else {
     push_free_back(block_id);
   }
 }
@@ -281,7 +241,7 @@ void KVCacheManager::drop_key(BlockIdType block_id) {
     }
     stack.insert(stack.end(), block.children.begin(), block.children.end());
     block.children.clear();
-    num_free_keyed_ -= block.ref_count == 0 ? 1 : 0;
+    num_free_keyed_[level_of(id)] -= block.ref_count == 0 ? 1 : 0;
     block.has_key = false;
     block.parent = kRoot;
     block.hash = 0;
@@ -339,6 +299,14 @@ KVCacheManager::Sequence const& KVCacheManager::sequence(RequestIdType request_i
   return it->second;
 }
 
+KVCacheManager::Sequence& KVCacheManager::active_sequence(RequestIdType request_id, char const* caller) {
+  Sequence& seq = sequence(request_id, caller);
+  if (seq.suspended) {
+    throw std::invalid_argument(concat(caller, ": request_id ", request_id, " is suspended (resume_sequence first)"));
+  }
+  return seq;
+}
+
 void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_length, SizeType32 beam_width,
                                   LlmRequest* request) {
   if (sequences_.count(request_id) != 0) {
@@ -373,6 +341,7 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   // (len - 1) / tpb. The prompt is capped at what the request really holds, so that the lookup
   // never reads past its tokens and k * tpb < prompt_len as set_prepopulated_prompt_len requires.
   SizeType32 num_free_hits = 0;
+  SizeType32 num_secondary_hits = 0;
   if (enable_block_reuse_ && request != nullptr) {
     SizeType32 const lookup_len = std::min({input_length, request->prompt_len(), request->num_tokens()});
     SizeType32 const num_lookup = (lookup_len - 1) / tokens_per_block_;
@@ -387,34 +356,61 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
         break;
       }
       seq.block_ids.push_back(found);
-      num_free_hits += blocks_[static_cast<std::size_t>(found)].ref_count == 0 ? 1 : 0;
+      if (level_of(found) == kSecondaryLevel) {
+        ++num_secondary_hits;  // onboarded into a fresh primary block
+      } else {
+        num_free_hits += blocks_[static_cast<std::size_t>(found)].ref_count == 0 ? 1 : 0;
+      }
       parent = found;
       parent_hash = hash;
     }
   }
   auto const num_hits = static_cast<SizeType32>(seq.block_ids.size());
   SizeType32 const num_new = num_blocks - num_hits;
-  SizeType32 const needed = num_new + num_free_hits;
-  if (needed > num_free_) {
+  SizeType32 const needed = num_new + num_free_hits + num_secondary_hits;
+  if (needed > num_free_[kPrimaryLevel]) {
     throw std::runtime_error(concat("add_sequence: not enough free KV blocks for request_id ", request_id, ": need ",
-                                    needed, ", free ", num_free_));
+                                    needed, ", free ", num_free_[kPrimaryLevel]));
   }
 
   // Commit; nothing below can fail. Hits are claimed before allocating so that an allocation can
-  // never evict a block this sequence is about to use.
+  // never evict a block this sequence is about to use. A free secondary hit is pinned the same way
+  // (ref_count 1, out of the free queue) until its contents have moved to primary; one held by a
+  // suspended sequence stays that sequence's.
+  std::vector<BlockIdType> pinned;
   for (BlockIdType const id : seq.block_ids) {
     Block& block = blocks_[static_cast<std::size_t>(id)];
+    if (level_of(id) == kSecondaryLevel) {
+      if (block.ref_count == 0) {
+        take_free_block(id);
+        block.ref_count = 1;
+        pinned.push_back(id);
+      }
+      continue;
+    }
     if (block.ref_count == 0) {
       take_free_block(id);
     }
     ++block.ref_count;
   }
+  if (num_secondary_hits > 0) {
+    for (BlockIdType& id : seq.block_ids) {
+      if (level_of(id) == kSecondaryLevel) {
+        id = onboard(id);
+      }
+    }
+  }
   for (SizeType32 i = 0; i < num_new; ++i) {
     seq.block_ids.push_back(allocate_block(retention_priority));
+  }
+  // The onboarded secondary blocks hold no key any more: back to the secondary free queue, last first.
+  for (auto id = pinned.rbegin(); id != pinned.rend(); ++id) {
+    release_block(*id);
   }
   sequences_.emplace(request_id, std::move(seq));
 
   reused_blocks_ += num_hits;
+  secondary_reused_blocks_ += num_secondary_hits;
   missed_blocks_ += num_new;
   alloc_total_blocks_ += num_blocks;
   alloc_new_blocks_ += num_new;
@@ -439,7 +435,7 @@ void KVCacheManager::copy_on_write(Sequence& seq) {
 }
 
 void KVCacheManager::fork_sequence(RequestIdType src_id, RequestIdType dst_id) {
-  Sequence const& src = sequence(src_id, "fork_sequence");
+  Sequence const& src = active_sequence(src_id, "fork_sequence");
   if (sequences_.count(dst_id) != 0) {
     throw std::invalid_argument(concat("fork_sequence: request_id ", dst_id, " is already in the KV cache manager"));
   }
@@ -459,13 +455,13 @@ std::vector<std::pair<BlockIdType, BlockIdType>> KVCacheManager::take_block_copi
 }
 
 void KVCacheManager::add_token(RequestIdType request_id) {
-  Sequence& seq = sequence(request_id, "add_token");
+  Sequence& seq = active_sequence(request_id, "add_token");
   if (seq.num_tokens >= max_seq_len_) {
     throw std::invalid_argument(concat("add_token: request_id ", request_id, " already holds ", seq.num_tokens,
                                        " tokens, max_seq_len is ", max_seq_len_));
   }
   if (cow_blocks(seq) != 0) {  // the token lands in a last block another sequence holds
-    if (num_free_ == 0) {
+    if (num_free_[kPrimaryLevel] == 0) {
       throw std::runtime_error(
           concat("add_token: not enough free KV blocks for request_id ", request_id, ": need 1, free 0"));
     }
@@ -473,7 +469,7 @@ void KVCacheManager::add_token(RequestIdType request_id) {
   }
   // The new token (number num_tokens + 1) starts a block when num_tokens is a multiple of tpb.
   if (seq.num_tokens % tokens_per_block_ == 0) {
-    if (num_free_ == 0) {
+    if (num_free_[kPrimaryLevel] == 0) {
       throw std::runtime_error(
           concat("add_token: not enough free KV blocks for request_id ", request_id, ": need 1, free 0"));
     }
@@ -485,7 +481,7 @@ void KVCacheManager::add_token(RequestIdType request_id) {
 }
 
 void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
-  Sequence& seq = sequence(request_id, "add_tokens");
+  Sequence& seq = active_sequence(request_id, "add_tokens");
   if (n < 0) throw std::invalid_argument(concat("add_tokens: n must be >= 0, got ", n));
   if (n > max_seq_len_ - seq.num_tokens) {
     throw std::invalid_argument(concat("add_tokens: request_id ", request_id, " holds ", seq.num_tokens, " tokens; ", n,
@@ -494,9 +490,9 @@ void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
   SizeType32 const blocks_after = ceil_div(seq.num_tokens + n, tokens_per_block_);
   SizeType32 const needed = blocks_after - static_cast<SizeType32>(seq.block_ids.size());
   SizeType32 const cow = n > 0 ? cow_blocks(seq) : 0;
-  if (needed + cow > num_free_) {
+  if (needed + cow > num_free_[kPrimaryLevel]) {
     throw std::runtime_error(concat("add_tokens: not enough free KV blocks for request_id ", request_id, ": need ",
-                                    needed + cow, ", free ", num_free_));
+                                    needed + cow, ", free ", num_free_[kPrimaryLevel]));
   }
   if (cow != 0) copy_on_write(seq);
   for (SizeType32 i = 0; i < needed; ++i) {
@@ -508,7 +504,7 @@ void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
 }
 
 void KVCacheManager::rewind(RequestIdType request_id, SizeType32 n) {
-  Sequence& seq = sequence(request_id, "rewind");
+  Sequence& seq = active_sequence(request_id, "rewind");
   if (n < 0 || n >= seq.num_tokens) {
     throw std::invalid_argument(concat("rewind: n must be in [0, ", seq.num_tokens - 1, "] (request_id ", request_id,
                                        " keeps at least one of its ", seq.num_tokens, " tokens), got ", n));
@@ -545,6 +541,7 @@ void KVCacheManager::remove_sequence(RequestIdType request_id, LlmRequest* reque
   for (auto block = seq.block_ids.rbegin(); block != seq.block_ids.rend(); ++block) {
     release_block(*block);
   }
+  num_suspended_ -= seq.suspended ? 1 : 0;
   sequences_.erase(it);
 }
 
@@ -552,7 +549,7 @@ void KVCacheManager::store_context_blocks(LlmRequest const& request) {
   if (!enable_block_reuse_) {
     return;
   }
-  Sequence const& seq = sequence(request.request_id(), "store_context_blocks");
+  Sequence const& seq = active_sequence(request.request_id(), "store_context_blocks");
   SizeType32 const num_stored = std::min({request.prompt_len(), request.num_tokens(), seq.num_tokens});
   store_blocks(request.tokens(), num_stored, seq.block_ids, request.kv_retention_priority());
 }
@@ -580,7 +577,12 @@ void KVCacheManager::copy_block_tables(std::vector<RequestIdType> const& request
   // On an error the rows written so far stay written; the manager's own state never changes.
   auto const stride = static_cast<std::size_t>(row_stride);
   for (std::size_t row = 0; row < request_ids.size(); ++row) {
-    std::vector<BlockIdType> const& ids = sequence(request_ids[row], "copy_block_tables").block_ids;
+    Sequence const& seq = sequence(request_ids[row], "copy_block_tables");
+    if (seq.suspended) {
+      throw std::invalid_argument(
+          concat("copy_block_tables: request_id ", request_ids[row], " is suspended (resume_sequence first)"));
+    }
+    std::vector<BlockIdType> const& ids = seq.block_ids;
     if (ids.size() > stride) {
       throw std::invalid_argument(concat("copy_block_tables: request_id ", request_ids[row], " holds ", ids.size(),
                                          " blocks, more than row_stride ", row_stride));
@@ -594,32 +596,42 @@ void KVCacheManager::copy_block_tables(std::vector<RequestIdType> const& request
 KvCacheStats KVCacheManager::get_kv_cache_stats() const {
   KvCacheStats stats;
   stats.max_num_blocks = num_blocks_;
-  stats.free_num_blocks = num_free_;
-  stats.used_num_blocks = num_blocks_ - num_free_;
+  stats.free_num_blocks = num_free_[kPrimaryLevel];
+  stats.used_num_blocks = num_blocks_ - num_free_[kPrimaryLevel];
   stats.tokens_per_block = tokens_per_block_;
   stats.alloc_total_blocks = alloc_total_blocks_;
   stats.alloc_new_blocks = alloc_new_blocks_;
   stats.reused_blocks = reused_blocks_;
-  stats.reusable_num_blocks = num_free_keyed_;
+  stats.reusable_num_blocks = num_free_keyed_[kPrimaryLevel];
   stats.missed_blocks = missed_blocks_;
   std::int64_t const lookups = reused_blocks_ + missed_blocks_;
   stats.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(reused_blocks_) / static_cast<double>(lookups);
+  stats.max_num_secondary_blocks = num_secondary_blocks_;
+  stats.free_num_secondary_blocks = num_free_[kSecondaryLevel];
+  stats.used_num_secondary_blocks = num_secondary_blocks_ - num_free_[kSecondaryLevel];
+  stats.reusable_num_secondary_blocks = num_free_keyed_[kSecondaryLevel];
+  stats.offloaded_blocks = offloaded_blocks_;
+  stats.onboarded_blocks = onboarded_blocks_;
+  stats.secondary_reused_blocks = secondary_reused_blocks_;
+  stats.secondary_hit_rate =
+      lookups == 0 ? 0.0 : static_cast<double>(secondary_reused_blocks_) / static_cast<double>(lookups);
   return stats;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Scheduling simulation.
 
-void KVCacheManager::start_scheduling() { scheduling_num_free_blocks_ = num_free_; }
+void KVCacheManager::start_scheduling() { scheduling_num_free_blocks_ = num_free_[kPrimaryLevel]; }
 
 void KVCacheManager::scheduling_remove_sequence(RequestIdType request_id) {
   auto it = sequences_.find(request_id);
   if (it == sequences_.end()) {
     return;
   }
-  // A block shared with another sequence (prefix reuse) would stay in use after this one goes.
+  // A block shared with another sequence (prefix reuse) would stay in use after this one goes; the
+  // secondary blocks of a suspended sequence free no primary block.
   for (BlockIdType const id : it->second.block_ids) {
-    if (blocks_[static_cast<std::size_t>(id)].ref_count == 1) {
+    if (blocks_[static_cast<std::size_t>(id)].ref_count == 1 && level_of(id) == kPrimaryLevel) {
       ++scheduling_num_free_blocks_;
     }
   }
@@ -688,173 +700,6 @@ std::optional<std::uint64_t> KVCacheManager::find_new_context_block(LlmRequest c
     parent_hash = hash;
   }
   return std::nullopt;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Integrity.
-
-void KVCacheManager::check_integrity() const {
-  auto const n = static_cast<std::size_t>(num_blocks_);
-  if (blocks_.size() != n) {
-    integrity_error(concat("blocks_.size() ", blocks_.size(), " != num_blocks ", num_blocks_));
-  }
-
-  // Free lists: well-linked, each block at most once, priorities match, bitmask matches.
-  std::vector<char> in_free_list(n, 0);
-  SizeType32 listed = 0;
-  for (std::size_t p = 0; p < free_lists_.size(); ++p) {
-    FreeList const& list = free_lists_[p];
-    SizeType32 count = 0;
-    BlockIdType prev = kNoBlock;
-    for (BlockIdType id = list.front; id != kNoBlock; id = blocks_[static_cast<std::size_t>(id)].next_free) {
-      if (id < 0 || id >= num_blocks_) {
-        integrity_error(concat("free list ", p, " holds invalid block id ", id));
-      }
-      Block const& block = blocks_[static_cast<std::size_t>(id)];
-      if (in_free_list[static_cast<std::size_t>(id)] != 0) {
-        integrity_error(concat("block ", id, " appears twice in the free lists"));
-      }
-      in_free_list[static_cast<std::size_t>(id)] = 1;
-      if (block.prev_free != prev) {
-        integrity_error(concat("block ", id, " in free list ", p, " has a wrong prev link"));
-      }
-      if (static_cast<std::size_t>(block.retention_priority) != p) {
-        integrity_error(
-            concat("block ", id, " of retention priority ", block.retention_priority, " is in free list ", p));
-      }
-      if (block.ref_count != 0) {
-        integrity_error(concat("free block ", id, " has ref_count ", block.ref_count));
-      }
-      prev = id;
-      ++count;
-    }
-    if (list.back != prev) {
-      integrity_error(concat("free list ", p, " has a wrong back"));
-    }
-    if (count != list.size) {
-      integrity_error(concat("free list ", p, " holds ", count, " blocks but records size ", list.size));
-    }
-    bool const bit = ((non_empty_lists_[p / 64] >> (p % 64)) & 1U) != 0;
-    if (bit != (count != 0)) {
-      integrity_error(concat("non-empty bit of free list ", p, " is ", bit, " with ", count, " blocks"));
-    }
-    listed += count;
-  }
-  if (listed != num_free_) {
-    integrity_error(concat("free lists hold ", listed, " blocks but num_free is ", num_free_));
-  }
-
-  // Sequences: block counts, no block twice in one sequence, refcounts == holders.
-  std::vector<SizeType32> holders(n, 0);
-  std::vector<RequestIdType> last_holder(n, 0);
-  std::vector<char> held_by_any(n, 0);
-  for (auto const& [request_id, seq] : sequences_) {
-    if (seq.num_tokens < 1 || seq.num_tokens > max_seq_len_) {
-      integrity_error(
-          concat("request_id ", request_id, " holds ", seq.num_tokens, " tokens, outside [1, ", max_seq_len_, "]"));
-    }
-    auto const expected = static_cast<std::size_t>(ceil_div(seq.num_tokens, tokens_per_block_));
-    if (seq.block_ids.size() != expected) {
-      integrity_error(concat("request_id ", request_id, " holds ", seq.block_ids.size(), " blocks for ", seq.num_tokens,
-                             " tokens, expected ", expected));
-    }
-    for (BlockIdType const id : seq.block_ids) {
-      if (id < 0 || id >= num_blocks_) {
-        integrity_error(concat("request_id ", request_id, " holds invalid block id ", id));
-      }
-      auto const i = static_cast<std::size_t>(id);
-      if (held_by_any[i] != 0 && last_holder[i] == request_id) {
-        integrity_error(concat("request_id ", request_id, " holds block ", id, " twice"));
-      }
-      held_by_any[i] = 1;
-      last_holder[i] = request_id;
-      ++holders[i];
-    }
-  }
-  SizeType32 used = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    Block const& block = blocks_[i];
-    if (block.ref_count != holders[i]) {
-      integrity_error(
-          concat("block ", i, " has ref_count ", block.ref_count, " but ", holders[i], " sequences hold it"));
-    }
-    if ((block.ref_count == 0) != (in_free_list[i] != 0)) {
-      integrity_error(concat("block ", i, " with ref_count ", block.ref_count, " is ",
-                             in_free_list[i] != 0 ? "" : "not ", "in a free list"));
-    }
-    used += block.ref_count > 0 ? 1 : 0;
-  }
-  if (used + num_free_ != num_blocks_) {
-    integrity_error(concat("free ", num_free_, " + used ", used, " != total ", num_blocks_));
-  }
-
-  SizeType32 free_keyed = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    free_keyed += blocks_[i].ref_count == 0 && blocks_[i].has_key ? 1 : 0;
-  }
-  if (free_keyed != num_free_keyed_) {
-    integrity_error(concat(free_keyed, " free blocks hold a key but num_free_keyed is ", num_free_keyed_));
-  }
-
-  // Reuse tree.
-  std::size_t num_keyed = 0;
-  auto const tpb = static_cast<std::size_t>(tokens_per_block_);
-  for (std::size_t i = 0; i < n; ++i) {
-    Block const& block = blocks_[i];
-    auto const id = static_cast<BlockIdType>(i);
-    if (!block.has_key) {
-      if (!block.children.empty()) {
-        integrity_error(concat("unkeyed block ", i, " has ", block.children.size(), " children"));
-      }
-      continue;
-    }
-    if (!enable_block_reuse_) {
-      integrity_error(concat("block ", i, " holds a key with reuse disabled"));
-    }
-    ++num_keyed;
-    std::uint64_t parent_hash = kRootHash;
-    std::vector<BlockIdType> const* siblings = &reuse_->root_children;
-    if (block.parent != kRoot) {
-      if (block.parent < 0 || block.parent >= num_blocks_ || !blocks_[static_cast<std::size_t>(block.parent)].has_key) {
-        integrity_error(concat("keyed block ", i, " has parent ", block.parent, " which is not a keyed block"));
-      }
-      Block const& parent = blocks_[static_cast<std::size_t>(block.parent)];
-      parent_hash = parent.hash;
-      siblings = &parent.children;
-    }
-    if (block.child_index < 0 || static_cast<std::size_t>(block.child_index) >= siblings->size() ||
-        (*siblings)[static_cast<std::size_t>(block.child_index)] != id) {
-      integrity_error(concat("keyed block ", i, " is not reachable from its parent's children"));
-    }
-    TokenIdType const* tokens = reuse_->tokens.data() + i * tpb;
-    if (chain_hash(parent_hash, tokens, tokens_per_block_) != block.hash) {
-      integrity_error(concat("keyed block ", i, " has a hash that does not match its parent and tokens"));
-    }
-    if (find_child(block.parent, block.hash, tokens) != id) {
-      integrity_error(concat("the key of block ", i, " does not map to it"));
-    }
-    for (BlockIdType const child : block.children) {
-      if (child < 0 || child >= num_blocks_ || !blocks_[static_cast<std::size_t>(child)].has_key ||
-          blocks_[static_cast<std::size_t>(child)].parent != id) {
-        integrity_error(concat("block ", i, " lists child ", child, " whose parent is not block ", i));
-      }
-    }
-  }
-  for (BlockIdType const child : reuse_->root_children) {
-    if (child < 0 || child >= num_blocks_ || !blocks_[static_cast<std::size_t>(child)].has_key ||
-        blocks_[static_cast<std::size_t>(child)].parent != kRoot) {
-      integrity_error(concat("root lists child ", child, " which is not a first block"));
-    }
-  }
-  if (reuse_->by_hash.size() != num_keyed) {
-    integrity_error(concat("hash index holds ", reuse_->by_hash.size(), " entries for ", num_keyed, " keyed blocks"));
-  }
-  for (auto const& [hash, id] : reuse_->by_hash) {
-    if (id < 0 || id >= num_blocks_ || !blocks_[static_cast<std::size_t>(id)].has_key ||
-        blocks_[static_cast<std::size_t>(id)].hash != hash) {
-      integrity_error(concat("hash index maps ", hash, " to block ", id, " which does not hold that key"));
-    }
-  }
 }
 
 }  // namespace inflight::batch_manager

@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -142,7 +143,14 @@ void bind_batch_manager(nb::module_& m) {
       .value("FIRST_COME_FIRST_SERVED", bm::ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED)
       .value("EQUAL_PROGRESS", bm::ContextChunkingPolicy::kEQUAL_PROGRESS);
 
+  nb::enum_<bm::KvTransferKind>(m, "KvTransferKind", "A pending move of one block's KV between the KV cache levels.")
+      .value("OFFLOAD", bm::KvTransferKind::kOFFLOAD)
+      .value("ONBOARD", bm::KvTransferKind::kONBOARD);
+
   m.attr("DEFAULT_RETENTION_PRIORITY") = bm::kDefaultRetentionPriority;
+  m.attr("DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY") = bm::kDefaultSecondaryOffloadMinPriority;
+  m.attr("PRIMARY_LEVEL") = bm::kPrimaryLevel;
+  m.attr("SECONDARY_LEVEL") = bm::kSecondaryLevel;
 
   // ------------------------------------------------------------------ LlmRequest
   nb::class_<bm::LlmRequest>(m, "LlmRequest",
@@ -335,6 +343,14 @@ void bind_batch_manager(nb::module_& m) {
       .def_rw("missed_blocks", &bm::KvCacheStats::missed_blocks)
       .def_rw("cache_hit_rate", &bm::KvCacheStats::cache_hit_rate)
       .def_rw("reusable_num_blocks", &bm::KvCacheStats::reusable_num_blocks)
+      .def_rw("max_num_secondary_blocks", &bm::KvCacheStats::max_num_secondary_blocks)
+      .def_rw("free_num_secondary_blocks", &bm::KvCacheStats::free_num_secondary_blocks)
+      .def_rw("used_num_secondary_blocks", &bm::KvCacheStats::used_num_secondary_blocks)
+      .def_rw("reusable_num_secondary_blocks", &bm::KvCacheStats::reusable_num_secondary_blocks)
+      .def_rw("offloaded_blocks", &bm::KvCacheStats::offloaded_blocks)
+      .def_rw("onboarded_blocks", &bm::KvCacheStats::onboarded_blocks)
+      .def_rw("secondary_reused_blocks", &bm::KvCacheStats::secondary_reused_blocks)
+      .def_rw("secondary_hit_rate", &bm::KvCacheStats::secondary_hit_rate)
       .def("to_dict",
            [](bm::KvCacheStats const& s) {
              nb::dict d;
@@ -348,6 +364,14 @@ void bind_batch_manager(nb::module_& m) {
              d["missed_blocks"] = s.missed_blocks;
              d["cache_hit_rate"] = s.cache_hit_rate;
              d["reusable_num_blocks"] = s.reusable_num_blocks;
+             d["max_num_secondary_blocks"] = s.max_num_secondary_blocks;
+             d["free_num_secondary_blocks"] = s.free_num_secondary_blocks;
+             d["used_num_secondary_blocks"] = s.used_num_secondary_blocks;
+             d["reusable_num_secondary_blocks"] = s.reusable_num_secondary_blocks;
+             d["offloaded_blocks"] = s.offloaded_blocks;
+             d["onboarded_blocks"] = s.onboarded_blocks;
+             d["secondary_reused_blocks"] = s.secondary_reused_blocks;
+             d["secondary_hit_rate"] = s.secondary_hit_rate;
              return d;
            })
       .def("__repr__", [](bm::KvCacheStats const& s) {
@@ -356,15 +380,23 @@ void bind_batch_manager(nb::module_& m) {
            << ", used_num_blocks=" << s.used_num_blocks << ", tokens_per_block=" << s.tokens_per_block
            << ", alloc_total_blocks=" << s.alloc_total_blocks << ", alloc_new_blocks=" << s.alloc_new_blocks
            << ", reused_blocks=" << s.reused_blocks << ", missed_blocks=" << s.missed_blocks
-           << ", cache_hit_rate=" << s.cache_hit_rate << ", reusable_num_blocks=" << s.reusable_num_blocks << ")";
+           << ", cache_hit_rate=" << s.cache_hit_rate << ", reusable_num_blocks=" << s.reusable_num_blocks
+           << ", max_num_secondary_blocks=" << s.max_num_secondary_blocks
+           << ", free_num_secondary_blocks=" << s.free_num_secondary_blocks
+           << ", used_num_secondary_blocks=" << s.used_num_secondary_blocks
+           << ", reusable_num_secondary_blocks=" << s.reusable_num_secondary_blocks
+           << ", offloaded_blocks=" << s.offloaded_blocks << ", onboarded_blocks=" << s.onboarded_blocks
+           << ", secondary_reused_blocks=" << s.secondary_reused_blocks
+           << ", secondary_hit_rate=" << s.secondary_hit_rate << ")";
         return os.str();
       });
 
   nb::class_<bm::KVCacheManager>(m, "KVCacheManager",
                                  "Accounting of a paged KV pool: block ids, prefix reuse, eviction. The "
                                  "memory itself is a tensor owned by the caller.")
-      .def(nb::init<bm::SizeType32, bm::SizeType32, bm::SizeType32, bool>(), "num_blocks"_a, "tokens_per_block"_a,
-           "max_seq_len"_a, "enable_block_reuse"_a = false)
+      .def(nb::init<bm::SizeType32, bm::SizeType32, bm::SizeType32, bool, bm::SizeType32, bm::SizeType32>(),
+           "num_blocks"_a, "tokens_per_block"_a, "max_seq_len"_a, "enable_block_reuse"_a = false,
+           "num_secondary_blocks"_a = 0, "secondary_offload_min_priority"_a = bm::kDefaultSecondaryOffloadMinPriority)
       .def_prop_ro("max_num_blocks", &bm::KVCacheManager::max_num_blocks)
       .def_prop_ro("tokens_per_block", &bm::KVCacheManager::tokens_per_block)
       .def_prop_ro("max_seq_len", &bm::KVCacheManager::max_seq_len)
@@ -374,7 +406,16 @@ void bind_batch_manager(nb::module_& m) {
       .def_prop_ro("num_used_blocks", &bm::KVCacheManager::num_used_blocks)
       .def_prop_ro("num_sequences", &bm::KVCacheManager::num_sequences)
       .def_prop_ro("scheduling_num_free_blocks", &bm::KVCacheManager::scheduling_num_free_blocks)
+      .def_prop_ro("num_secondary_blocks", &bm::KVCacheManager::num_secondary_blocks)
+      .def_prop_ro("num_free_secondary_blocks", &bm::KVCacheManager::num_free_secondary_blocks)
+      .def_prop_ro("num_used_secondary_blocks", &bm::KVCacheManager::num_used_secondary_blocks)
+      .def_prop_ro("secondary_offload_min_priority", &bm::KVCacheManager::secondary_offload_min_priority)
+      .def_prop_ro("num_suspended_sequences", &bm::KVCacheManager::num_suspended_sequences)
       .def("has_sequence", &bm::KVCacheManager::has_sequence, "request_id"_a)
+      .def("is_suspended", &bm::KVCacheManager::is_suspended, "request_id"_a,
+           "Whether the sequence is swapped out (False for an unknown id).")
+      .def("get_block_level", &bm::KVCacheManager::get_block_level, "block_id"_a,
+           "PRIMARY_LEVEL (ids below max_num_blocks) or SECONDARY_LEVEL.")
       .def("add_sequence", &bm::KVCacheManager::add_sequence, "request_id"_a, "input_length"_a, "beam_width"_a = 1,
            nb::arg("request").none() = nb::none())
       .def("add_token", &bm::KVCacheManager::add_token, "request_id"_a)
@@ -386,6 +427,22 @@ void bind_batch_manager(nb::module_& m) {
            "Beam search: dst_id holds src_id's blocks (shared, ref-counted) and token count.")
       .def("take_block_copies", &bm::KVCacheManager::take_block_copies,
            "The (src_block, dst_block) copy-on-writes since the last call, to execute before the forward.")
+      .def(
+          "take_transfers",
+          [](bm::KVCacheManager& kv) {
+            std::vector<std::tuple<bm::KvTransferKind, bm::BlockIdType, bm::BlockIdType>> out;
+            for (bm::KvBlockTransfer const& t : kv.take_transfers()) out.emplace_back(t.kind, t.src_block, t.dst_block);
+            return out;
+          },
+          "The (kind, src_block, dst_block) moves between levels since the last call, to execute in order "
+          "before the next forward (and before take_block_copies' copies).")
+      .def("suspend_sequence", &bm::KVCacheManager::suspend_sequence, "request_id"_a,
+           "Swap-out: the sequence's private blocks move to secondary blocks (offload transfers).")
+      .def("resume_sequence", &bm::KVCacheManager::resume_sequence, "request_id"_a,
+           "Swap-in: the suspended sequence's secondary blocks move to fresh primary blocks (onboard transfers).")
+      .def("get_needed_blocks_to_resume", &bm::KVCacheManager::get_needed_blocks_to_resume, "request_id"_a)
+      .def("get_needed_secondary_blocks_to_suspend", &bm::KVCacheManager::get_needed_secondary_blocks_to_suspend,
+           "request_id"_a)
       .def("remove_sequence", &bm::KVCacheManager::remove_sequence, "request_id"_a,
            nb::arg("request").none() = nb::none())
       .def("store_context_blocks", &bm::KVCacheManager::store_context_blocks, "request"_a)

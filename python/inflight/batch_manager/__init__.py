@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from inflight._C import (
     DEFAULT_RETENTION_PRIORITY,
+    DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+    PRIMARY_LEVEL,
+    SECONDARY_LEVEL,
     CapacityScheduler,
     CapacitySchedulerPolicy,
     ContextChunkingConfig,
@@ -16,6 +19,7 @@ from inflight._C import (
     FinishReason,
     KVCacheManager,
     KvCacheStats,
+    KvTransferKind,
     LlmRequest,
     LlmRequestState,
     MicroBatchScheduler,
@@ -25,6 +29,9 @@ from inflight._C import (
 
 __all__ = [
     "DEFAULT_RETENTION_PRIORITY",
+    "DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY",
+    "PRIMARY_LEVEL",
+    "SECONDARY_LEVEL",
     "CapacityScheduler",
     "CapacitySchedulerPolicy",
     "ContextChunkingConfig",
@@ -32,6 +39,7 @@ __all__ = [
     "FinishReason",
     "KVCacheManager",
     "KvCacheStats",
+    "KvTransferKind",
     "LlmRequest",
     "LlmRequestState",
     "MicroBatchScheduler",

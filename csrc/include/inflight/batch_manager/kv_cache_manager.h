@@ -1,16 +1,26 @@
-// KVCacheManager: accounting of a paged KV pool (block ids only; the memory is a torch tensor
-// owned by Python). Semantics: docs/batch-manager.md (TRT-LLM's).
+// KVCacheManager: accounting of a paged KV pool in two levels (block ids only; the memory is owned
+// by Python). Semantics: docs/batch-manager.md (TRT-LLM's).
+//
+// Block ids: primary blocks are 0 .. num_blocks - 1 (the pool the kernels read, laid out by id),
+// secondary blocks num_blocks .. num_blocks + num_secondary_blocks - 1 (host or disk memory; the
+// engine maps id - num_blocks to its slot there). A block's level is fixed by its id.
 //
 // Invariants (check_integrity() verifies them):
-//   * every block is either free (ref_count == 0, in exactly one free list) or in use
-//     (ref_count == number of sequences holding it, in no free list); free + used == max_num_blocks.
-//   * a sequence holds ceil(num_tokens / tokens_per_block) blocks, in token order, none twice.
-//   * free lists: one FIFO per retention priority; together they are the free queue in release
-//     order. Allocation takes the front of the lowest-priority non-empty list.
-//   * reuse tree: a cached block is keyed by (parent key, its tpb tokens); the key is
+//   * every block is either free (ref_count == 0, in exactly one free list of its level) or in use
+//     (ref_count == number of sequences holding it, in no free list); per level free + used == size.
+//   * a sequence holds ceil(num_tokens / tokens_per_block) blocks, in token order, none twice. An
+//     active sequence holds primary blocks only; a suspended one also holds secondary blocks (its
+//     private blocks, moved there by suspend_sequence), each held by that one sequence only.
+//   * free lists: one FIFO per (level, retention priority); together a level's lists are its free
+//     queue in release order. Allocation takes the front of the lowest-priority non-empty list.
+//   * reuse tree (both levels): a cached block is keyed by (parent key, its tpb tokens); the key is
 //     content-addressed through a chained 64-bit hash, verified token by token on lookup. A block
-//     holds at most one key; a key belongs to at most one block. A block keeps its key while free
-//     and loses it (with all keys chained below it) when its memory is taken for new contents.
+//     holds at most one key; a key belongs to at most one block. A block keeps its key while free;
+//     when a primary block's memory is taken for new contents its key moves to a secondary block
+//     (offload) or is dropped with all keys chained below it; a secondary block's key moves back to
+//     a primary block on a prefix hit (onboard) or is dropped when the secondary block is reused.
+//   * the manager copies nothing: every move of KV between levels is queued as a KvBlockTransfer,
+//     in the order the engine must execute them (take_transfers).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +34,24 @@
 
 namespace inflight::batch_manager {
 
+// A pending move of one block's KV between the levels (see take_transfers).
+enum class KvTransferKind : std::int32_t {
+  kOFFLOAD = 0,  // primary -> secondary: must run before the primary block is overwritten
+  kONBOARD = 1,  // secondary -> primary: must run before the forward that reads the primary block
+};
+
+struct KvBlockTransfer {
+  KvTransferKind kind = KvTransferKind::kOFFLOAD;
+  BlockIdType src_block = 0;
+  BlockIdType dst_block = 0;
+  bool operator==(KvBlockTransfer const&) const = default;
+};
+
+inline constexpr SizeType32 kPrimaryLevel = 0;
+inline constexpr SizeType32 kSecondaryLevel = 1;
+// TRT-LLM's default: an evicted reusable block is offloaded only if its retention priority is >= this.
+inline constexpr SizeType32 kDefaultSecondaryOffloadMinPriority = 30;
+
 struct KvCacheStats {
   SizeType32 max_num_blocks = 0;
   SizeType32 free_num_blocks = 0;
@@ -35,14 +63,25 @@ struct KvCacheStats {
   std::int64_t missed_blocks = 0;       // prompt blocks not found in the reuse tree
   double cache_hit_rate = 0.0;          // reused / (reused + missed); 0 when both are 0
   SizeType32 reusable_num_blocks = 0;   // free blocks still holding a cached prefix (counted in free)
+  // Secondary level (all 0 without one). Used secondary blocks are those of suspended sequences.
+  SizeType32 max_num_secondary_blocks = 0;
+  SizeType32 free_num_secondary_blocks = 0;
+  SizeType32 used_num_secondary_blocks = 0;
+  SizeType32 reusable_num_secondary_blocks = 0;  // free secondary blocks holding a cached prefix
+  std::int64_t offloaded_blocks = 0;             // offload transfers queued (evictions and suspends)
+  std::int64_t onboarded_blocks = 0;             // onboard transfers queued (prefix hits and resumes)
+  std::int64_t secondary_reused_blocks = 0;      // prompt blocks served from the secondary level
+  double secondary_hit_rate = 0.0;               // secondary_reused / (reused + missed); 0 when both are 0
 };
 
 class KVCacheManager {
  public:
   // Throws std::invalid_argument naming the argument for num_blocks < 1, tokens_per_block < 1,
-  // max_seq_len < 1.
+  // max_seq_len < 1, num_secondary_blocks < 0, secondary_offload_min_priority outside [0, 100].
+  // num_secondary_blocks = 0 is the one-level manager exactly.
   KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_block, SizeType32 max_seq_len,
-                 bool enable_block_reuse = false);
+                 bool enable_block_reuse = false, SizeType32 num_secondary_blocks = 0,
+                 SizeType32 secondary_offload_min_priority = kDefaultSecondaryOffloadMinPriority);
   ~KVCacheManager();
   KVCacheManager(KVCacheManager const&) = delete;
   KVCacheManager& operator=(KVCacheManager const&) = delete;
@@ -52,16 +91,31 @@ class KVCacheManager {
   SizeType32 max_seq_len() const { return max_seq_len_; }
   SizeType32 max_blocks_per_seq() const { return (max_seq_len_ + tokens_per_block_ - 1) / tokens_per_block_; }
   bool enable_block_reuse() const { return enable_block_reuse_; }
+  // Primary level: the blocks the kernels read, that sequences are allocated from.
   SizeType32 num_free_blocks() const;
   SizeType32 num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
   bool has_sequence(RequestIdType request_id) const { return sequences_.count(request_id) != 0; }
   SizeType32 num_sequences() const { return static_cast<SizeType32>(sequences_.size()); }
+  SizeType32 num_secondary_blocks() const { return num_secondary_blocks_; }
+  SizeType32 num_free_secondary_blocks() const { return num_free_[kSecondaryLevel]; }
+  SizeType32 num_used_secondary_blocks() const { return num_secondary_blocks_ - num_free_[kSecondaryLevel]; }
+  SizeType32 secondary_offload_min_priority() const { return secondary_offload_min_priority_; }
+  SizeType32 num_suspended_sequences() const { return num_suspended_; }
+  // False for an unknown id.
+  bool is_suspended(RequestIdType request_id) const;
+  // kPrimaryLevel or kSecondaryLevel; std::invalid_argument outside [0, num_blocks + num_secondary_blocks).
+  SizeType32 get_block_level(BlockIdType block_id) const;
 
   // Allocates ceil(input_length / tpb) blocks for the whole prompt. With reuse and a request, the
   // first (prompt_len - 1) / tpb full blocks are looked up in the reuse tree first; a hit of k
-  // blocks calls request->set_prepopulated_prompt_len(k * tpb). Throws (state unchanged) when the
-  // id is already present, input_length is not in [1, max_seq_len], beam_width != 1, or there are
-  // not enough free blocks (message names needed and free).
+  // blocks calls request->set_prepopulated_prompt_len(k * tpb). A hit on a secondary block is
+  // onboarded: it costs a free primary block, which takes the key over (an onboard transfer).
+  // Throws (state unchanged) when the id is already present, input_length is not in
+  // [1, max_seq_len], beam_width != 1, or there are not enough free blocks (message names needed
+  // and free).
+  //
+  // A suspended sequence (suspend_sequence) is rejected with std::invalid_argument by add_token,
+  // add_tokens, rewind, fork_sequence (as src_id), store_context_blocks and copy_block_tables.
   void add_sequence(RequestIdType request_id, SizeType32 input_length, SizeType32 beam_width,
                     LlmRequest* request = nullptr);
   // One more token; a new block when it starts one. Throws for an unknown id, past max_seq_len,
@@ -85,13 +139,37 @@ class KVCacheManager {
   // when the token they add lands in a last block another sequence also holds (the sequence then holds
   // a fresh block, the other keeps the original); it counts as one more block needed.
   std::vector<std::pair<BlockIdType, BlockIdType>> take_block_copies();
+  // The transfers between levels queued since the last call, in order, and forgets them. Execute them
+  // in this order (a later one may overwrite the source of an earlier one), all before the next
+  // forward, and before the block copies taken at the same point: between two drains no block is
+  // freed after a copy-on-write is queued (the executor frees and suspends before it allocates), so a
+  // copy never needs to precede a transfer.
+  std::vector<KvBlockTransfer> take_transfers();
+  // Swap-out: every private block (ref_count 1) of the sequence moves to a free secondary block (an
+  // offload transfer each, keys moving along; the secondary pool evicts its lowest-priority, oldest
+  // cached blocks for room) and its primary block is freed, last first. Blocks shared with another
+  // sequence stay held in primary. The sequence keeps its tokens and is suspended: only resume,
+  // remove and the getters accept it. All or nothing: std::runtime_error (state unchanged) naming
+  // needed and free secondary blocks; std::invalid_argument for an unknown or suspended id.
+  void suspend_sequence(RequestIdType request_id);
+  // Swap-in: each secondary block of a suspended sequence gets a fresh primary block (an onboard
+  // transfer each, its key moving back), restoring the block table; the secondary blocks are freed.
+  // All or nothing: std::runtime_error (state unchanged) naming needed and free primary blocks;
+  // std::invalid_argument for an unknown id or a sequence not suspended.
+  void resume_sequence(RequestIdType request_id);
+  // Free primary blocks resume_sequence needs (its secondary blocks; 0 when not suspended).
+  SizeType32 get_needed_blocks_to_resume(RequestIdType request_id) const;
+  // Free secondary blocks suspend_sequence needs (its private blocks; 0 when already suspended).
+  SizeType32 get_needed_secondary_blocks_to_suspend(RequestIdType request_id) const;
   // Frees the blocks, last block first. With reuse and a request, first stores the full blocks of
   // the tokens the sequence holds (capped, for a request still in context, at the tokens already
-  // computed: context_current_position). Throws for an unknown id.
+  // computed: context_current_position). Throws for an unknown id. A suspended sequence is accepted
+  // (its secondary blocks return to the secondary free queue).
   void remove_sequence(RequestIdType request_id, LlmRequest* request = nullptr);
   // Publishes the full prompt blocks of a request whose context finished (no-op without reuse).
   void store_context_blocks(LlmRequest const& request);
 
+  // Both accept a suspended sequence (its block ids then mix the levels).
   std::vector<BlockIdType> const& get_block_ids(RequestIdType request_id) const;
   SizeType32 get_num_tokens(RequestIdType request_id) const;
   // Writes the block ids of each sequence into row i of out[num_rows][row_stride]; unused entries
@@ -105,7 +183,7 @@ class KVCacheManager {
   // Scheduling simulation (no real state changes).
   void start_scheduling();
   SizeType32 scheduling_num_free_blocks() const { return scheduling_num_free_blocks_; }
-  // Adds back to the simulated free count the blocks of that sequence no other sequence holds.
+  // Adds back to the simulated free count the primary blocks of that sequence no other sequence holds.
   void scheduling_remove_sequence(RequestIdType request_id);
   SizeType32 get_needed_blocks_one_step(LlmRequest const& request, bool two_steps_lookahead) const;
   SizeType32 get_remaining_blocks_to_completion(LlmRequest const& request) const;
@@ -124,6 +202,7 @@ class KVCacheManager {
     SizeType32 num_tokens = 0;
     // Blocks allocated later by add_token get the priority of the request that added the sequence.
     SizeType32 retention_priority = kDefaultRetentionPriority;
+    bool suspended = false;  // swapped out: private blocks in the secondary level
   };
   // An intrusive FIFO threaded through Block::prev_free / next_free, so that releasing and taking a
   // block is O(1) and allocation-free (a std::list would allocate a node on every release).
@@ -132,47 +211,73 @@ class KVCacheManager {
     BlockIdType back = -1;
     SizeType32 size = 0;
   };
+  static constexpr int kNumLevels = 2;
   // Reuse tree storage (block contents, hash index): see kv_cache_manager.cpp.
   struct ReuseIndex;
 
   // Free-queue and reuse-tree internals: see kv_cache_manager.cpp.
+  SizeType32 level_of(BlockIdType block_id) const { return block_id >= num_blocks_ ? kSecondaryLevel : kPrimaryLevel; }
+  FreeList& free_list(BlockIdType block_id);
+  // Front of the lowest-priority non-empty free list of the level (callers check it has a free block).
+  BlockIdType front_free_block(SizeType32 level) const;
   BlockIdType allocate_block(SizeType32 retention_priority);
   void release_block(BlockIdType block_id);
   void push_free_back(BlockIdType block_id);
+  void push_free_front(BlockIdType block_id);
   void take_free_block(BlockIdType block_id);
   void drop_key(BlockIdType block_id);
+  // The reuse-tree node of `from` (key, parent link, children, hash-index entry) becomes `to`'s;
+  // neither block may be in a free list (the free-keyed counts are the callers').
+  void move_key(BlockIdType from, BlockIdType to);
   BlockIdType find_child(BlockIdType parent, std::uint64_t hash, TokenIdType const* tokens) const;
   void set_key(BlockIdType block_id, BlockIdType parent, std::uint64_t hash, TokenIdType const* tokens);
   void store_blocks(std::vector<TokenIdType> const& tokens, SizeType32 num_tokens,
                     std::vector<BlockIdType> const& block_ids, SizeType32 retention_priority);
+  // Secondary level (kv_cache_manager_secondary.cpp). offload: moves the key of a primary block
+  // being reused to a free secondary block, if its priority and the pool allow; false otherwise.
+  bool offload(BlockIdType block_id);
+  // A free secondary block for new contents (its key, and the keys below it, dropped), taken out of
+  // the free queue with ref_count 1.
+  BlockIdType take_secondary_block();
+  // A fresh primary block for the contents of secondary block `secondary` (key moved, transfer queued).
+  BlockIdType onboard(BlockIdType secondary);
   // 1 when the next token of seq lands in a last block another sequence also holds (copy-on-write).
   SizeType32 cow_blocks(Sequence const& seq) const;
   // Gives seq a private copy of its shared last block (call after checking a block is free).
   void copy_on_write(Sequence& seq);
   Sequence& sequence(RequestIdType request_id, char const* caller);
   Sequence const& sequence(RequestIdType request_id, char const* caller) const;
+  // As sequence(), and rejects a suspended sequence (std::invalid_argument).
+  Sequence& active_sequence(RequestIdType request_id, char const* caller);
 
   SizeType32 num_blocks_;
   SizeType32 tokens_per_block_;
   SizeType32 max_seq_len_;
   bool enable_block_reuse_;
-  // Indexed by block id; Block is complete in the .cpp (a vector of an incomplete type is allowed
-  // since C++17 as long as its members are only used there).
+  SizeType32 num_secondary_blocks_;
+  SizeType32 secondary_offload_min_priority_;
+  // Indexed by block id, primary then secondary; Block is complete in the .cpp (a vector of an
+  // incomplete type is allowed since C++17 as long as its members are only used there).
   std::vector<Block> blocks_;
-  // free_lists_[p]: free blocks of retention priority p, in release order.
+  // free_lists_[level * 101 + p]: free blocks of that level and retention priority p, in release order.
   std::vector<FreeList> free_lists_;
-  // Bit p set <=> free_lists_[p] is non-empty; finds the lowest non-empty priority in O(1).
-  std::uint64_t non_empty_lists_[2] = {0, 0};
-  SizeType32 num_free_ = 0;
-  SizeType32 num_free_keyed_ = 0;  // free blocks with a key in the reuse tree (reusable)
+  // Bit p of non_empty_lists_[level] set <=> that level's list p is non-empty (lowest in O(1)).
+  std::uint64_t non_empty_lists_[kNumLevels][2] = {{0, 0}, {0, 0}};
+  SizeType32 num_free_[kNumLevels] = {0, 0};
+  SizeType32 num_free_keyed_[kNumLevels] = {0, 0};  // free blocks with a key in the reuse tree (reusable)
   std::unordered_map<RequestIdType, Sequence> sequences_;
+  SizeType32 num_suspended_ = 0;
   SizeType32 scheduling_num_free_blocks_ = 0;
   std::int64_t alloc_total_blocks_ = 0;
   std::int64_t alloc_new_blocks_ = 0;
   std::int64_t reused_blocks_ = 0;
   std::int64_t missed_blocks_ = 0;
+  std::int64_t offloaded_blocks_ = 0;
+  std::int64_t onboarded_blocks_ = 0;
+  std::int64_t secondary_reused_blocks_ = 0;
   std::unique_ptr<ReuseIndex> reuse_;
   std::vector<std::pair<BlockIdType, BlockIdType>> block_copies_;  // pending copy-on-writes
+  std::vector<KvBlockTransfer> transfers_;                         // pending transfers between levels
 };
 
 }  // namespace inflight::batch_manager

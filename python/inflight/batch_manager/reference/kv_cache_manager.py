@@ -7,19 +7,27 @@ owned by Python. Requests are borrowed for the duration of a call and never stor
 Data and its invariants (``KVCacheManager.check_integrity`` verifies them and raises RuntimeError
 naming the first one violated):
 
-* ``_blocks[i]`` is block ``i`` (the pool owns every block). A block is either free (``ref_count``
-  0, in exactly one free list: the one of its ``retention_priority``) or in use (``ref_count`` =
-  the number of sequences holding it, in no free list); free + used = ``max_num_blocks``.
-* ``_free_lists[p]`` holds the free blocks of retention priority ``p`` in release order, oldest
-  first (a dict used as an ordered set, so that a prefix hit can take a block out of the middle).
-  Together the lists are the free queue: a release appends to the back of its list, an allocation
-  takes the front of the lowest-priority non-empty list.
+* ``_blocks[i]`` is block ``i`` (the pool owns every block): primary blocks ``0 .. num_blocks - 1``,
+  then secondary blocks ``num_blocks .. num_blocks + num_secondary_blocks - 1``; ``level`` is fixed by
+  the id. A block is either free (``ref_count`` 0, in exactly one free list: the one of its level and
+  ``retention_priority``) or in use (``ref_count`` = the number of sequences holding it, in no free
+  list); per level, free + used = the level's size.
+* ``_free_lists[level][p]`` holds the free blocks of that level and retention priority ``p`` in
+  release order, oldest first (a dict used as an ordered set, so that a prefix hit can take a block
+  out of the middle). Together a level's lists are its free queue: a release appends to the back of
+  its list (a secondary block released without a key goes to the front of the priority-0 list: it
+  caches nothing), an allocation takes the front of the lowest-priority non-empty list.
 * ``_sequences[request_id]`` holds ``ceil(num_tokens / tokens_per_block)`` distinct blocks in token
-  order; a block may be shared by several sequences only through prefix reuse.
-* ``_cached`` maps a key to the one block holding it, and that block's ``key`` is that key. A key
-  is the tuple of every token of the prefix its block closes. Keys are closed under taking a parent
-  (``key[:-tokens_per_block]``): a key is only set under an existing parent, and dropping a key
-  drops every key that extends it. A free block keeps its key until its memory is taken.
+  order; a block may be shared by several sequences only through prefix reuse or forks. An active
+  sequence holds primary blocks only; a suspended one also holds secondary blocks, each held by it
+  alone.
+* ``_cached`` maps a key to the one block holding it (either level), and that block's ``key`` is that
+  key. A key is the tuple of every token of the prefix its block closes. Keys are closed under taking
+  a parent (``key[:-tokens_per_block]``): a key is only set under an existing parent, and dropping a
+  key drops every key that extends it. A free block keeps its key until its memory is taken; a
+  primary block's key then moves to a secondary block (offload) when the priority and the secondary
+  pool allow, and a secondary block's key moves to a primary block on a hit (onboard).
+* ``_transfers`` lists the moves of KV between levels not yet taken, in the order they happened.
 
 Where the twin deliberately differs from the C++ in representation (never in decisions): the C++
 identifies a cached prefix by a chained 64-bit hash, checked token by token on lookup, and
@@ -37,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from inflight.batch_manager import DEFAULT_RETENTION_PRIORITY, KvCacheStats
+from inflight.batch_manager import (
+    DEFAULT_RETENTION_PRIORITY,
+    DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+    PRIMARY_LEVEL,
+    SECONDARY_LEVEL,
+    KvCacheStats,
+    KvTransferKind,
+)
 
 if TYPE_CHECKING:
     from inflight.batch_manager import LlmRequest
@@ -47,6 +62,10 @@ __all__ = ["KVCacheManager"]
 # A cached block's key: every token of the prefix it closes (its own tokens plus its ancestors').
 # Equal keys <=> equal (parent key, block tokens) chains, which is what the C++ chained hash encodes.
 BlockKey = tuple[int, ...]
+# A pending move between levels: (kind, src_block, dst_block), as take_transfers returns it.
+Transfer = tuple[KvTransferKind, int, int]
+_MIN_RETENTION_PRIORITY = 0
+_INT32_MAX = 2**31 - 1
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -56,6 +75,7 @@ def _ceil_div(a: int, b: int) -> int:
 @dataclass
 class _Block:
     block_id: int
+    level: int = PRIMARY_LEVEL
     ref_count: int = 0
     retention_priority: int = DEFAULT_RETENTION_PRIORITY
     key: BlockKey | None = None
@@ -67,6 +87,7 @@ class _Sequence:
     num_tokens: int = 0
     # The request's kv_retention_priority (default without a request), for blocks added later.
     retention_priority: int = DEFAULT_RETENTION_PRIORITY
+    suspended: bool = False  # swapped out: its private blocks are secondary blocks
 
 
 class KVCacheManager:
@@ -81,6 +102,8 @@ class KVCacheManager:
         tokens_per_block: int,
         max_seq_len: int,
         enable_block_reuse: bool = False,
+        num_secondary_blocks: int = 0,
+        secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -88,15 +111,30 @@ class KVCacheManager:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if not 0 <= num_secondary_blocks <= _INT32_MAX - num_blocks:
+            raise ValueError(
+                f"num_secondary_blocks must be in [0, {_INT32_MAX - num_blocks}], got {num_secondary_blocks}"
+            )
+        if not 0 <= secondary_offload_min_priority <= 100:
+            raise ValueError(
+                f"secondary_offload_min_priority must be in [0, 100], got {secondary_offload_min_priority}"
+            )
         self._num_blocks = num_blocks
+        self._num_secondary_blocks = num_secondary_blocks
+        self._secondary_offload_min_priority = secondary_offload_min_priority
         self._tokens_per_block = tokens_per_block
         self._max_seq_len = max_seq_len
         self._enable_block_reuse = bool(enable_block_reuse)
-        self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
-        # Retention priority -> its free blocks in release order (dict: ordered, O(1) removal).
-        self._free_lists: dict[int, dict[int, None]] = {
-            DEFAULT_RETENTION_PRIORITY: dict.fromkeys(range(num_blocks))
-        }
+        total = num_blocks + num_secondary_blocks
+        self._blocks = [
+            _Block(block_id, PRIMARY_LEVEL if block_id < num_blocks else SECONDARY_LEVEL)
+            for block_id in range(total)
+        ]
+        # Per level: retention priority -> its free blocks in release order (dict: ordered, O(1) removal).
+        self._free_lists: list[dict[int, dict[int, None]]] = [
+            {DEFAULT_RETENTION_PRIORITY: dict.fromkeys(range(num_blocks))},
+            {DEFAULT_RETENTION_PRIORITY: dict.fromkeys(range(num_blocks, total))},
+        ]
         self._sequences: dict[int, _Sequence] = {}
         self._cached: dict[BlockKey, int] = {}
         self._scheduling_num_free_blocks = num_blocks
@@ -105,6 +143,10 @@ class KVCacheManager:
         self._block_copies: list[tuple[int, int]] = []  # pending copy-on-writes (take_block_copies)
         self._reused_blocks = 0
         self._missed_blocks = 0
+        self._transfers: list[Transfer] = []  # pending moves between levels (take_transfers)
+        self._offloaded_blocks = 0
+        self._onboarded_blocks = 0
+        self._secondary_reused_blocks = 0
 
     # ---- properties ------------------------------------------------------------------------------
 
@@ -130,7 +172,8 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(len(free_list) for free_list in self._free_lists.values())
+        """Free primary blocks (the level sequences are allocated from)."""
+        return self._num_free(PRIMARY_LEVEL)
 
     @property
     def num_used_blocks(self) -> int:
@@ -144,8 +187,42 @@ class KVCacheManager:
     def scheduling_num_free_blocks(self) -> int:
         return self._scheduling_num_free_blocks
 
+    @property
+    def num_secondary_blocks(self) -> int:
+        return self._num_secondary_blocks
+
+    @property
+    def num_free_secondary_blocks(self) -> int:
+        return self._num_free(SECONDARY_LEVEL)
+
+    @property
+    def num_used_secondary_blocks(self) -> int:
+        return self._num_secondary_blocks - self._num_free(SECONDARY_LEVEL)
+
+    @property
+    def secondary_offload_min_priority(self) -> int:
+        return self._secondary_offload_min_priority
+
+    @property
+    def num_suspended_sequences(self) -> int:
+        return sum(1 for sequence in self._sequences.values() if sequence.suspended)
+
     def has_sequence(self, request_id: int) -> bool:
         return request_id in self._sequences
+
+    def is_suspended(self, request_id: int) -> bool:
+        """Whether the sequence is swapped out (False for an unknown id)."""
+        sequence = self._sequences.get(request_id)
+        return sequence is not None and sequence.suspended
+
+    def get_block_level(self, block_id: int) -> int:
+        """PRIMARY_LEVEL (ids below max_num_blocks) or SECONDARY_LEVEL."""
+        if not 0 <= block_id < len(self._blocks):
+            raise ValueError(
+                f"get_block_level: block_id must be in [0, {len(self._blocks) - 1}] "
+                f"(num_blocks + num_secondary_blocks - 1), got {block_id}"
+            )
+        return self._blocks[block_id].level
 
     # ---- sequences -------------------------------------------------------------------------------
 
@@ -178,22 +255,44 @@ class KVCacheManager:
             # Capped at what the request holds, so that hits * tpb < prompt_len always.
             hits = self._match_prefix(tokens, min(input_length, request.prompt_len, len(tokens)))
         num_new = num_blocks - len(hits)
-        # A hit block that sits in the free queue leaves it, so it counts against the free blocks.
-        num_free_needed = num_new + sum(1 for block_id in hits if self._blocks[block_id].ref_count == 0)
+        num_secondary_hits = sum(1 for b in hits if self._blocks[b].level == SECONDARY_LEVEL)
+        # A hit block that sits in the free queue leaves it, so it counts against the free blocks; a
+        # secondary hit is onboarded into a fresh primary block.
+        num_free_needed = (
+            num_new
+            + num_secondary_hits
+            + sum(
+                1 for b in hits if self._blocks[b].level == PRIMARY_LEVEL and self._blocks[b].ref_count == 0
+            )
+        )
         if num_free_needed > self.num_free_blocks:
             raise RuntimeError(
                 f"add_sequence: not enough free KV blocks for request_id {request_id}: "
                 f"need {num_free_needed}, free {self.num_free_blocks}"
             )
 
-        # Hits are claimed first, so that allocating the new blocks cannot evict one of them.
+        # Hits are claimed first, so that allocating the new blocks cannot evict one of them. A free
+        # secondary hit is pinned the same way until its contents moved to primary; one held by a
+        # suspended sequence stays that sequence's.
+        pinned = []
         for block_id in hits:
+            block = self._blocks[block_id]
+            if block.level == SECONDARY_LEVEL:
+                if block.ref_count == 0:
+                    del self._free_lists[SECONDARY_LEVEL][block.retention_priority][block_id]
+                    block.ref_count = 1
+                    pinned.append(block_id)
+                continue
             self._acquire(block_id)
+        hits = [self._onboard(b) if self._blocks[b].level == SECONDARY_LEVEL else b for b in hits]
         priority = request.kv_retention_priority if request is not None else DEFAULT_RETENTION_PRIORITY
         new_blocks = [self._allocate_block(priority) for _ in range(num_new)]
+        for block_id in reversed(pinned):  # they hold no key any more
+            self._release(block_id)
         self._sequences[request_id] = _Sequence(hits + new_blocks, input_length, priority)
 
         self._reused_blocks += len(hits)
+        self._secondary_reused_blocks += num_secondary_hits
         self._missed_blocks += num_new
         self._alloc_total_blocks += num_blocks
         self._alloc_new_blocks += num_new
@@ -218,7 +317,7 @@ class KVCacheManager:
     def fork_sequence(self, src_id: int, dst_id: int) -> None:
         """Beam search: ``dst_id`` holds the very blocks of ``src_id`` (each ref_count + 1) and its token
         count; a later write into the shared, partly filled last block copies it first."""
-        src = self._sequence(src_id, "fork_sequence")
+        src = self._active_sequence(src_id, "fork_sequence")
         if dst_id in self._sequences:
             raise ValueError(f"fork_sequence: request_id {dst_id} is already in the KV cache manager")
         dst = _Sequence(list(src.block_ids), src.num_tokens, src.retention_priority)
@@ -231,9 +330,76 @@ class KVCacheManager:
         out, self._block_copies = self._block_copies, []
         return out
 
+    def take_transfers(self) -> list[Transfer]:
+        """The (kind, src_block, dst_block) moves between levels since the last call, in order (then
+        forgotten): to execute in that order before the next forward, and before the block copies."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def suspend_sequence(self, request_id: int) -> None:
+        """Swap-out: each private block (ref_count 1) moves to a free secondary block (offload), its
+        primary block freed, last first; shared blocks stay held. All or nothing."""
+        sequence = self._active_sequence(request_id, "suspend_sequence")
+        needed = self.get_needed_secondary_blocks_to_suspend(request_id)
+        free = self._num_free(SECONDARY_LEVEL)
+        if needed > free:
+            raise RuntimeError(
+                f"suspend_sequence: not enough free secondary KV blocks for request_id {request_id}: "
+                f"need {needed}, free {free}"
+            )
+        freed = []
+        for i, block_id in enumerate(sequence.block_ids):
+            block = self._blocks[block_id]
+            if block.ref_count != 1:
+                continue  # shared: the other holders read it where it is
+            secondary = self._take_secondary_block()
+            if block.key is not None:  # (taking the secondary block may have dropped it)
+                self._move_key(block_id, secondary)
+            self._blocks[secondary].retention_priority = block.retention_priority
+            self._transfers.append((KvTransferKind.OFFLOAD, block_id, secondary))
+            self._offloaded_blocks += 1
+            freed.append(block_id)
+            sequence.block_ids[i] = secondary
+        for block_id in reversed(freed):
+            self._release(block_id)
+        sequence.suspended = True
+
+    def resume_sequence(self, request_id: int) -> None:
+        """Swap-in: each secondary block of a suspended sequence moves to a fresh primary block
+        (onboard); the secondary blocks are freed once all moved. All or nothing."""
+        sequence = self._sequence(request_id, "resume_sequence")
+        if not sequence.suspended:
+            raise ValueError(f"resume_sequence: request_id {request_id} is not suspended")
+        needed = self.get_needed_blocks_to_resume(request_id)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(
+                f"resume_sequence: not enough free KV blocks for request_id {request_id}: "
+                f"need {needed}, free {self.num_free_blocks}"
+            )
+        freed = []
+        for i, block_id in enumerate(sequence.block_ids):
+            if self._blocks[block_id].level == SECONDARY_LEVEL:
+                freed.append(block_id)
+                sequence.block_ids[i] = self._onboard(block_id)
+        for block_id in reversed(freed):
+            self._release(block_id)
+        sequence.suspended = False
+
+    def get_needed_blocks_to_resume(self, request_id: int) -> int:
+        """Free primary blocks resume_sequence needs (the secondary blocks; 0 when not suspended)."""
+        sequence = self._sequence(request_id, "get_needed_blocks_to_resume")
+        return sum(1 for b in sequence.block_ids if self._blocks[b].level == SECONDARY_LEVEL)
+
+    def get_needed_secondary_blocks_to_suspend(self, request_id: int) -> int:
+        """Free secondary blocks suspend_sequence needs (the private blocks; 0 when suspended)."""
+        sequence = self._sequence(request_id, "get_needed_secondary_blocks_to_suspend")
+        if sequence.suspended:
+            return 0
+        return sum(1 for b in sequence.block_ids if self._blocks[b].ref_count == 1)
+
     def add_token(self, request_id: int) -> None:
         """One more token; a new block (of the sequence's retention priority) when it starts one."""
-        sequence = self._sequence(request_id, "add_token")
+        sequence = self._active_sequence(request_id, "add_token")
         if sequence.num_tokens >= self._max_seq_len:
             raise ValueError(
                 f"add_token: request_id {request_id} already holds {sequence.num_tokens} tokens, "
@@ -257,7 +423,7 @@ class KVCacheManager:
 
     def add_tokens(self, request_id: int, n: int) -> None:
         """``n`` more tokens at once (a speculative step's 1 + k), all or nothing."""
-        sequence = self._sequence(request_id, "add_tokens")
+        sequence = self._active_sequence(request_id, "add_tokens")
         if n < 0:
             raise ValueError(f"add_tokens: n must be >= 0, got {n}")
         if n > self._max_seq_len - sequence.num_tokens:
@@ -283,7 +449,7 @@ class KVCacheManager:
 
     def rewind(self, request_id: int, n: int) -> None:
         """Pops the last ``n`` tokens; blocks left empty are released, last block first."""
-        sequence = self._sequence(request_id, "rewind")
+        sequence = self._active_sequence(request_id, "rewind")
         if not 0 <= n < sequence.num_tokens:
             raise ValueError(
                 f"rewind: n must be in [0, {sequence.num_tokens - 1}] (request_id {request_id} keeps at least "
@@ -306,7 +472,8 @@ class KVCacheManager:
             self._store_blocks(
                 request.get_tokens(), num_stored, sequence.block_ids, request.kv_retention_priority
             )
-        # Last block first: the leaves of a prefix are evicted before their parents.
+        # Last block first: the leaves of a prefix are evicted before their parents (a suspended
+        # sequence's secondary blocks return to the secondary free queue).
         for block_id in reversed(sequence.block_ids):
             self._release(block_id)
         del self._sequences[request_id]
@@ -315,7 +482,7 @@ class KVCacheManager:
         """Publishes the full prompt blocks of a request whose context finished (reuse only)."""
         if not self._enable_block_reuse:
             return
-        sequence = self._sequence(request.request_id, "store_context_blocks")
+        sequence = self._active_sequence(request.request_id, "store_context_blocks")
         tokens = request.get_tokens()
         num_stored = min(request.prompt_len, len(tokens), sequence.num_tokens)
         self._store_blocks(tokens, num_stored, sequence.block_ids, request.kv_retention_priority)
@@ -343,7 +510,12 @@ class KVCacheManager:
                 f"copy_block_tables: num_rows must be >= request_ids.size() {len(ids)}, got {num_rows}"
             )
         for row, request_id in enumerate(ids):
-            block_ids = self._sequence(request_id, "copy_block_tables").block_ids
+            sequence = self._sequence(request_id, "copy_block_tables")
+            if sequence.suspended:
+                raise ValueError(
+                    f"copy_block_tables: request_id {request_id} is suspended (resume_sequence first)"
+                )
+            block_ids = sequence.block_ids
             if len(block_ids) > row_stride:
                 raise ValueError(
                     f"copy_block_tables: request_id {request_id} holds {len(block_ids)} blocks, "
@@ -365,7 +537,15 @@ class KVCacheManager:
         lookups = self._reused_blocks + self._missed_blocks
         stats.cache_hit_rate = self._reused_blocks / lookups if lookups else 0.0
         # Free blocks that still hold a cached prefix (a hit takes them back without recomputing).
-        stats.reusable_num_blocks = sum(1 for b in self._blocks if b.ref_count == 0 and b.key is not None)
+        stats.reusable_num_blocks = self._num_free_keyed(PRIMARY_LEVEL)
+        stats.max_num_secondary_blocks = self._num_secondary_blocks
+        stats.free_num_secondary_blocks = self.num_free_secondary_blocks
+        stats.used_num_secondary_blocks = self.num_used_secondary_blocks
+        stats.reusable_num_secondary_blocks = self._num_free_keyed(SECONDARY_LEVEL)
+        stats.offloaded_blocks = self._offloaded_blocks
+        stats.onboarded_blocks = self._onboarded_blocks
+        stats.secondary_reused_blocks = self._secondary_reused_blocks
+        stats.secondary_hit_rate = self._secondary_reused_blocks / lookups if lookups else 0.0
         return stats
 
     # ---- scheduling simulation (no real state changes) -------------------------------------------
@@ -379,7 +559,9 @@ class KVCacheManager:
         if sequence is None:
             return
         self._scheduling_num_free_blocks += sum(
-            1 for block_id in sequence.block_ids if self._blocks[block_id].ref_count == 1
+            1
+            for block_id in sequence.block_ids
+            if self._blocks[block_id].ref_count == 1 and self._blocks[block_id].level == PRIMARY_LEVEL
         )
 
     def get_needed_blocks_one_step(self, request: LlmRequest, two_steps_lookahead: bool = False) -> int:
@@ -441,14 +623,21 @@ class KVCacheManager:
         def fail(what: str) -> None:
             raise RuntimeError(f"KVCacheManager integrity check failed: {what}")
 
-        free_list_of: dict[int, int] = {}  # free block -> priority of the list holding it
-        for priority, free_list in self._free_lists.items():
-            for block_id in free_list:
-                if block_id in free_list_of:
-                    fail(f"block {block_id} appears twice in the free lists")
-                free_list_of[block_id] = priority
+        free_list_of: dict[int, tuple[int, int]] = {}  # free block -> (level, priority) of its list
+        for level, lists in enumerate(self._free_lists):
+            for priority, free_list in lists.items():
+                for block_id in free_list:
+                    if block_id in free_list_of:
+                        fail(f"block {block_id} appears twice in the free lists")
+                    if self._blocks[block_id].level != level:
+                        fail(
+                            f"block {block_id} of level {self._blocks[block_id].level} is in a free list "
+                            f"of level {level}"
+                        )
+                    free_list_of[block_id] = (level, priority)
 
-        holders = [0] * self._num_blocks
+        holders = [0] * len(self._blocks)
+        held_by_suspended = [False] * len(self._blocks)
         for request_id, sequence in self._sequences.items():
             expected = _ceil_div(sequence.num_tokens, self._tokens_per_block)
             if len(sequence.block_ids) != expected:
@@ -459,7 +648,10 @@ class KVCacheManager:
             if len(set(sequence.block_ids)) != len(sequence.block_ids):
                 fail(f"request_id {request_id} holds a block twice")
             for block_id in sequence.block_ids:
+                if not sequence.suspended and self._blocks[block_id].level != PRIMARY_LEVEL:
+                    fail(f"active request_id {request_id} holds secondary block {block_id}")
                 holders[block_id] += 1
+                held_by_suspended[block_id] = sequence.suspended
 
         for block in self._blocks:
             block_id = block.block_id
@@ -472,17 +664,28 @@ class KVCacheManager:
                 fail(
                     f"block {block_id} with ref_count {block.ref_count} is {'' if is_free else 'not '}in a free list"
                 )
-            if is_free and free_list_of[block_id] != block.retention_priority:
+            if is_free and free_list_of[block_id][1] != block.retention_priority:
                 fail(
                     f"block {block_id} of retention priority {block.retention_priority} is in free list "
-                    f"{free_list_of[block_id]}"
+                    f"{free_list_of[block_id][1]}"
+                )
+            if (
+                block.level == SECONDARY_LEVEL
+                and block.ref_count > 0
+                and (block.ref_count != 1 or not held_by_suspended[block_id])
+            ):
+                fail(
+                    f"secondary block {block_id} has ref_count {block.ref_count}; it may only be held "
+                    "by one suspended sequence"
                 )
             if block.key is not None and self._cached.get(block.key) != block_id:
                 fail(f"the key of block {block_id} does not map to it")
 
-        num_used = sum(1 for block in self._blocks if block.ref_count > 0)
-        if num_used + len(free_list_of) != self._num_blocks:
-            fail(f"free {len(free_list_of)} + used {num_used} != total {self._num_blocks}")
+        for level, size in ((PRIMARY_LEVEL, self._num_blocks), (SECONDARY_LEVEL, self._num_secondary_blocks)):
+            num_used = sum(1 for b in self._blocks if b.level == level and b.ref_count > 0)
+            num_free = sum(1 for lv, _ in free_list_of.values() if lv == level)
+            if num_used + num_free != size:
+                fail(f"level {level}: free {num_free} + used {num_used} != total {size}")
 
         tpb = self._tokens_per_block
         for key, block_id in self._cached.items():
@@ -499,6 +702,13 @@ class KVCacheManager:
         sequence = self._sequences.get(request_id)
         if sequence is None:
             raise ValueError(f"{caller}: request_id {request_id} is not in the KV cache manager")
+        return sequence
+
+    def _active_sequence(self, request_id: int, caller: str) -> _Sequence:
+        """As _sequence, rejecting a suspended sequence."""
+        sequence = self._sequence(request_id, caller)
+        if sequence.suspended:
+            raise ValueError(f"{caller}: request_id {request_id} is suspended (resume_sequence first)")
         return sequence
 
     @staticmethod
@@ -524,31 +734,97 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def _num_free(self, level: int) -> int:
+        return sum(len(free_list) for free_list in self._free_lists[level].values())
+
+    def _num_free_keyed(self, level: int) -> int:
+        return sum(1 for b in self._blocks if b.level == level and b.ref_count == 0 and b.key is not None)
+
+    def _front(self, level: int) -> int:
+        """The front of the level's lowest-priority non-empty free list (callers check one is free)."""
+        lists = self._free_lists[level]
+        priority = min(p for p, free_list in lists.items() if free_list)
+        return next(iter(lists[priority]))
+
     def _acquire(self, block_id: int) -> None:
-        """One more holder of a (cached) block; a free one leaves the free queue, keeping its key."""
+        """One more holder of a (cached) primary block; a free one leaves the free queue, keeping its key."""
         block = self._blocks[block_id]
         if block.ref_count == 0:
-            del self._free_lists[block.retention_priority][block_id]
+            del self._free_lists[PRIMARY_LEVEL][block.retention_priority][block_id]
         block.ref_count += 1
 
     def _allocate_block(self, retention_priority: int) -> int:
-        """Takes the front of the lowest-priority non-empty free list, for new contents."""
-        priority = min(p for p, free_list in self._free_lists.items() if free_list)
-        block_id = next(iter(self._free_lists[priority]))
-        del self._free_lists[priority][block_id]
+        """Takes the front of the lowest-priority non-empty primary free list, for new contents; its
+        cached prefix, if any, is offloaded to the secondary level or dropped."""
+        block_id = self._front(PRIMARY_LEVEL)
         block = self._blocks[block_id]
-        if block.key is not None:
-            self._drop_key(block.key)
+        del self._free_lists[PRIMARY_LEVEL][block.retention_priority][block_id]
         block.ref_count = 1
+        if block.key is not None and not self._offload(block_id):
+            self._drop_key(block.key)
         block.retention_priority = retention_priority
         return block_id
 
     def _release(self, block_id: int) -> None:
-        """One holder fewer; at zero the block goes to the back of its priority's free list."""
+        """One holder fewer; at zero the block goes to the back of its priority's free list (a
+        secondary block without a key to the front of the priority-0 list: it caches nothing)."""
         block = self._blocks[block_id]
         block.ref_count -= 1
-        if block.ref_count == 0:
-            self._free_lists.setdefault(block.retention_priority, {})[block_id] = None
+        if block.ref_count != 0:
+            return
+        lists = self._free_lists[block.level]
+        if block.level == SECONDARY_LEVEL and block.key is None:
+            block.retention_priority = _MIN_RETENTION_PRIORITY
+            lists[block.retention_priority] = {block_id: None, **lists.get(block.retention_priority, {})}
+        else:
+            lists.setdefault(block.retention_priority, {})[block_id] = None
+
+    def _take_secondary_block(self) -> int:
+        """A free secondary block for new contents (its key and the keys below dropped), ref_count 1."""
+        block_id = self._front(SECONDARY_LEVEL)
+        block = self._blocks[block_id]
+        del self._free_lists[SECONDARY_LEVEL][block.retention_priority][block_id]
+        block.ref_count = 1
+        if block.key is not None:
+            self._drop_key(block.key)
+        return block_id
+
+    def _offload(self, block_id: int) -> bool:
+        """Moves the key of a primary block being reused to a free secondary block (an offload), if
+        its priority and the secondary pool allow."""
+        block = self._blocks[block_id]
+        if (
+            self._num_free(SECONDARY_LEVEL) == 0
+            or block.retention_priority < self._secondary_offload_min_priority
+        ):
+            return False
+        victim = self._blocks[self._front(SECONDARY_LEVEL)]
+        if victim.key is not None and block.key[: len(victim.key)] == victim.key:
+            return False  # reusing a cached ancestor would drop this block's key anyway: keep it
+        secondary = self._take_secondary_block()
+        self._move_key(block_id, secondary)
+        target = self._blocks[secondary]
+        target.retention_priority = block.retention_priority
+        target.ref_count = 0
+        self._free_lists[SECONDARY_LEVEL].setdefault(target.retention_priority, {})[secondary] = None
+        self._transfers.append((KvTransferKind.OFFLOAD, block_id, secondary))
+        self._offloaded_blocks += 1
+        return True
+
+    def _onboard(self, secondary: int) -> int:
+        """A fresh primary block for the contents of a secondary block held out of the free queue."""
+        primary = self._allocate_block(self._blocks[secondary].retention_priority)
+        if self._blocks[secondary].key is not None:  # (the allocation may have dropped it)
+            self._move_key(secondary, primary)
+        self._transfers.append((KvTransferKind.ONBOARD, secondary, primary))
+        self._onboarded_blocks += 1
+        return primary
+
+    def _move_key(self, src: int, dst: int) -> None:
+        key = self._blocks[src].key
+        self._blocks[src].key = None
+        self._blocks[dst].key = key
+        self._cached[key] = dst
 
     def _drop_key(self, key: BlockKey) -> None:
         """Forgets a cached key and every key chained below it (they extend it)."""
