@@ -55,7 +55,8 @@ int check_cuda_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales
 // Both ops: kBits 4 (uint8 qweight, optional offsets) or 8 (int8 qweight).
 template <int kBits>
 void weight_only_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, Tensor const* offsets,
-                      int group_size, Tensor const& out, Tensor const* bias, std::uintptr_t stream) {
+                      int group_size, Tensor const& out, Tensor const* bias, std::uintptr_t stream,
+                      bool fp8_e4m3 = false) {
   WeightOnlyGemmArgs const a =
       check_weight_only_gemm_args(x, {ScalarType::kBFloat16, ScalarType::kFloat16}, qweight, scales, offsets,
                                   group_size, kBits, kBits == 4 ? kInt4Groups : kInt8Groups, out, bias);
@@ -65,7 +66,11 @@ void weight_only_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scal
   p.x_row_stride = row_stride(x);
   p.qweight = static_cast<decltype(p.qweight)>(qweight.data());
   p.scales = scales.data();
-  if constexpr (kBits == 4) p.offsets = offsets != nullptr ? offsets->data() : nullptr;
+  if constexpr (kBits == 4) {
+    p.offsets = offsets != nullptr ? offsets->data() : nullptr;
+  } else {
+    p.fp8_e4m3 = fp8_e4m3;
+  }
   p.scale_type = a.scale_type;
   p.bias = bias != nullptr ? bias->data() : nullptr;
   p.out = out.data();
@@ -95,6 +100,11 @@ void w8a16_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, in
   weight_only_gemm<8>(x, qweight, scales, nullptr, group_size, out, bias ? &*bias : nullptr, stream);
 }
 
+void w8a16_fp8_gemm(Tensor const& x, Tensor const& qweight, Tensor const& scales, int group_size, Tensor const& out,
+                    std::optional<Tensor> const& bias, std::uintptr_t stream) {
+  weight_only_gemm<8>(x, qweight, scales, nullptr, group_size, out, bias ? &*bias : nullptr, stream, true);
+}
+
 }  // namespace
 
 INFLIGHT_REGISTER_OPS(cuda_gemm) {
@@ -109,4 +119,8 @@ INFLIGHT_REGISTER_OPS(cuda_gemm) {
         "out [m, n] = x [m, k] @ (scales * qweight)^T (+ bias [n]) with qweight [n, k] int8 and scales "
         "[n, k // group_size] (float16/bfloat16/float32). x, out, bias: float16/bfloat16. group_size: a multiple "
         "of 16 dividing k.");
+  m.def("w8a16_fp8_gemm", &w8a16_fp8_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("group_size"),
+        nb::arg("out"), nb::arg("bias").none(), nb::arg("stream"),
+        "w8a16_gemm with qweight's int8 bytes holding OCP FP8 E4M3 values (a float8_e4m3fn tensor viewed as "
+        "int8): w = scale * fp8(q), converted exactly in registers.");
 }

@@ -79,10 +79,20 @@ class QuantizedWeight {
     launch(probe);
   }
 
-  // int8 weights have no offsets.
-  QuantizedWeight(Tensor qweight, Tensor scales, int group_size, std::optional<Tensor> bias)
+  // int8 weights have no offsets. fp8_e4m3: the int8 tensor holds E4M3 bytes (a float8_e4m3fn tensor
+  // viewed as int8).
+  QuantizedWeight(Tensor qweight, Tensor scales, int group_size, std::optional<Tensor> bias, bool fp8_e4m3 = false)
     requires(kBits == 8)
-      : QuantizedWeight(std::move(qweight), std::move(scales), std::nullopt, group_size, std::move(bias)) {}
+      : QuantizedWeight(std::move(qweight), std::move(scales), std::nullopt, group_size, std::move(bias)) {
+    p_.fp8_e4m3 = fp8_e4m3;
+  }
+  bool fp8_e4m3() const {
+    if constexpr (kBits == 8) {
+      return p_.fp8_e4m3;
+    } else {
+      return false;
+    }
+  }
 
   void gemm(Tensor x, Tensor out, int num_threads) const {
     Params const p =

@@ -36,9 +36,12 @@ void w4a16_gemm(Tensor x, Tensor qweight, Tensor scales, std::optional<Tensor> o
 }
 
 void w8a16_gemm(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor out, std::optional<Tensor> bias,
-                int num_threads) {
-  weight_only_gemm<8>(std::move(x), std::move(qweight), std::move(scales), std::nullopt, group_size, std::move(out),
-                      std::move(bias), num_threads);
+                int num_threads, bool fp8_e4m3) {
+  require_at_least(num_threads, 1, "num_threads");
+  check_weight_only_gemm_args(x, {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}, qweight, scales,
+                              nullptr, group_size, 8, kCpuInt8GroupSizes, out, bias ? &*bias : nullptr);
+  W8A16Weight(std::move(qweight), std::move(scales), group_size, std::move(bias), fp8_e4m3)
+      .gemm(std::move(x), std::move(out), num_threads);
 }
 
 }  // namespace
@@ -50,9 +53,9 @@ INFLIGHT_REGISTER_OPS(gemm) {
         "(byte j: k = 2j low nibble, 2j+1 high), scales/offsets [n, k/group_size]; w = scale*q + offset, or "
         "scale*(q - 8) when offsets is None. x, out, bias: one of float32/bfloat16/float16.");
   m.def("w8a16_gemm", &w8a16_gemm, "x"_a, "qweight"_a, "scales"_a, "group_size"_a, "out"_a.noconvert(), "bias"_a.none(),
-        "num_threads"_a,
+        "num_threads"_a, "fp8_e4m3"_a = false,
         "out[m, n] = x[m, k] @ dequant(qweight)[n, k]^T (+ bias). int8 weights [n, k], scales "
-        "[n, k/group_size]; w = scale * q.");
+        "[n, k/group_size]; w = scale * q. fp8_e4m3: qweight's bytes are E4M3 values (w = scale * fp8(q)).");
   nb::class_<W4A16Weight>(m, "W4A16Weight",
                           "int4 weights (the w4a16_gemm layout) validated and imported once; gemm(x, out, "
                           "num_threads) then passes only x and out. Keeps the tensors alive.")
@@ -65,8 +68,9 @@ INFLIGHT_REGISTER_OPS(gemm) {
   nb::class_<W8A16Weight>(m, "W8A16Weight",
                           "int8 weights (the w8a16_gemm layout) validated and imported once; gemm(x, out, "
                           "num_threads) then passes only x and out. Keeps the tensors alive.")
-      .def(nb::init<Tensor, Tensor, int, std::optional<Tensor>>(), "qweight"_a, "scales"_a, "group_size"_a,
-           "bias"_a.none())
+      .def(nb::init<Tensor, Tensor, int, std::optional<Tensor>, bool>(), "qweight"_a, "scales"_a, "group_size"_a,
+           "bias"_a.none(), "fp8_e4m3"_a = false)
+      .def_prop_ro("fp8_e4m3", &W8A16Weight::fp8_e4m3)
       .def("gemm", &W8A16Weight::gemm, "x"_a, "out"_a.noconvert(), "num_threads"_a)
       .def_prop_ro("n", &W8A16Weight::n)
       .def_prop_ro("k", &W8A16Weight::k)

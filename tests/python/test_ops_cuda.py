@@ -360,6 +360,25 @@ def test_w8a16_gemm(dtype, group):
         )
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w8a16_fp8_gemm(dtype):
+    """E4M3 weights (every finite code, subnormals included) with 128-column groups, as FP8 checkpoints."""
+    mod = require_cuda_module()
+    ref = _ref_gemm()
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    n, k = 136, 128 * 5
+    for m in (1, 5, 16, 33):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=g).to(dtype).to(_DEV)
+        q = codes[torch.randint(0, len(codes), (n, k), generator=g)].view(torch.float8_e4m3fn)
+        scales = (torch.rand(n, k // 128, generator=g) * 0.002 + 0.0005).to(_DEV)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=_DEV)
+        mod.w8a16_fp8_gemm(x, q.view(torch.int8).to(_DEV), scales, 128, out, None, _stream())
+        _gemm_check(out, x, ref.dequantize_w8(q.to(_DEV), scales, 128), None, f"w8a16 fp8 {dtype} m={m}")
+
+
 # ------------------------------------------------------------------------------- sampling
 
 

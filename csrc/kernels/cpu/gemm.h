@@ -11,6 +11,8 @@
 //          w = scale * q + offset (a value-space offset: GGUF Q4_1 stores its minimum that way).
 //          Symmetric (offsets == nullptr): w = scale * (q - 8) (GGUF Q4_0).
 //   int8:  qweight [N, K] int8, scales [N, K/group_size], w = scale * q (GGUF Q8_0: group 32).
+//   fp8:   the int8 layout holding OCP FP8 E4M3 (e4m3fn) bytes instead (fp8_e4m3 set): w = scale * fp8(q),
+//          fp8(q) converted exactly in registers (FP8 checkpoints: per-tensor or 128 x 128 block scales).
 // x, out and bias share one dtype (fp32, bf16 or fp16); scales and offsets share another, scale_type
 // (fp32, bf16, fp16). Products and sums are fp32; out is rounded once, to nearest even. group_size is
 // 32, 64 or 128; int8 also takes 16 (GGUF Q6_K's sub-blocks).
@@ -60,8 +62,9 @@ struct W4A16GemmParams {
 
 struct W8A16GemmParams {
   void const* x = nullptr;               // [m, k], dtype, row-major contiguous
-  std::int8_t const* qweight = nullptr;  // [n, k]
-  void const* scales = nullptr;          // [n, k / group_size], scale_type
+  std::int8_t const* qweight = nullptr;  // [n, k]: int8, or E4M3 bytes when fp8_e4m3
+  bool fp8_e4m3 = false;
+  void const* scales = nullptr;  // [n, k / group_size], scale_type
   ScalarType scale_type = ScalarType::kFloat32;
   void const* bias = nullptr;  // [n], dtype; nullptr: none
   void* out = nullptr;         // [m, n], dtype, row-major contiguous
@@ -213,6 +216,20 @@ inline void dispatch_w4(W4A16GemmParams const& p, Fn&& fn) {
   dispatch_float_type(p.dtype, [&](auto xt) {
     dispatch_float_type(p.scale_type, [&](auto st) {
       if (p.offsets != nullptr) {
+        fn(xt, st, std::true_type{});
+      } else {
+        fn(xt, st, std::false_type{});
+      }
+    });
+  });
+}
+
+// The compile-time types of an int8 kernel: x, scales, and whether the bytes are E4M3 (fp8_e4m3).
+template <class Fn>
+inline void dispatch_w8(W8A16GemmParams const& p, Fn&& fn) {
+  dispatch_float_type(p.dtype, [&](auto xt) {
+    dispatch_float_type(p.scale_type, [&](auto st) {
+      if (p.fp8_e4m3) {
         fn(xt, st, std::true_type{});
       } else {
         fn(xt, st, std::false_type{});

@@ -45,6 +45,17 @@ struct Vec256 {
   static Reg int8(std::int8_t const* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p))));
   }
+  // 8 E4M3 bytes as fp32, exactly (see Vec512::fp8).
+  static Reg fp8(std::int8_t const* p) {
+    __m128i const b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p)));
+    __m128i const mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+    __m128i const sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.0f));
+  }
+  template <bool kFp8>
+  static Reg w8(std::int8_t const* p) {
+    return kFp8 ? fp8(p) : int8(p);
+  }
   static void nibbles(std::uint8_t const* p, Reg& lo, Reg& hi) {
     __m256i const d = bytes(p);
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0xf)));
@@ -103,11 +114,9 @@ void w4a16_gemm_avx2(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_avx2(W8A16GemmParams const& p, ThreadPool& pool) {
-  dispatch_float_type(p.dtype, [&](auto xt) {
-    dispatch_float_type(p.scale_type, [&](auto st) {
-      gemm_detail::run_tiles(gemm_avx2::W8Fma<Vec256, decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads,
-                             pool);
-    });
+  gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
+    gemm_detail::run_tiles(gemm_avx2::W8Fma<Vec256, decltype(xt), decltype(st), fp8>{p}, p.m, p.n, p.k, p.num_threads,
+                           pool);
   });
 }
 

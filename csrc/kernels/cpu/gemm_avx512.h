@@ -84,6 +84,18 @@ struct Vec512 {
   static Reg bcast(Float16 const* p) { return _mm512_set1_ps(_cvtsh_ss(p->bits)); }
 
   static Reg int8(std::int8_t const* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p))); }
+  // 16 E4M3 bytes as fp32, exactly: (sign, exponent, mantissa) moved into fp16's fields give the value
+  // times 2^-8 (subnormals included: the fp16 conversion takes them), then one exact multiply.
+  static Reg fp8(std::int8_t const* p) {
+    __m256i const b = _mm256_cvtepu8_epi16(load_bytes16(p));
+    __m256i const mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    __m256i const sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.0f));
+  }
+  template <bool kFp8>
+  static Reg w8(std::int8_t const* p) {
+    return kFp8 ? fp8(p) : int8(p);
+  }
   static void nibbles(std::uint8_t const* p, Reg& lo, Reg& hi) {
     __m512i const d = _mm512_cvtepu8_epi32(load_bytes16(p));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(0xf)));

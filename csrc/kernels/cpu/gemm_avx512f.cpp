@@ -28,11 +28,9 @@ void w4a16_gemm_avx512f(W4A16GemmParams const& p, ThreadPool& pool) {
 
 void w8a16_gemm_avx512f(W8A16GemmParams const& p, ThreadPool& pool) {
   if (gemm_avx512f::w8a16_tiled(p, pool)) return;
-  dispatch_float_type(p.dtype, [&](auto xt) {
-    dispatch_float_type(p.scale_type, [&](auto st) {
-      gemm_detail::run_tiles(gemm_avx512f::W8Fma<Vec512, decltype(xt), decltype(st)>{p}, p.m, p.n, p.k, p.num_threads,
-                             pool);
-    });
+  gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
+    gemm_detail::run_tiles(gemm_avx512f::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p}, p.m, p.n, p.k,
+                           p.num_threads, pool);
   });
 }
 

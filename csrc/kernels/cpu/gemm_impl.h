@@ -147,7 +147,7 @@ struct W4Fma {
 // reused by the MR x rows. With V::kW8GroupSums one x row instead sums q * x over the group and scales
 // the sum once (a multiply per weight vector saved), prefetching the next tiles' rows ahead. V: vector
 // traits; XT: x/out storage type; ST: scale storage type.
-template <class V, class XT, class ST>
+template <class V, class XT, class ST, bool kFp8 = false>
 struct W8Fma {
   using Reg = typename V::Reg;
   static constexpr int W = V::kWidth;
@@ -178,7 +178,7 @@ struct W8Fma {
         for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
           Reg const xv = V::load(x + kb);
 #pragma GCC unroll 4
-          for (int r = 0; r < kNR; ++r) gacc[r] = V::fmadd(V::int8(t.w[r] + kb), xv, gacc[r]);
+          for (int r = 0; r < kNR; ++r) gacc[r] = V::fmadd(V::template w8<kFp8>(t.w[r] + kb), xv, gacc[r]);
         }
 #pragma GCC unroll 4
         for (int r = 0; r < kNR; ++r) acc[0][r] = V::fmadd(gacc[r], V::bcast(t.s[r] + g), acc[0][r]);
@@ -192,7 +192,7 @@ struct W8Fma {
           for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
 #pragma GCC unroll 4
           for (int r = 0; r < kNR; ++r) {
-            Reg const wv = V::mul(V::int8(t.w[r] + kb), sc[r]);
+            Reg const wv = V::mul(V::template w8<kFp8>(t.w[r] + kb), sc[r]);
 #pragma GCC unroll 4
             for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(wv, xv[i], acc[i][r]);
           }

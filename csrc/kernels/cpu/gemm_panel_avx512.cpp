@@ -92,7 +92,7 @@ struct W4Bf16Panel {
 };
 
 // int8 weights: w = q * scale in fp32, rounded to bf16.
-template <class ST>
+template <class ST, bool kFp8>
 struct W8Bf16Panel {
   W8A16GemmParams const& p;
 
@@ -106,8 +106,8 @@ struct W8Bf16Panel {
       std::uint16_t* dst = panel + r * k_dim;
       // 32 weights per step, each 16 with its group's scale (groups of 16 or more).
       for (std::int64_t kb = 0; kb < k_dim; kb += 32) {
-        __m512 const a = _mm512_mul_ps(Vec512::int8(w + kb), Vec512::bcast(s + kb / g_size));
-        __m512 const b = _mm512_mul_ps(Vec512::int8(w + kb + 16), Vec512::bcast(s + (kb + 16) / g_size));
+        __m512 const a = _mm512_mul_ps(Vec512::w8<kFp8>(w + kb), Vec512::bcast(s + kb / g_size));
+        __m512 const b = _mm512_mul_ps(Vec512::w8<kFp8>(w + kb + 16), Vec512::bcast(s + (kb + 16) / g_size));
         _mm512_store_si512(dst + kb, (__m512i)_mm512_cvtne2ps_pbh(b, a));
       }
     }
@@ -132,7 +132,13 @@ bool w4a16_panels(W4A16GemmParams const& p, ThreadPool& pool) {
 bool w8a16_panels(W8A16GemmParams const& p, ThreadPool& pool) {
   // Panels dequantise 32 weights per step: k a multiple of 32 (groups of 16 allow k = 16 (2j + 1)).
   if (p.dtype != ScalarType::kBFloat16 || p.m < kPanelMinM || !panel_fits(p.k) || p.k % 32 != 0) return false;
-  dispatch_float_type(p.scale_type, [&](auto st) { run_panels(W8Bf16Panel<decltype(st)>{p}, pool); });
+  dispatch_float_type(p.scale_type, [&](auto st) {
+    if (p.fp8_e4m3) {
+      run_panels(W8Bf16Panel<decltype(st), true>{p}, pool);
+    } else {
+      run_panels(W8Bf16Panel<decltype(st), false>{p}, pool);
+    }
+  });
   return true;
 }
 

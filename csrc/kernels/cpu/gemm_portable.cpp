@@ -3,6 +3,8 @@
 // values) into an fp32 stack buffer, then dotted with every row of the M tile. The 8-lane partial sums
 // let the compiler vectorise without reassociating (no -ffast-math needed). Only the decoding of a
 // block differs per weight format (W4Rows, W8Rows, DenseRows).
+#include <cmath>
+
 #include "dense_gemm.h"
 #include "gemm.h"
 
@@ -103,8 +105,16 @@ struct W4Rows : Operands {
   [[gnu::always_inline]] Row row(std::int64_t n) const { return Row{{p, n}, p.group_size}; }
 };
 
-// int8 weights, blocks of one group. ST: scale storage type.
-template <class ST>
+// One OCP FP8 E4M3 (e4m3fn) byte as fp32, exactly: (8 + m) 2^(e - 10), or m 2^-9 when e = 0.
+inline float fp8_e4m3_to_float(std::uint8_t b) {
+  int const e = (b >> 3) & 0xf;
+  int const m = b & 7;
+  float const v = e != 0 ? std::ldexp(static_cast<float>(8 + m), e - 10) : std::ldexp(static_cast<float>(m), -9);
+  return (b & 0x80) != 0 ? -v : v;
+}
+
+// int8 (or E4M3) weights, blocks of one group. ST: scale storage type.
+template <class ST, bool kFp8>
 struct W8Rows : Operands {
   static constexpr int kMaxBlock = kMaxGroup;
   static constexpr bool kWholeLanes = true;
@@ -119,7 +129,10 @@ struct W8Rows : Operands {
     [[gnu::always_inline]] int decode(std::int64_t g, float (&wbuf)[kMaxBlock]) const {
       float const sc = to_float(t.s[0][g]);
       std::int8_t const* wg = t.w[0] + g * g_size;
-      for (int j = 0; j < g_size; ++j) wbuf[j] = static_cast<float>(wg[j]) * sc;
+      for (int j = 0; j < g_size; ++j) {
+        float const q = kFp8 ? fp8_e4m3_to_float(static_cast<std::uint8_t>(wg[j])) : static_cast<float>(wg[j]);
+        wbuf[j] = q * sc;
+      }
       return g_size;
     }
   };
@@ -159,12 +172,9 @@ void w4a16_gemm_portable(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_portable(W8A16GemmParams const& p, ThreadPool& pool) {
-  dispatch_float_type(p.dtype, [&](auto xt) {
-    dispatch_float_type(p.scale_type, [&](auto st) {
-      using XT = decltype(xt);
-      using ST = decltype(st);
-      run_tiles(RowByRow<XT, W8Rows<ST>>{W8Rows<ST>(p)}, p.m, p.n, row_bytes(p), p.num_threads, pool);
-    });
+  dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
+    using Rows = W8Rows<decltype(st), fp8>;
+    run_tiles(RowByRow<decltype(xt), Rows>{Rows(p)}, p.m, p.n, row_bytes(p), p.num_threads, pool);
   });
 }
 

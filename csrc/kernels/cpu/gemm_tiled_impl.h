@@ -131,8 +131,8 @@ struct W4Tiled : TiledBase<W4A16GemmParams, W4Tiled<XT, ST, kAsym>> {
 };
 
 // int8 weights, any x type (x widened to fp32 once per M tile).
-template <class XT, class ST>
-struct W8Tiled : TiledBase<W8A16GemmParams, W8Tiled<XT, ST>> {
+template <class XT, class ST, bool kFp8>
+struct W8Tiled : TiledBase<W8A16GemmParams, W8Tiled<XT, ST, kFp8>> {
   using Base = TiledBase<W8A16GemmParams, W8Tiled>;
   using Base::kNR, Base::p;
   explicit W8Tiled(W8A16GemmParams const& params) : Base{params} {}
@@ -161,7 +161,7 @@ struct W8Tiled : TiledBase<W8A16GemmParams, W8Tiled<XT, ST>> {
         __m512 wv[kNR];
 #pragma GCC unroll 4
         for (int r = 0; r < kNR; ++r) {
-          wv[r] = _mm512_mul_ps(Vec512::int8(t.w[r] + kb), _mm512_set1_ps(sc[r][g]));
+          wv[r] = _mm512_mul_ps(Vec512::w8<kFp8>(t.w[r] + kb), _mm512_set1_ps(sc[r][g]));
         }
         this->madd_rows(acc, wv, x + kb, k_dim);
       }
@@ -190,13 +190,11 @@ bool w4a16_tiled(W4A16GemmParams const& p, ThreadPool& pool) {
 bool w8a16_tiled(W8A16GemmParams const& p, ThreadPool& pool) {
   if (p.m < kTiledMinM) return false;
   bool done = false;
-  dispatch_float_type(p.dtype, [&](auto xt) {
-    dispatch_float_type(p.scale_type, [&](auto st) {
-      W8Tiled<decltype(xt), decltype(st)> const kernel(p);
-      if (!kernel.fits()) return;
-      gemm_detail::run_tiles(kernel, p.m, p.n, p.k, p.num_threads, pool);
-      done = true;
-    });
+  gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
+    W8Tiled<decltype(xt), decltype(st), fp8> const kernel(p);
+    if (!kernel.fits()) return;
+    gemm_detail::run_tiles(kernel, p.m, p.n, p.k, p.num_threads, pool);
+    done = true;
   });
   return done;
 }

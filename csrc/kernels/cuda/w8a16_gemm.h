@@ -16,15 +16,16 @@ namespace inflight::kernels::cuda {
 struct W8A16GemmParams {
   void const* x;  // [m, k], rows x_row_stride elements apart, 16-byte aligned rows
   std::int64_t x_row_stride;
-  std::int8_t const* qweight;  // [n, k], contiguous
+  std::int8_t const* qweight;  // [n, k], contiguous: int8, or E4M3 bytes when fp8_e4m3
   void const* scales;          // [n, k / group_size], contiguous, of scale_type
   ScalarType scale_type;       // float16, bfloat16 or float32 (rounded to dtype when loaded)
   void const* bias;            // [n] of dtype, or null
   void* out;                   // [m, n], rows out_row_stride elements apart
   std::int64_t out_row_stride;
-  std::int64_t m, n, k;  // each below 2^31; k a multiple of group_size
-  int group_size;        // a multiple of 16
-  ScalarType dtype;      // of x, bias and out: float16 or bfloat16
+  std::int64_t m, n, k;   // each below 2^31; k a multiple of group_size
+  int group_size;         // a multiple of 16
+  ScalarType dtype;       // of x, bias and out: float16 or bfloat16
+  bool fp8_e4m3 = false;  // qweight holds OCP FP8 E4M3 values (an FP8 checkpoint)
 };
 
 cudaError_t launch_w8a16_gemm(W8A16GemmParams const& params, cudaStream_t stream);

@@ -160,6 +160,40 @@ struct Int8Format {
   }
 };
 
+// OCP FP8 E4M3 (e4m3fn) weights in the int8 layout (an FP8 checkpoint's): the same chunks, k-steps and B
+// fragments; each byte's sign, exponent and mantissa moved into fp16's fields is the value times 2^-8
+// (subnormals included), so one exact multiply by 256 gives it; bfloat16 goes through float (exact: E4M3
+// has 3 mantissa bits).
+struct Fp8Format : Int8Format {
+  template <typename T>
+  __device__ static void bytes_to_pairs(std::uint32_t word, std::uint32_t& p02, std::uint32_t& p13) {
+    auto to_half2 = [](std::uint32_t b) {  // two bytes, zero-extended to 16 bits each
+      std::uint32_t const h = ((b & 0x007f007fu) << 7) | ((b & 0x00800080u) << 8);
+      return __hmul2(as_t2<half2>(h), as_t2<half2>(0x5c005c00u));  // x 256
+    };
+    half2 const h02 = to_half2(prmt(word, 0u, 0x4240));
+    half2 const h13 = to_half2(prmt(word, 0u, 0x4341));
+    if constexpr (std::is_same_v<T, half>) {
+      p02 = as_bits(h02);
+      p13 = as_bits(h13);
+    } else {
+      p02 = as_bits(__float22bfloat162_rn(__half22float2(h02)));
+      p13 = as_bits(__float22bfloat162_rn(__half22float2(h13)));
+    }
+  }
+
+  template <typename T, bool kAsym>
+  __device__ static void a_pairs(uint4 const& w, int s, typename Half2Ops<T>::T2 scale,
+                                 typename Half2Ops<T>::T2 /*offset*/, std::uint32_t& lo, std::uint32_t& hi) {
+    using T2 = typename Half2Ops<T>::T2;
+    static_assert(!kAsym, "fp8 weights are symmetric");
+    std::uint32_t p02, p13;
+    bytes_to_pairs<T>((&w.x)[s], p02, p13);
+    lo = as_bits(__hmul2(as_t2<T2>(p02), scale));
+    hi = as_bits(__hmul2(as_t2<T2>(p13), scale));
+  }
+};
+
 constexpr int kWogBatchPerCta = 16;  // batch rows per grid row (blockIdx.y)
 
 // CTA shape per batch tile count. Batches of at most 8 (kNTiles 1) barely reuse x, so CTAs are small

@@ -28,6 +28,10 @@ from inflight.quantization.w4a16 import GROUP_SIZES, W8_GROUP_SIZES, quantize_w4
 __all__ = ["W4A16Linear", "W8A8Linear", "W8A16Embedding", "W8A16Linear"]
 
 
+# W8A16Linear's weight formats: the dtype of qweight.
+_W8_FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 def _check_group(in_features: int, group_size: int, allowed: tuple[int, ...] = GROUP_SIZES) -> None:
     if group_size not in allowed:
         raise ValueError(f"group_size must be one of {allowed}, got {group_size!r}")
@@ -64,7 +68,7 @@ class _FusedRows(nn.Module, abc.ABC):
             raise ValueError(
                 f"shape mismatch for {name}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"
             )
-        if dst.dtype in (torch.uint8, torch.int8) and tensor.dtype != dst.dtype:
+        if dst.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn) and tensor.dtype != dst.dtype:
             raise ValueError(f"{name} must be {dst.dtype}, got {tensor.dtype}")
         dst.copy_(tensor)
 
@@ -178,7 +182,11 @@ class W4A16Linear(_FusedRows):
 
 
 class W8A16Linear(_FusedRows):
-    """``y = x @ (scales * qweight).T + b`` with int8 ``qweight [N, K]``; tensors ``qweight``, ``scales``, ``bias``."""
+    """``y = x @ (scales * qweight).T + b`` with int8 ``qweight [N, K]``; tensors ``qweight``, ``scales``, ``bias``.
+
+    ``weight_format="fp8_e4m3"``: ``qweight`` is ``float8_e4m3fn`` (an FP8 checkpoint's weight), converted
+    exactly inside the kernels.
+    """
 
     def __init__(
         self,
@@ -190,13 +198,17 @@ class W8A16Linear(_FusedRows):
         *,
         group_size: int = 32,
         scale_dtype: torch.dtype = torch.float16,
+        weight_format: str = "int8",
     ) -> None:
         super().__init__(in_features, output_sizes)
         _check_group(in_features, group_size, W8_GROUP_SIZES)
+        if weight_format not in _W8_FORMATS:
+            raise ValueError(f"weight_format must be one of {sorted(_W8_FORMATS)}, got {weight_format!r}")
         self.group_size = group_size
         self.dtype = dtype
+        self.weight_format = weight_format
         n, k = self.out_features, in_features
-        self.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8, device=device))
+        self.register_buffer("qweight", torch.empty(n, k, dtype=_W8_FORMATS[weight_format], device=device))
         self.register_buffer("scales", torch.empty(n, k // group_size, dtype=scale_dtype, device=device))
         self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
 
@@ -248,7 +260,7 @@ class W8A16Linear(_FusedRows):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-            f"bias={self.bias is not None}"
+            f"weight_format={self.weight_format}, bias={self.bias is not None}"
         )
 
 

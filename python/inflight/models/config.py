@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.models.moe import moe_fields, validate_moe
+from inflight.quantization.fp8 import FP8_METHOD, parse_fp8_config
 from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.quantization.w4a16 import GROUP_SIZES, QUANT_METHOD
 
@@ -98,7 +99,8 @@ class ModelConfig:
     model_type: str = field(default="", compare=False)
     # Weight-only quantisation of the checkpoint's linear layers, or None (float weights). The only
     # method: {"quant_method": "inflight_w4a16", "group_size": 32 | 64 | 128, "symmetric": bool}, or
-    # {"quant_method": "inflight_w8a8", "alpha": float} (SmoothQuant)
+    # {"quant_method": "inflight_w8a8", "alpha": float} (SmoothQuant), or {"quant_method": "fp8",
+    # "weight_block_size": (rows, cols) | None, "modules_to_not_convert": (...)} (FP8 checkpoints)
     # (written by `inflight quantize`). Treat as read-only.
     quantization: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -312,10 +314,12 @@ def _parse_quantization(q: Any) -> dict[str, Any] | None:
         if embedding not in (None, "w8a16-g32"):
             raise ValueError(f"quantization_config.embedding must be None or 'w8a16-g32', got {embedding!r}")
         return {"quant_method": method, "alpha": q.get("alpha"), "embedding": embedding}
+    if method == FP8_METHOD:
+        return parse_fp8_config(q)
     if method != QUANT_METHOD:
         raise ValueError(
-            f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r} "
-            f"and {W8A8_METHOD!r})"
+            f"quantization_config (quant_method {method!r}) is not supported (only {QUANT_METHOD!r}, "
+            f"{W8A8_METHOD!r} and {FP8_METHOD!r})"
         )
     group_size = q.get("group_size")
     if group_size not in GROUP_SIZES:

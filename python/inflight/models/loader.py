@@ -26,6 +26,7 @@ from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import PipelineStage
+from inflight.quantization.fp8 import FP8_METHOD, fp8_group_size, iter_fp8_tensors
 from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
@@ -64,6 +65,20 @@ class GGUFLinearFactory:
 
     def __call__(self, *args, **kwargs):
         return Linear(*args, **kwargs)
+
+
+def _fp8_linear(in_features, output_sizes, bias=False, dtype=torch.float32, device=None, *, block):
+    """A layer of an FP8 checkpoint: E4M3 weights, fp32 scales per group of the block's columns."""
+    return W8A16Linear(
+        in_features,
+        output_sizes,
+        bias,
+        dtype,
+        device,
+        group_size=fp8_group_size(in_features, block),
+        scale_dtype=torch.float32,
+        weight_format="fp8_e4m3",
+    )
 
 
 def _warn_dequantised(path: Path, kinds: dict[str, int], dtype: torch.dtype, what: str) -> None:
@@ -225,7 +240,19 @@ def load_model(
         if mode == "gguf":
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
         config = ModelConfig.from_hf_dir(path)
-        if config.quantization is not None and config.quantization["quant_method"] == W8A8_METHOD:
+        method = None if config.quantization is None else config.quantization["quant_method"]
+        weights = iter_safetensors(path)
+        if method == FP8_METHOD:
+            block = config.quantization["weight_block_size"]
+            skipped = [m for m in config.quantization["modules_to_not_convert"] if "proj" in m]
+            if skipped:
+                raise ValueError(
+                    f"quantization_config.modules_to_not_convert lists projections {skipped[:4]}: an FP8 "
+                    "checkpoint with unquantised layer projections is not supported"
+                )
+            factories["linear_factory"] = partial(_fp8_linear, block=block)
+            weights = iter_fp8_tensors(weights, block)
+        elif method == W8A8_METHOD:
             if tp.size > 1:
                 raise ValueError(
                     "a W8A8 (SmoothQuant) checkpoint runs with tensor_parallel_size=1 only, for now"
@@ -244,7 +271,6 @@ def load_model(
             if dtype is None and device.type == "cpu":
                 dtype = QUANTIZED_CPU_DTYPE
         dtype = dtype if dtype is not None else auto_dtype(config, device)
-        weights = iter_safetensors(path)
         tokenizer_fn = lambda: load_tokenizer(path)  # noqa: E731
     else:
         raise ValueError(

@@ -7,7 +7,8 @@ Formats (the canonical interchange layout, shared with the CUDA kernels):
   ``k = 2j+1`` in its high nibble; ``scales [N, K//group_size]`` (fp32, bf16 or fp16). Asymmetric:
   ``offsets`` (same shape and dtype), ``w = scale * q + offset`` (GGUF Q4_1); symmetric (``offsets``
   None): ``w = scale * (q - 8)`` (GGUF Q4_0).
-- int8: ``qweight [N, K] int8``, ``scales [N, K//group_size]``, ``w = scale * q`` (GGUF Q8_0).
+- int8: ``qweight [N, K] int8``, ``scales [N, K//group_size]``, ``w = scale * q`` (GGUF Q8_0); the
+  same with a ``float8_e4m3fn`` ``qweight``: ``w = scale * float(q)`` (FP8 checkpoints).
 
 ``x [M, K]`` is fp32, bf16 or fp16; ``out [M, N]`` and ``bias [N]`` have its dtype. Products and sums
 are fp32 and ``out`` is rounded once. ``group_size`` is 32, 64 or 128 (int8 also 16). CPU tensors go to
@@ -102,20 +103,27 @@ def w8a16_gemm(
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out = x @ (scales * qweight).T (+ bias)`` with int8 ``qweight``; returns ``out``."""
+    """``out = x @ (scales * qweight).T (+ bias)`` with int8 ``qweight``; returns ``out``. A
+    ``torch.float8_e4m3fn`` ``qweight`` (an FP8 checkpoint's weight) runs the same kernels with its
+    bytes converted exactly in registers (CPU and CUDA)."""
+    fp8 = qweight.dtype == torch.float8_e4m3fn
     if _cuda(x):
+        if fp8:
+            q = qweight.view(torch.int8)
+            return _cuda_call("w8a16_fp8_gemm", x, qweight.shape[0], out, q, scales, group_size, bias)
         return _cuda_call("w8a16_gemm", x, qweight.shape[0], out, qweight, scales, group_size, bias)
     if x.device.type != "cpu":
         return reference.w8a16_gemm(x, qweight, scales, group_size, out=out, bias=bias)
     out, out_cap = _out(out, x, qweight.shape[0])
     _C.w8a16_gemm(
         _cap(x),
-        _cap(qweight),
+        _cap(qweight.view(torch.int8) if fp8 else qweight),
         _cap(scales),
         group_size,
         out_cap,
         None if bias is None else _cap(bias),
         torch.get_num_threads(),
+        fp8,
     )
     return out
 
@@ -151,13 +159,19 @@ class W4A16Weight:
 
 
 class W8A16Weight:
-    """int8 weights validated and imported once (CPU); ``weight(x, out=None)`` is :func:`w8a16_gemm`."""
+    """int8 (or ``float8_e4m3fn``) weights validated and imported once (CPU); ``weight(x, out=None)`` is
+    :func:`w8a16_gemm`."""
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
     ) -> None:
+        fp8 = qweight.dtype == torch.float8_e4m3fn
         self._w = _C.W8A16Weight(
-            _cap(qweight), _cap(scales), group_size, None if bias is None else _cap(bias)
+            _cap(qweight.view(torch.int8) if fp8 else qweight),
+            _cap(scales),
+            group_size,
+            None if bias is None else _cap(bias),
+            fp8,
         )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
 

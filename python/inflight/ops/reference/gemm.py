@@ -57,10 +57,11 @@ def dequantize_w4(
 
 
 def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp32 ``[N, K]``: ``scale * q`` for int8 ``qweight [N, K]``."""
-    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+    """fp32 ``[N, K]``: ``scale * q`` for int8 (or ``float8_e4m3fn``) ``qweight [N, K]``."""
+    if qweight.dtype not in (torch.int8, torch.float8_e4m3fn) or qweight.dim() != 2:
         raise ValueError(
-            f"qweight must be a 2-D int8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}"
+            f"qweight must be a 2-D int8 or float8_e4m3fn tensor, got {qweight.dtype} of shape "
+            f"{tuple(qweight.shape)}"
         )
     n, k, g = _group_view(qweight, scales, group_size)
     w = qweight.to(torch.float32).view(n, g, group_size) * scales.to(torch.float32).unsqueeze(-1)
