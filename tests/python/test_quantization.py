@@ -548,3 +548,31 @@ def test_quantization_gguf_needs_a_gguf_file(tmp_path):
             max_seq_len=64,
             quantization="gguf",
         )
+
+
+@needs_gguf
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_gguf_file_reads_what_gguf_reader_reads(name):
+    """GGUFFile (one struct pass over a memory map) against gguf.GGUFReader on the real files: the same
+    fields and values, the same tensors with the same types, shapes, dtypes and bytes."""
+    from gguf import GGUFReader
+
+    from inflight.models import gguf_loader
+    from inflight.models.gguf_file import GGUFFile
+
+    try:
+        path = gguf_loader.resolve_known_model(name)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert list(ours.fields) == keys
+    for k in keys:
+        a, b = ours.fields[k].contents(), theirs.fields[k].contents()
+        assert a == b or np.array_equal(np.asarray(a), np.asarray(b)), k
+        assert len(ours.fields[k].data) == len(theirs.fields[k].data), k
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
