@@ -27,6 +27,26 @@ def pytest_collection_modifyitems(config, items):
 # llm_utils.LLM_PROMPTS are computed once per architecture and shared by every test that needs them.
 
 
+def _machine_isas() -> list[str]:
+    """Every CPU kernel path this machine can run, the portable one first."""
+    from inflight import _C
+
+    order = ["portable", "avx2", "avx512f", "avx512"]
+    return order[: order.index(_C.cpu_best_isa()) + 1]
+
+
+@pytest.fixture(params=_machine_isas())
+def isa(request):
+    """Runs the test once per CPU kernel path the machine has (INFLIGHT_CPU_ISA's values), restoring the
+    selected one afterwards."""
+    from inflight import _C
+
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param) == request.param
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """``tiny_model_dir(arch, with_tokenizer=True, **overrides)`` -> checkpoint path, cached per session."""

@@ -13,14 +13,12 @@ from llm_utils import LLM_PROMPTS, hf_greedy
 from model_utils import make_tiny_model
 from safetensors.torch import load_file, save_file
 
-from inflight import _C, LLM, KvCacheConfig, SamplingParams
+from inflight import LLM, KvCacheConfig, SamplingParams
 from inflight.layers.quantized_linear import W8A16Linear
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
 from inflight.quantization.fp8 import fp8_scales, iter_fp8_tensors, parse_fp8_config
 
-_ORDER = ["portable", "avx2", "avx512f", "avx512"]
-ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = 448.0
 
@@ -30,14 +28,6 @@ def _all_finite_e4m3(gen: torch.Generator, shape) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]
     return codes[torch.randint(0, len(codes), shape, generator=gen)].view(torch.float8_e4m3fn)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param) == request.param
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def test_e4m3_conversion_is_exact_on_every_path(isa):

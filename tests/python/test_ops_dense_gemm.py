@@ -14,8 +14,6 @@ from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
 
-_ORDER = ["portable", "avx2", "avx512f", "avx512"]
-ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BATCHES = [1, 2, 3, 7, 16, 17, 33, 64, 100]
 # (N, K): one output, a partial 4-row tile with a K below one vector, SmolLM2's qkv and down shapes, a
@@ -24,14 +22,6 @@ SHAPES = [(1, 576), (5, 33), (960, 576), (17, 1536), (3072, 100)]
 # Explicit (mantissa bits, smallest normal exponent) of each output type: one rounding is half a unit in
 # the last place of the result.
 _FORMAT = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param) == request.param
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):

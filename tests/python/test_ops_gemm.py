@@ -11,19 +11,9 @@ from inflight import _C
 from inflight.ops import gemm as ops
 from inflight.ops.reference import gemm as ref
 
-_ORDER = ["portable", "avx2", "avx512f", "avx512"]
-ISAS = _ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (M, N, K-in-groups): batch 1..33, N odd / prime / large, K a few groups (K % 128 != 0 included).
 SHAPES = [(1, 17, 4), (3, 97, 9), (16, 1536, 2), (33, 50, 5)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param) == request.param
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def _tol(dtype: torch.dtype) -> float:

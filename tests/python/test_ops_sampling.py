@@ -16,25 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from inflight import _C
 from inflight.ops import sampling as native
 from inflight.ops.reference import sampling as reference
 
-_ORDER = ("portable", "avx2", "avx512f", "avx512")
-ISAS = list(_ORDER[: _ORDER.index(_C.cpu_best_isa()) + 1])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Chi-square critical values at alpha = 1e-3 by degrees of freedom.
 CHI2_CRIT_1E3 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03], dtype=torch.float64)
 DRAWS = 20_000
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param) == request.param
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def random_params(n: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
