@@ -54,14 +54,17 @@ void run(cudaError_t (*launch)(Params const&, cudaStream_t), Params const& p, in
   check_cuda(launch(p, as_stream(stream)), what);
 }
 
+Tensor const* optional_tensor(std::optional<Tensor> const& t) { return t ? &*t : nullptr; }
+
 void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
-              std::uintptr_t stream) {
-  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping);
+              std::uintptr_t stream, std::optional<Tensor> const& kv_scales) {
+  Tensor const* scales = optional_tensor(kv_scales);
+  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales);
   require_contiguous(k, "k", 1);
   require_contiguous(v, "v", 1);
   check_cuda_cache(kv_cache, a.cache);
-  int const device =
-      require_one_cuda_device({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
+  int const device = require_one_cuda_device(
+      {{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}, {scales, "kv_scales"}});
   ck::StoreKvParams p{};
   fill_store_kv_params(p, k, v, kv_cache, slot_mapping, a);
   run(ck::launch_store_kv, p, device, stream, "store_kv");
@@ -70,9 +73,11 @@ void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor c
 // The params of paged_attention and its twin; *device: the tensors' device.
 ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                       Tensor const& kv_lens, double scale, Tensor const& out,
-                                      std::optional<Tensor> const& workspace, int window, int* device) {
+                                      std::optional<Tensor> const& workspace, int window,
+                                      std::optional<Tensor> const& kv_scales, int* device) {
   require_at_least(window, 0, "window");
-  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out);
+  Tensor const* scales = optional_tensor(kv_scales);
+  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
   require_aligned(out, "out", 16);
@@ -89,7 +94,8 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
                                      {&block_tables, "block_tables"},
                                      {&kv_lens, "kv_lens"},
                                      {&out, "out"},
-                                     {ws, "workspace"}});
+                                     {ws, "workspace"},
+                                     {scales, "kv_scales"}});
   ck::PagedAttentionParams p{};
   fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
   p.workspace = ws != nullptr && ws->nbytes() > 0 ? ws->data() : nullptr;
@@ -100,25 +106,28 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
 
 void paged_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
                      double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream,
-                     int window) {
+                     int window, std::optional<Tensor> const& kv_scales) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, window, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, window, kv_scales, &device);
   run(ck::launch_paged_attention, p, device, stream, "paged_attention");
 }
 
 void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
-                          double scale, Tensor const& out, std::uintptr_t stream, int window) {
+                          double scale, Tensor const& out, std::uintptr_t stream, int window,
+                          std::optional<Tensor> const& kv_scales) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, window, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, window, kv_scales, &device);
   run(ck::launch_paged_attention_simt, p, device, stream, "paged_attention_simt");
 }
 
 // The params of context_attention and its twin; *device: the tensors' device.
 ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                           Tensor const& cu_seqlens, Tensor const& kv_lens, double scale,
-                                          Tensor const& out, int window, int* device) {
+                                          Tensor const& out, int window, std::optional<Tensor> const& kv_scales,
+                                          int* device) {
   require_at_least(window, 0, "window");
-  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out);
+  Tensor const* scales = optional_tensor(kv_scales);
+  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
   require_aligned(out, "out", 16);
@@ -130,7 +139,8 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
                                      {&block_tables, "block_tables"},
                                      {&cu_seqlens, "cu_seqlens"},
                                      {&kv_lens, "kv_lens"},
-                                     {&out, "out"}});
+                                     {&out, "out"},
+                                     {scales, "kv_scales"}});
   ck::ContextAttentionParams p{};
   fill_attention_params(p, q, kv_cache, block_tables, kv_lens, out, scale, a);
   p.cu_seqlens = static_cast<std::int32_t const*>(cu_seqlens.data());
@@ -140,17 +150,18 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
 }
 
 void context_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& cu_seqlens,
-                       Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream, int window) {
+                       Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream, int window,
+                       std::optional<Tensor> const& kv_scales) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, &device);
   run(ck::launch_context_attention, p, device, stream, "context_attention");
 }
 
 void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                             Tensor const& cu_seqlens, Tensor const& kv_lens, double scale, Tensor const& out,
-                            std::uintptr_t stream, int window) {
+                            std::uintptr_t stream, int window, std::optional<Tensor> const& kv_scales) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, &device);
   run(ck::launch_context_attention_simt, p, device, stream, "context_attention_simt");
 }
 
@@ -158,18 +169,22 @@ void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor cons
 
 INFLIGHT_REGISTER_OPS(cuda_attention) {
   m.def("store_kv", &store_kv, nb::arg("k"), nb::arg("v"), nb::arg("kv_cache"), nb::arg("slot_mapping"),
-        nb::arg("stream"),
+        nb::arg("stream"), nb::arg("kv_scales").none() = nb::none(),
         "Writes k[t] and v[t] [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks, tokens_per_block, "
-        "num_kv_heads, head_dim] at flat slot slot_mapping[t] (int64; negative: skipped) on `stream`.");
+        "num_kv_heads, head_dim] at flat slot slot_mapping[t] (int64; negative: skipped) on `stream`. An int8 "
+        "kv_cache stores each (token, KV head) row quantised, its scale (max |x| / 127) into kv_scales [2, "
+        "num_blocks, tokens_per_block, num_kv_heads] float32.");
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream"),
-        nb::arg("window") = 0,
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
         "Decode attention: q [batch, num_heads, head_dim] against keys 0..kv_lens[b]-1 of the paged cache (window "
         "> 0: only the last `window` of them), into out. workspace (any contiguous CUDA tensor of "
         "paged_attention_workspace_size() bytes, or None) lets long contexts split over several CTAs; without it "
-        "each sequence is one pass. float16/bfloat16 on tensor cores, float32 on CUDA cores; head_dim 64 or 128.");
+        "each sequence is one pass. float16/bfloat16 on tensor cores, float32 on CUDA cores; head_dim 64 or 128. "
+        "An int8 kv_cache is read with its kv_scales (see store_kv).");
   m.def("paged_attention_simt", &paged_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"), nb::arg("window") = 0,
+        nb::arg("kv_scales").none() = nb::none(),
         "paged_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
   m.def("paged_attention_workspace_size", &ck::paged_attention_workspace_size, nb::arg("batch_size"),
         nb::arg("num_heads"), nb::arg("max_kv_len"), nb::arg("head_dim"),
@@ -177,13 +192,13 @@ INFLIGHT_REGISTER_OPS(cuda_attention) {
         "needed).");
   m.def("context_attention", &context_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
-        nb::arg("window") = 0,
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
         "Causal prefill attention over the paged cache: sequence i's queries q[cu_seqlens[i]:cu_seqlens[i+1]] "
         "(int32 offsets) sit at positions kv_lens[i] - q_len + r (window > 0: a query at p sees keys p - window "
         "+ 1 .. p only). float16/bfloat16 on tensor cores, float32 on "
-        "CUDA cores; head_dim 64 or 128.");
+        "CUDA cores; head_dim 64 or 128. An int8 kv_cache is read with its kv_scales.");
   m.def("context_attention_simt", &context_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
-        nb::arg("window") = 0,
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
         "context_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
 }

@@ -13,8 +13,13 @@ T const* typed_data(Tensor const& a) {
   return static_cast<T const*>(a.data());
 }
 
+// The dtype rule first (a TypeError before any shape error, as for a float cache), then the shape.
 KvCacheShape check_kv_cache(Tensor const& kv_cache, Tensor const& ref, char const* ref_name) {
-  require_same_dtype(kv_cache, "kv_cache", ref, ref_name);
+  ScalarType t;
+  if (kv_cache.dtype() != ref.dtype() && !(scalar_type_of(kv_cache, &t) && t == ScalarType::kInt8)) {
+    throw_type_error(std::string("kv_cache must have the dtype of ") + ref_name + " (" + dtype_str(ref) + "), got " +
+                     dtype_str(kv_cache) + " (or be int8, with kv_scales)");
+  }
   require_ndim(kv_cache, "kv_cache", 5, kCacheLayout);
   require_dim(kv_cache, "kv_cache", 0, 2, "2 (keys, values)");
   require_contiguous(kv_cache, "kv_cache");
@@ -25,6 +30,28 @@ KvCacheShape check_kv_cache(Tensor const& kv_cache, Tensor const& ref, char cons
   require_at_least(c.num_kv_heads, 1, "kv_cache.shape[3] (num_kv_heads)");
   require_at_least(c.head_dim, 1, "kv_cache.shape[4] (head_dim)");
   return c;
+}
+
+// The cache's element type (check_kv_cache passed it): `dtype` (q's, or k's), or int8 with kv_scales
+// of the cache's [2, num_blocks, tokens_per_block, num_kv_heads], float32, contiguous.
+KvCacheType check_kv_cache_type(Tensor const& kv_cache, ScalarType dtype, Tensor const* kv_scales,
+                                KvCacheShape const& c) {
+  constexpr char const* kScalesLayout = "[2, num_blocks, tokens_per_block, num_kv_heads]";
+  ScalarType t;
+  if (!scalar_type_of(kv_cache, &t) || t != ScalarType::kInt8) {
+    if (kv_scales != nullptr) {
+      throw_value_error("kv_scales is only for an int8 kv_cache; this kv_cache is " + dtype_str(kv_cache) +
+                        " (pass kv_scales=None)");
+    }
+    return {dtype, nullptr};
+  }
+  if (kv_scales == nullptr) {
+    throw_value_error(std::string("an int8 kv_cache needs kv_scales, float32 ") + kScalesLayout + ", got None");
+  }
+  require_dtype(*kv_scales, "kv_scales", ScalarType::kFloat32);
+  require_shape(*kv_scales, "kv_scales", {2, c.num_blocks, c.tokens_per_block, c.num_kv_heads}, kScalesLayout);
+  require_contiguous(*kv_scales, "kv_scales");
+  return {ScalarType::kInt8, static_cast<float*>(kv_scales->data())};
 }
 
 // q [rows, num_heads, head_dim] against the cache; returns num_heads.
@@ -49,9 +76,10 @@ void check_attention_out(Tensor const& out, Tensor const& q, char const* layout)
   require_contiguous(out, "out");
 }
 
-AttentionArgs attention_args(Tensor const& q, KvCacheShape const& cache, ScalarType dtype, int num_heads,
-                             Tensor const& block_tables, std::int64_t batch_size) {
+AttentionArgs attention_args(Tensor const& q, KvCacheShape const& cache, KvCacheType kv, ScalarType dtype,
+                             int num_heads, Tensor const& block_tables, std::int64_t batch_size) {
   return {cache,
+          kv,
           dtype,
           static_cast<std::int64_t>(q.shape(0)),
           static_cast<int>(batch_size),
@@ -62,43 +90,48 @@ AttentionArgs attention_args(Tensor const& q, KvCacheShape const& cache, ScalarT
 
 }  // namespace
 
-StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping) {
+StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
+                                Tensor const* kv_scales) {
   ScalarType const dtype = float_type(k, "k");
   require_same_dtype(v, "v", k, "k");
   KvCacheShape const c = check_kv_cache(kv_cache, k, "k");
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
   require_ndim(k, "k", 3, "[num_tokens, num_kv_heads, head_dim]");
   require_dim(k, "k", 1, c.num_kv_heads, "kv_cache.shape[3] (num_kv_heads)");
   require_dim(k, "k", 2, c.head_dim, "kv_cache.shape[4] (head_dim)");
   std::int64_t const num_tokens = static_cast<std::int64_t>(k.shape(0));
   require_shape(v, "v", {num_tokens, c.num_kv_heads, c.head_dim}, "[num_tokens, num_kv_heads, head_dim] (k's)");
   require_vector(slot_mapping, "slot_mapping", ScalarType::kInt64, num_tokens, "[num_tokens]");
-  return {c, dtype, num_tokens};
+  return {c, dtype, num_tokens, kv};
 }
 
 AttentionArgs check_paged_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                         Tensor const& kv_lens, Tensor const& out) {
+                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales) {
   constexpr char const* kLayout = "[batch_size, num_heads, head_dim]";
   ScalarType const dtype = float_type(q, "q");
   KvCacheShape const c = check_kv_cache(kv_cache, q, "q");
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
   int const num_heads = check_query(q, kLayout, c);
   std::int64_t const batch_size = static_cast<std::int64_t>(q.shape(0));
   check_block_tables(block_tables, kv_lens, batch_size, "q.shape[0] (batch_size)");
   check_attention_out(out, q, kLayout);
-  return attention_args(q, c, dtype, num_heads, block_tables, batch_size);
+  return attention_args(q, c, kv, dtype, num_heads, block_tables, batch_size);
 }
 
 AttentionArgs check_context_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                           Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out) {
+                                           Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out,
+                                           Tensor const* kv_scales) {
   constexpr char const* kLayout = "[num_tokens, num_heads, head_dim]";
   ScalarType const dtype = float_type(q, "q");
   KvCacheShape const c = check_kv_cache(kv_cache, q, "q");
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
   int const num_heads = check_query(q, kLayout, c);
   require_ndim(kv_lens, "kv_lens", 1, "[batch_size]");
   std::int64_t const batch_size = static_cast<std::int64_t>(kv_lens.shape(0));
   check_block_tables(block_tables, kv_lens, batch_size, "len(kv_lens) (batch_size)");
   require_vector(cu_seqlens, "cu_seqlens", ScalarType::kInt32, batch_size + 1, "[batch_size + 1]");
   check_attention_out(out, q, kLayout);
-  return attention_args(q, c, dtype, num_heads, block_tables, batch_size);
+  return attention_args(q, c, kv, dtype, num_heads, block_tables, batch_size);
 }
 
 void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor const& kv_cache,
@@ -120,6 +153,8 @@ void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor 
   p.head_dim = args.cache.head_dim;
   p.scale = static_cast<float>(scale);
   p.dtype = args.dtype;
+  p.kv_dtype = args.kv.kv_dtype;
+  p.kv_scales = args.kv.kv_scales;
 }
 
 void check_block_tables(Tensor const& block_tables, Tensor const& kv_lens, std::int64_t batch_size,

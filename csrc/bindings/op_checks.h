@@ -24,14 +24,24 @@ struct KvCacheShape {
   std::int64_t num_slots() const { return num_blocks * tokens_per_block; }
 };
 
-// store_kv(k, v, kv_cache, slot_mapping): k, v [num_tokens, num_kv_heads, head_dim] of one float dtype,
-// the cache's; slot_mapping [num_tokens] int64. Layout of k and v: the binding's.
+// The cache's element type: q's (k's), or int8 with kv_scales [2, num_blocks, tokens_per_block,
+// num_kv_heads] float32, contiguous (attention_params.h); kv_scales is refused beside a float cache.
+struct KvCacheType {
+  ScalarType kv_dtype;
+  float* kv_scales;  // null unless kv_dtype is kInt8
+};
+
+// store_kv(k, v, kv_cache, slot_mapping, kv_scales): k, v [num_tokens, num_kv_heads, head_dim] of one
+// float dtype, the cache's unless it is int8; slot_mapping [num_tokens] int64. Layout of k and v: the
+// binding's.
 struct StoreKvArgs {
   KvCacheShape cache;
   ScalarType dtype;
   std::int64_t num_tokens;
+  KvCacheType kv;
 };
-StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping);
+StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
+                                Tensor const* kv_scales);
 
 // paged_attention(q [batch_size, num_heads, head_dim], kv_cache, block_tables [batch_size, max_blocks]
 // int32, kv_lens [batch_size] int32, out like q) and context_attention(q [num_tokens, ...], ...,
@@ -39,6 +49,7 @@ StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& 
 // stride; kv_lens, cu_seqlens and out are contiguous. Layout of q: the binding's.
 struct AttentionArgs {
   KvCacheShape cache;
+  KvCacheType kv;
   ScalarType dtype;
   std::int64_t num_tokens;  // q.shape[0]
   int batch_size;
@@ -47,9 +58,10 @@ struct AttentionArgs {
   std::int64_t block_table_stride;
 };
 AttentionArgs check_paged_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                         Tensor const& kv_lens, Tensor const& out);
+                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales);
 AttentionArgs check_context_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                           Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out);
+                                           Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out,
+                                           Tensor const* kv_scales);
 
 // The AttentionParams fields (shared by paged and context attention on both devices) from checked tensors.
 void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor const& kv_cache,
@@ -139,6 +151,8 @@ void fill_store_kv_params(P& p, Tensor const& k, Tensor const& v, Tensor const& 
   p.num_kv_heads = a.cache.num_kv_heads;
   p.head_dim = a.cache.head_dim;
   p.dtype = a.dtype;
+  p.kv_dtype = a.kv.kv_dtype;
+  p.kv_scales = a.kv.kv_scales;
 }
 
 template <class P>

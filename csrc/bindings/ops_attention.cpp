@@ -7,9 +7,11 @@
 // around the kernels.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "attention.h"
@@ -37,12 +39,16 @@ void check_cpu_query(Tensor const& q, AttentionArgs const& a) {
   }
 }
 
-void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_threads) {
+Tensor const* optional_tensor(std::optional<Tensor> const& t) { return t ? &*t : nullptr; }
+
+void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_threads,
+              std::optional<Tensor> kv_scales) {
   require_at_least(num_threads, 1, "num_threads");
-  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping);
+  Tensor const* scales = optional_tensor(kv_scales);
+  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales);
   require_contiguous(k, "k", 2);
   require_contiguous(v, "v", 2);
-  require_cpu({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}});
+  require_cpu({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}, {scales, "kv_scales"}});
   check_slot_mapping_values(slot_mapping, a.cache.num_slots());
   kc::StoreKvParams p;
   fill_store_kv_params(p, k, v, kv_cache, slot_mapping, a);
@@ -54,13 +60,18 @@ void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_
 }
 
 void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_lens, float scale, Tensor out,
-                     int num_threads, int window) {
+                     int num_threads, int window, std::optional<Tensor> kv_scales) {
   require_at_least(num_threads, 1, "num_threads");
   require_at_least(window, 0, "window");
-  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out);
+  Tensor const* scales = optional_tensor(kv_scales);
+  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales);
   check_cpu_query(q, a);
-  require_cpu(
-      {{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"}, {&kv_lens, "kv_lens"}, {&out, "out"}});
+  require_cpu({{&q, "q"},
+               {&kv_cache, "kv_cache"},
+               {&block_tables, "block_tables"},
+               {&kv_lens, "kv_lens"},
+               {&out, "out"},
+               {scales, "kv_scales"}});
   check_block_table_values(block_tables, kv_lens, a.cache);
   if (a.batch_size == 0) return;
   kc::PagedAttentionParams p;
@@ -77,17 +88,19 @@ void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_l
 }
 
 void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu_seqlens, Tensor kv_lens, float scale,
-                       Tensor out, int num_threads, int window) {
+                       Tensor out, int num_threads, int window, std::optional<Tensor> kv_scales) {
   require_at_least(num_threads, 1, "num_threads");
   require_at_least(window, 0, "window");
-  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out);
+  Tensor const* scales = optional_tensor(kv_scales);
+  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales);
   check_cpu_query(q, a);
   require_cpu({{&q, "q"},
                {&kv_cache, "kv_cache"},
                {&block_tables, "block_tables"},
                {&cu_seqlens, "cu_seqlens"},
                {&kv_lens, "kv_lens"},
-               {&out, "out"}});
+               {&out, "out"},
+               {scales, "kv_scales"}});
   check_block_table_values(block_tables, kv_lens, a.cache);
   check_cu_seqlens_values(cu_seqlens, kv_lens, a.num_tokens, "q.shape[0] (num_tokens)");
   kc::ContextAttentionParams p;
@@ -105,19 +118,21 @@ void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu
 
 INFLIGHT_REGISTER_OPS(attention) {
   m.def("store_kv", &store_kv, "k"_a, "v"_a, "kv_cache"_a.noconvert(), "slot_mapping"_a, "num_threads"_a,
+        "kv_scales"_a.noconvert().none() = nb::none(),
         "Writes k, v [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks, tokens_per_block, "
         "num_kv_heads, head_dim] at slot_mapping [num_tokens] int64 (slot = block * tokens_per_block + offset; "
-        "negative = skip). In place.");
+        "negative = skip). In place. An int8 kv_cache stores each (token, KV head) row quantised, its scale "
+        "(max |x| / 127) into kv_scales [2, num_blocks, tokens_per_block, num_kv_heads] float32.");
   m.def("paged_attention", &paged_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "kv_lens"_a, "scale"_a,
-        "out"_a.noconvert(), "num_threads"_a, "window"_a = 0,
+        "out"_a.noconvert(), "num_threads"_a, "window"_a = 0, "kv_scales"_a.none() = nb::none(),
         "Decode attention: q [batch, num_heads, head_dim], one query per sequence, against keys 0 .. kv_lens[i]-1 "
         "of its blocks (block_tables [batch, max_blocks] int32, kv_lens [batch] int32); window > 0: only the "
         "last `window` of them (sliding-window attention), 0: all. Writes out [batch, num_heads, head_dim] "
-        "(contiguous, q's dtype).");
+        "(contiguous, q's dtype). An int8 kv_cache is read with its kv_scales (see store_kv).");
   m.def("context_attention", &context_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "cu_seqlens"_a, "kv_lens"_a,
-        "scale"_a, "out"_a.noconvert(), "num_threads"_a, "window"_a = 0,
+        "scale"_a, "out"_a.noconvert(), "num_threads"_a, "window"_a = 0, "kv_scales"_a.none() = nb::none(),
         "Prefill / chunked-prefill attention: sequence i's queries are q rows cu_seqlens[i] .. cu_seqlens[i+1]-1 "
         "at positions kv_lens[i] - q_len + r, causal over the sequence's cached keys; window > 0: a query at "
         "position p sees only keys p - window + 1 .. p (sliding-window attention), 0: all. Writes out "
-        "[num_tokens, num_heads, head_dim] (contiguous, q's dtype).");
+        "[num_tokens, num_heads, head_dim] (contiguous, q's dtype). An int8 kv_cache is read with its kv_scales.");
 }

@@ -167,16 +167,22 @@ class LlamaLayerStack {
     caches_set_ = false;
   }
 
-  // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in the model dtype.
-  void set_kv_caches(std::vector<Tensor> caches) {
+  // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in the model dtype, or
+  // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer.
+  void set_kv_caches(std::vector<Tensor> caches, std::optional<std::vector<Tensor>> kv_scales) {
     if (caches.size() != layers_.size()) {
       throw_value_error("kv_caches must hold one tensor per layer (" + std::to_string(layers_.size()) + "), got " +
                         std::to_string(caches.size()));
     }
+    if (kv_scales && kv_scales->size() != caches.size()) {
+      throw_value_error("kv_scales must hold one tensor per layer (" + std::to_string(layers_.size()) + "), got " +
+                        std::to_string(kv_scales->size()));
+    }
+    ScalarType const kv_dtype = kv_scales ? ScalarType::kInt8 : shape_.dtype;
     for (std::size_t i = 0; i < caches.size(); ++i) {
       Tensor const& c = caches[i];
       std::string const name = "kv_caches[" + std::to_string(i) + "]";
-      require_dtype_of(c, name.c_str(), shape_.dtype, kModelDtype);
+      require_dtype_of(c, name.c_str(), kv_dtype, kv_scales ? "the dtype of a cache with kv_scales" : kModelDtype);
       require_ndim(c, name.c_str(), 5, kCacheLayout);
       std::int64_t const nb = std::int64_t(c.shape(1)), tpb = std::int64_t(c.shape(2));
       require_shape(c, name.c_str(), {2, nb, tpb, shape_.num_kv_heads, shape_.head_dim}, kCacheLayout);
@@ -189,8 +195,20 @@ class LlamaLayerStack {
         throw_value_error(name + " must have the shape of kv_caches[0]");
       }
       layers_[i].kv_cache = c.data();
+      layers_[i].kv_scales = nullptr;
+      if (kv_scales) {
+        Tensor const& sc = (*kv_scales)[i];
+        std::string const sname = "kv_scales[" + std::to_string(i) + "]";
+        require_dtype(sc, sname.c_str(), ScalarType::kFloat32);
+        require_shape(sc, sname.c_str(), {2, nb, tpb, shape_.num_kv_heads},
+                      "[2, num_blocks, tokens_per_block, num_kv_heads] (its cache's)");
+        require_cpu_contiguous({{&sc, sname.c_str()}});
+        layers_[i].kv_scales = static_cast<float*>(sc.data());
+      }
     }
+    shape_.kv_dtype = kv_dtype;
     caches_ = std::move(caches);
+    scales_ = kv_scales ? std::move(*kv_scales) : std::vector<Tensor>{};
     caches_set_ = true;
   }
 
@@ -397,6 +415,7 @@ class LlamaLayerStack {
   std::vector<Tensor> norms_;        // kept alive with the stack
   std::vector<nb::object> weights_;  // the W4A16Weight / W8A16Weight / DenseWeight objects, kept alive
   std::vector<Tensor> caches_;
+  std::vector<Tensor> scales_;  // an int8 cache's per-layer scales (empty otherwise), kept alive
   bool caches_set_ = false;
   std::mutex mutex_;  // one forward at a time (the workspace is shared)
   std::unique_ptr<unsigned char, FreeDeleter> workspace_;
@@ -428,7 +447,9 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "local_rope"_a = false,
            "window: the layer's attention window (keys p-window+1 .. p; 0: global). local_rope: the layer "
            "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
-      .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a)
+      .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a, "kv_scales"_a.none() = nb::none(),
+           "One cache per layer, in the model dtype; or int8 with kv_scales, one float32 [2, num_blocks, "
+           "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache).")
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),

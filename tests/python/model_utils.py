@@ -328,7 +328,8 @@ def make_attention_metadata(
 
 
 class PagedKV:
-    """Test-only block allocator + per-layer KV tensors for driving a model step by step.
+    """Test-only block allocator + per-layer KV tensors for driving a model step by step
+    (``dtype=torch.int8``: :class:`~inflight.layers.attention.Int8KvCache` per layer).
 
     Blocks are handed out from a shuffled free list, so a sequence's blocks are non-contiguous and
     out of order. The cache starts filled with random garbage (finite: masked-out NaNs would still
@@ -347,7 +348,18 @@ class PagedKV:
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         shape = (2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
-        self.kv_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]
+        if dtype == torch.int8:  # an INT8 cache: garbage codes with finite, positive scales
+            from inflight.layers.attention import Int8KvCache
+
+            self.kv_caches = [
+                Int8KvCache(
+                    torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
+                    0.02 * torch.rand(shape[:4], generator=gen) + 1e-3,
+                )
+                for _ in range(num_layers)
+            ]
+        else:
+            self.kv_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]
         self.tokens_per_block = tokens_per_block
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)

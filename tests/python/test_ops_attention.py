@@ -490,11 +490,11 @@ def tiny_llama(tiny_model_dir):
     )
 
 
-def _greedy(path, backend, prompts, steps: int):
+def _greedy(path, backend, prompts, steps: int, kv_dtype: torch.dtype = torch.float32):
     from inflight.models import load_model
 
     model = load_model(path, dtype=torch.float32, attention_backend=backend).model
-    kv = PagedKV.for_model(model, tokens_per_block=4, num_blocks=128)
+    kv = PagedKV.for_model(model, tokens_per_block=4, num_blocks=128, dtype=kv_dtype)
     tokens = {i: list(p) for i, p in enumerate(prompts)}
     all_logits = []
     with torch.inference_mode():
@@ -526,3 +526,17 @@ def test_native_backend_greedy_tokens_equal_torch_backend(tiny_llama):
     toks_t, logits_t = _greedy(tiny_llama, TorchAttentionBackend(), prompts, 12)
     assert toks_n == toks_t
     torch.testing.assert_close(logits_n, logits_t, atol=1e-4, rtol=1e-4)
+
+
+def test_native_backend_greedy_tokens_equal_torch_backend_int8_kv(tiny_llama):
+    """The same over an INT8 KV cache (test_kv_int8.py has the kernels): the native backend (the
+    fused stack, then the kernels) and the torch backend store the same codes and read them alike."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, 384, (19,), generator=gen).tolist(),
+        torch.randint(3, 384, (6,), generator=gen).tolist(),
+    ]
+    toks_n, logits_n = _greedy(tiny_llama, NativeAttentionBackend(), prompts, 12, torch.int8)
+    toks_t, logits_t = _greedy(tiny_llama, TorchAttentionBackend(), prompts, 12, torch.int8)
+    assert toks_n == toks_t
+    torch.testing.assert_close(logits_n, logits_t, atol=1e-3, rtol=1e-3)

@@ -6,12 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "cpu_features.h"
 #include "thread_pool.h"
 
 #define INFLIGHT_ATTENTION_ISA portable
-#include "attention_impl.h"
+#include "attention_dispatch.h"
 
 namespace inflight::kernels::cpu::portable {
 namespace {
@@ -43,6 +44,7 @@ struct Vec1 {
   static Reg load_cvt(T const* p) {
     return to_float(*p);
   }
+  static Reg load_cvt(std::int8_t const* p) { return float(*p); }
   template <class T>
   static void store_cvt(T* p, Reg v) {
     *p = from_float<T>(v);
@@ -106,7 +108,41 @@ int64_t paged_attention_workspace_size(PagedAttentionParams const& p) {
   return workspace_bytes(p, plan_paged_attention(p));
 }
 
+namespace {
+
+// store_kv into an int8 cache: each (token, KV head) row quantised with its own scale.
+template <class T>
+void store_kv_int8(StoreKvParams const& p, ThreadPool& pool) {
+  int64_t const row = p.head_dim;
+  auto* const k_cache = static_cast<std::int8_t*>(p.kv_cache);
+  std::int8_t* const v_cache = k_cache + p.num_slots * p.num_kv_heads * row;
+  float* const k_scales = p.kv_scales;
+  float* const v_scales = k_scales + p.num_slots * p.num_kv_heads;
+  T const* const k = static_cast<T const*>(p.k);
+  T const* const v = static_cast<T const*>(p.v);
+  // Quantising costs a few operations per element: threads pay off from a few thousand rows.
+  int const threads = p.num_tokens * p.num_kv_heads * row >= (int64_t(1) << 16) ? p.num_threads : 1;
+  pool_detail::parallel_for(pool, p.num_tokens, threads, false, [&](int64_t t, int) {
+    int64_t const slot = p.slot_mapping[t];
+    if (slot < 0) return;
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      int64_t const dst = slot * p.num_kv_heads + h;
+      k_scales[dst] = quantize_kv_row(k + t * p.k_token_stride + h * p.k_head_stride, p.head_dim, k_cache + dst * row);
+      v_scales[dst] = quantize_kv_row(v + t * p.v_token_stride + h * p.v_head_stride, p.head_dim, v_cache + dst * row);
+    }
+  });
+}
+
+}  // namespace
+
 void launch_store_kv(StoreKvParams const& p, ThreadPool& pool) {
+  if (p.kv_dtype == ScalarType::kInt8) {
+    if (!dispatch_float_type(p.dtype, [&](auto t) { store_kv_int8<decltype(t)>(p, pool); })) {
+      throw std::invalid_argument("store_kv: k and v must be a float type");
+    }
+    return;
+  }
+  if (p.kv_dtype != p.dtype) throw std::invalid_argument("store_kv: the cache must have k's dtype or be int8");
   size_t const es = scalar_type_size(p.dtype);
   size_t const row_bytes = size_t(p.head_dim) * es;
   char* const k_cache = static_cast<char*>(p.kv_cache);
@@ -128,12 +164,18 @@ void launch_store_kv(StoreKvParams const& p, ThreadPool& pool) {
   });
 }
 
+// The portable path runs every head dim; it refuses only a dtype combination outside the set (a
+// float q with a cache of its dtype or of int8), which the bindings never pass.
 void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
-  portable::Kernels::paged_attention(params, plan, pool);
+  if (!portable::Kernels::paged_attention(params, plan, pool)) {
+    throw std::invalid_argument("paged_attention: q must be a float type and the cache q's dtype or int8");
+  }
 }
 
 void context_attention_portable(ContextAttentionParams const& params, ThreadPool& pool) {
-  portable::Kernels::context_attention(params, pool);
+  if (!portable::Kernels::context_attention(params, pool)) {
+    throw std::invalid_argument("context_attention: q must be a float type and the cache q's dtype or int8");
+  }
 }
 
 void launch_paged_attention(PagedAttentionParams const& params, ThreadPool& pool) {

@@ -17,8 +17,15 @@
 //
 // Callers validate (the bindings do, naming the argument); the kernels trust their params: unlike the
 // CUDA kernels they neither clamp kv_lens nor skip out-of-range block ids.
+//
+// INT8 KV cache (kv_dtype = kInt8, attention_params.h): store_kv quantises each token's head row
+// (quantize_kv_row: scale = max|x| / 127, codes round(x / scale) to nearest even, in -127 .. 127; an
+// all-zero row has scale 0), and both attention kernels widen the int8 codes of a key tile to fp32
+// times their scale as they pack it, where a bf16 / fp16 cache is widened, so the rest of the
+// arithmetic is the float cache's. It reads half the bytes of a bf16 cache (plus 4 per token and head).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -44,8 +51,10 @@ struct StoreKvParams {
   std::int64_t num_slots = 0;                  // num_blocks * tokens_per_block
   std::int64_t num_tokens = 0;
   int num_kv_heads = 0, head_dim = 0;
-  ScalarType dtype = ScalarType::kFloat32;  // of k, v and the cache: a float type
-  int num_threads = 1;                      // CPU only: at most this many of the pool's threads
+  ScalarType dtype = ScalarType::kFloat32;     // of k and v: a float type
+  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, or kInt8 (quantised as it is written)
+  float* kv_scales = nullptr;                  // with kv_dtype = kInt8: [2, num_slots, num_kv_heads], written
+  int num_threads = 1;                         // CPU only: at most this many of the pool's threads
 };
 
 // The fields shared with context attention and with the CUDA op are AttentionParams'.
@@ -88,6 +97,28 @@ inline constexpr int kMaxDecodeRowFloats = 512;
 
 // Internal linkage: the per-ISA files include this header with their own -m flags (see scalar_type.h).
 namespace {
+
+// Symmetric int8 quantisation of one head row of n values (the KV store's; ops/reference/attention.py's
+// quantize_kv is its twin, bit for bit): scale = max|x| / 127, code = round(x / scale), ties to even
+// (adding and subtracting 1.5 * 2^23 rounds a float below 2^22 in magnitude to an integer in the
+// current rounding mode, nearest even, and vectorises where nearbyint would not). x / scale, not x *
+// (127 / max), so that the code of the largest element is exactly +-127. A NaN code is stored as 0.
+template <class T>
+inline float quantize_kv_row(T const* x, int n, std::int8_t* codes) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    float const a = std::fabs(to_float(x[i]));
+    amax = a > amax ? a : amax;
+  }
+  float const scale = amax / 127.0f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  for (int i = 0; i < n; ++i) {
+    float r = scale > 0.0f ? (to_float(x[i]) / scale + kRound) - kRound : 0.0f;
+    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+    codes[i] = static_cast<std::int8_t>(r == r ? r : 0.0f);
+  }
+  return scale;
+}
 
 // KV heads one decode work item covers: as many as its tile buffers and kMaxGroupSize query heads
 // allow (all of SmolLM2's 3 x 64). A token's rows for all KV heads are adjacent in the cache, so an

@@ -2,7 +2,7 @@
 #include <immintrin.h>
 
 #define INFLIGHT_ATTENTION_ISA avx2
-#include "attention_impl.h"
+#include "attention_dispatch.h"
 
 namespace inflight::kernels::cpu::avx2 {
 namespace {
@@ -90,6 +90,10 @@ struct Vec256 {
   }
   static Reg load_cvt(Float16 const* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  }
+  // int8 KV codes: 8 bytes sign-extended to int32, then converted (exact).
+  static Reg load_cvt(std::int8_t const* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p))));
   }
 
   static void store_cvt(float* p, Reg v) { _mm256_storeu_ps(p, v); }

@@ -10,7 +10,7 @@
 #include <bit>
 
 #define INFLIGHT_ATTENTION_ISA avx512
-#include "attention_impl.h"
+#include "attention_dispatch.h"
 
 namespace inflight::kernels::cpu::avx512 {
 namespace {
@@ -101,6 +101,10 @@ struct Vec512 {
   }
   static Reg load_cvt(Float16 const* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));
+  }
+  // int8 KV codes: 16 bytes sign-extended to int32, then converted (exact).
+  static Reg load_cvt(std::int8_t const* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))));
   }
 
   static void store_cvt(float* p, Reg v) { _mm512_storeu_ps(p, v); }

@@ -1,5 +1,6 @@
 // The attention algorithms, written once over a vector-traits class V and instantiated per ISA in
-// attention.cpp (portable, V = scalar), attention_avx2.cpp and attention_avx512.cpp.
+// attention.cpp (portable, V = scalar), attention_avx2.cpp and attention_avx512.cpp, through the
+// compile-time dispatch of attention_dispatch.h (q's dtype x the cache's: the same, or int8 x head_dim).
 //
 // Every TU that includes this header defines INFLIGHT_ATTENTION_ISA (a namespace name) first: all
 // code here lives in that per-ISA namespace, so the inline functions compiled with -mavx512f in one
@@ -10,7 +11,7 @@
 //   zero, set1, load, store, add, sub, mul, fmadd, max, hsum, hmax, exp2
 //   reduce_lanes(Reg const* v)  -> Reg whose lane i is the sum of v[i]'s lanes (i < kWidth)
 //   transpose(Reg* v)           in place, a kWidth x kWidth block
-//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16) widened to fp32
+//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16, int8_t) widened to fp32
 //   store_cvt(T*, Reg)          rounded to T (round to nearest even)
 #pragma once
 
@@ -41,10 +42,16 @@ constexpr int kMaxContextRows = std::max(kContextRows, kMaxGroupSize);
 constexpr int kPrefetchTiles = 2;
 
 // kHeadDim: the head dim this instantiation is unrolled for; 0 = read it from the params at run
-// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type (float, BFloat16, Float16).
-template <class V, int kHeadDim, class T>
+// time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type of q and out (float,
+// BFloat16, Float16). C: the cache's, T or int8_t (codes with one fp32 scale per token and KV head,
+// dequantised where a 16-bit cache is widened).
+template <class V, int kHeadDim, class T, class C = T>
 struct AttentionKernels {
   using Reg = typename V::Reg;
+  static constexpr bool kInt8 = std::is_same_v<C, std::int8_t>;
+  // An fp32 cache is read in place; any other is widened (and dequantised) into fp32 tiles first.
+  static constexpr bool kInPlace = std::is_same_v<C, float>;
+  static_assert(std::is_same_v<C, T> || kInt8, "the cache holds q's dtype or int8 codes");
   static constexpr int W = V::kWidth;
   static constexpr int kBufHd = kHeadDim ? kHeadDim : kMaxHeadDim;  // stack buffer row length
   // Keys per tile in both kernels (one step of the online softmax): V's choice, a multiple of W
@@ -61,14 +68,16 @@ struct AttentionKernels {
   // ---- building blocks ---------------------------------------------------------------------------
 
   // o[r, c] += sum_i p[r, i] * vrows[i][c] for R rows and NC vectors of columns starting at vector c0.
-  template <int R, int NC>
-  static void pv_block(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int c0) {
+  // E: the rows' element type, float (packed or an fp32 cache) or int8_t (codes widened here, once for
+  // all R rows: the int8 decode reads V without packing it; the scales are in p).
+  template <int R, int NC, class E>
+  static void pv_block(float* o, int o_stride, float const* p, int p_stride, E const* const* vrows, int n, int c0) {
     Reg acc[R][NC];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < NC; ++c) acc[r][c] = V::load(o + r * o_stride + (c0 + c) * W);
     for (int i = 0; i < n; ++i) {
       Reg vv[NC];
-      for (int c = 0; c < NC; ++c) vv[c] = V::load(vrows[i] + (c0 + c) * W);
+      for (int c = 0; c < NC; ++c) vv[c] = V::load_cvt(vrows[i] + (c0 + c) * W);
       for (int r = 0; r < R; ++r) {
         Reg pb = V::set1(p[r * p_stride + i]);
         for (int c = 0; c < NC; ++c) acc[r][c] = V::fmadd(pb, vv[c], acc[r][c]);
@@ -78,35 +87,36 @@ struct AttentionKernels {
       for (int c = 0; c < NC; ++c) V::store(o + r * o_stride + (c0 + c) * W, acc[r][c]);
   }
 
-  template <int R>
-  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n,
+  template <int R, class E>
+  static void pv_rows_fixed(float* o, int o_stride, float const* p, int p_stride, E const* const* vrows, int n,
                             int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int NC = V::kPvChunk;
     int c0 = 0;
-    for (; c0 + NC <= nvec; c0 += NC) pv_block<R, NC>(o, o_stride, p, p_stride, vrows, n, c0);
+    for (; c0 + NC <= nvec; c0 += NC) pv_block<R, NC, E>(o, o_stride, p, p_stride, vrows, n, c0);
     if constexpr (kHeadDim == 0 || kHeadDim / W % NC != 0) {
-      for (; c0 < nvec; ++c0) pv_block<R, 1>(o, o_stride, p, p_stride, vrows, n, c0);
+      for (; c0 < nvec; ++c0) pv_block<R, 1, E>(o, o_stride, p, p_stride, vrows, n, c0);
     }
   }
 
   // All `rows` rows: blocks of kPvRows, then the remainder (2 or 3 rows in one pass over V).
-  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, float const* const* vrows, int n, int rows,
+  template <class E>
+  static void pv_rows(float* o, int o_stride, float const* p, int p_stride, E const* const* vrows, int n, int rows,
                       int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     constexpr int R = V::kPvRows;
     int r = 0;
     for (; r + R <= rows; r += R)
-      pv_rows_fixed<R>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+      pv_rows_fixed<R, E>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
     // The remainder in one pass over V (a GQA group of 3 is all remainder when R = 4).
     int const rem = rows - r;
     if constexpr (R > 3) {
-      if (rem == 3) return pv_rows_fixed<3>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+      if (rem == 3) return pv_rows_fixed<3, E>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
     }
     if constexpr (R > 2) {
-      if (rem == 2) return pv_rows_fixed<2>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+      if (rem == 2) return pv_rows_fixed<2, E>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
     }
-    for (; r < rows; ++r) pv_rows_fixed<1>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
+    for (; r < rows; ++r) pv_rows_fixed<1, E>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, vrows, n, nvec);
   }
 
   // s[r, 0:kKeyTile] = q[r, :] . kt[:, 0:kKeyTile] for R rows (kt: the key tile transposed, [hd][kKeyTile]).
@@ -163,22 +173,51 @@ struct AttentionKernels {
     for (int c = 0; c < nvec; ++c) V::store(o + c * W, V::mul(V::load(o + c * W), a));
   }
 
+  // W cache elements as fp32: widened, and for int8 codes times their row's scale (one rounding, as
+  // the reference's codes.float() * scale).
+  static Reg load_kv(C const* src, float scale) {
+    if constexpr (kInt8) {
+      return V::mul(V::load_cvt(src), V::set1(scale));
+    } else {
+      (void)scale;
+      return V::load_cvt(src);
+    }
+  }
+
   // fp32 view of a cache row: the row itself for fp32, else converted into buf.
-  static float const* row_f32(T const* src, float* buf, int nvec_rt) {
+  static float const* row_f32(C const* src, float scale, float* buf, int nvec_rt) {
     int const nvec = vecs(nvec_rt);
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kInPlace) {
       (void)buf;
       (void)nvec;
+      (void)scale;
       return src;
     } else {
-      for (int c = 0; c < nvec; ++c) V::store(buf + c * W, V::load_cvt(src + c * W));
+      for (int c = 0; c < nvec; ++c) V::store(buf + c * W, load_kv(src + c * W, scale));
       return buf;
     }
   }
 
-  // dst[0:count] = src[0:count] widened to fp32 (count: a multiple of W).
-  static void pack_row(float* dst, T const* src, int count) {
+  // dst[0:count] = src[0:count] widened to fp32, int8 codes without their scale (count: a multiple of W).
+  static void widen_row(float* dst, C const* src, int count) {
     for (int c = 0; c < count; c += W) V::store(dst + c, V::load_cvt(src + c));
+  }
+
+  // dst[0:W * nv] *= f[0:W * nv] (nv vectors): an int8 tile's per-key scales applied to a row of scores
+  // or probabilities.
+  static void mul_rows(float* dst, float const* f, int nv) {
+    for (int v = 0; v < nv; ++v) V::store(dst + v * W, V::mul(V::load(dst + v * W), V::load(f + v * W)));
+  }
+
+  // The scale of cache row `row` (slot * num_kv_heads + head) of one half (K or V); 1 without scales.
+  static float row_scale(float const* scales, int64_t row) {
+    if constexpr (kInt8) {
+      return scales[row];
+    } else {
+      (void)scales;
+      (void)row;
+      return 1.0f;
+    }
   }
 
   static void load_query_rows(float* dst, T const* src, float scale, int nvec_rt) {
@@ -242,15 +281,19 @@ struct AttentionKernels {
   // Prefetch the K and V rows of a tile (this item's KV heads, adjacent in each token's row): the
   // blocks of a sequence are scattered, so the hardware prefetcher restarts at every block, and a
   // decode step streams the whole cache from DRAM (30 layers' caches do not fit in L3).
-  static void prefetch_tile(T const* k_cache, T const* v_cache, int64_t const* rows, int n, int64_t g0, int ng,
-                            int hd) {
-    int64_t const bytes = int64_t(ng) * hd * int64_t(sizeof(T));
+  static void prefetch_tile(C const* k_cache, C const* v_cache, float const* k_scales, float const* v_scales,
+                            int64_t const* rows, int n, int64_t g0, int ng, int hd) {
+    int64_t const bytes = int64_t(ng) * hd * int64_t(sizeof(C));
     for (int i = 0; i < n; ++i) {
       char const* k = reinterpret_cast<char const*>(k_cache + (rows[i] + g0) * hd);
       char const* v = reinterpret_cast<char const*>(v_cache + (rows[i] + g0) * hd);
       for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(k + off, 0, 2);  // into L2: a tile two ahead would evict L1's working set
         __builtin_prefetch(v + off, 0, 2);
+      }
+      if constexpr (kInt8) {  // a token's scales for these heads: a few bytes, mostly one line
+        __builtin_prefetch(k_scales + rows[i] + g0, 0, 2);
+        __builtin_prefetch(v_scales + rows[i] + g0, 0, 2);
       }
     }
   }
@@ -273,22 +316,35 @@ struct AttentionKernels {
     int const heads = ng * group, h0 = g0 * group;  // this item's query heads: h0 .. h0 + heads - 1
     int const tpb = p.tokens_per_block, kvh = p.num_kv_heads;
     T const* q = static_cast<T const*>(p.q);
-    T const* k_cache = static_cast<T const*>(p.kv_cache);
-    T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    C const* k_cache = static_cast<C const*>(p.kv_cache);
+    C const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    float const* k_scales = p.kv_scales;
+    float const* v_scales = kInt8 ? k_scales + int64_t(p.num_blocks) * tpb * kvh : nullptr;
     int32_t const* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
     alignas(64) float qf[kMaxGroupSize * kBufHd];
     alignas(64) float acc[kMaxGroupSize * kBufHd];
     alignas(64) float s[kMaxGroupSize * kKeyTile];
     // bf16 / fp16: the tile's K and V rows of this item's KV heads widened to fp32, in cache order
-    // ([key][kv head][head_dim]). fp32 rows are read in place: a copy costs more than it saves.
-    constexpr int kPackFloats = std::is_same_v<T, float> ? 1 : kKeyTile * kMaxDecodeRowFloats;
+    // ([key][kv head][head_dim]); int8: the K codes widened (P.V widens the V codes in place, once for
+    // the group's rows). fp32 rows are read in place: a copy costs more than it saves.
+    constexpr int kPackFloats = kInPlace ? 1 : kKeyTile * kMaxDecodeRowFloats;
     alignas(64) float kpack[kPackFloats];
-    alignas(64) float vpack[kPackFloats];
+    alignas(64) float vpack[kInPlace || kInt8 ? 1 : kPackFloats];
     int const row_floats = ng * hd;
+    // int8: the tile's codes are widened as they are (like a 16-bit cache), and the scales applied
+    // per key instead of per element: q . (c_j s_j) = s_j (q . c_j) to the scores, and p_j s_j to the
+    // probabilities before P.V (l sums the unscaled p_j). [kv head][key]; 1 past the tile's keys.
+    alignas(64) float kscale[kInt8 ? kMaxGroupSize * kKeyTile : 1];
+    alignas(64) float vscale[kInt8 ? kMaxGroupSize * kKeyTile : 1];
+    // Prefetch distance in tiles: an int8 tile is half a 16-bit one's bytes, so it looks twice as far
+    // ahead to keep as many bytes in flight.
+    constexpr int kAhead = kInt8 ? 2 * kPrefetchTiles : kPrefetchTiles;
     int64_t rows[kKeyTile], pf_rows[kKeyTile];
     float const* krows[kKeyTile];
-    float const* vrows[kKeyTile];
+    // V rows as P.V reads them: fp32 (in place or packed), or an int8 cache's codes in place.
+    using VRow = std::conditional_t<kInt8, std::int8_t, float>;
+    VRow const* vrows[kKeyTile];
     float m[kMaxGroupSize], l[kMaxGroupSize];
 
     for (int h = 0; h < heads; ++h) {
@@ -299,31 +355,42 @@ struct AttentionKernels {
       l[h] = 0.0f;
     }
 
-    for (int d = 1; d < kPrefetchTiles; ++d) {
+    for (int d = 1; d < kAhead; ++d) {
       int const t = j0 + d * kKeyTile;
       if (t >= j1) break;
       tile_rows(pf_rows, table, t, std::min(kKeyTile, j1 - t), tpb, kvh);
-      prefetch_tile(k_cache, v_cache, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
+      prefetch_tile(k_cache, v_cache, k_scales, v_scales, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
     }
     for (int t0 = j0; t0 < j1; t0 += kKeyTile) {
       int const n = std::min(kKeyTile, j1 - t0);
       tile_rows(rows, table, t0, n, tpb, kvh);
-      if (int const t = t0 + kPrefetchTiles * kKeyTile; t < j1) {
+      if (int const t = t0 + kAhead * kKeyTile; t < j1) {
         tile_rows(pf_rows, table, t, std::min(kKeyTile, j1 - t), tpb, kvh);
-        prefetch_tile(k_cache, v_cache, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
+        prefetch_tile(k_cache, v_cache, k_scales, v_scales, pf_rows, std::min(kKeyTile, j1 - t), g0, ng, hd);
       }
       // Convert the tile in cache order (each token's rows for these KV heads are adjacent), so the
       // hardware prefetcher sees one stream per block.
-      if constexpr (!std::is_same_v<T, float>) {
+      if constexpr (!kInPlace) {
         for (int i = 0; i < n; ++i) {
-          pack_row(kpack + i * row_floats, k_cache + (rows[i] + g0) * hd, row_floats);
-          pack_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
+          widen_row(kpack + i * row_floats, k_cache + (rows[i] + g0) * hd, row_floats);
+          if constexpr (!kInt8) widen_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
+        }
+      }
+      if constexpr (kInt8) {
+        for (int gi = 0; gi < ng; ++gi) {
+          for (int i = 0; i < kKeyTile; ++i) {
+            kscale[gi * kKeyTile + i] = i < n ? k_scales[rows[i] + g0 + gi] : 1.0f;
+            vscale[gi * kKeyTile + i] = i < n ? v_scales[rows[i] + g0 + gi] : 1.0f;
+          }
         }
       }
       for (int gi = 0; gi < ng; ++gi) {
         for (int i = 0; i < n; ++i) {
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (kInPlace) {
             krows[i] = k_cache + (rows[i] + g0 + gi) * hd;
+            vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
+          } else if constexpr (kInt8) {
+            krows[i] = kpack + i * row_floats + gi * hd;
             vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
           } else {
             krows[i] = kpack + i * row_floats + gi * hd;
@@ -332,7 +399,9 @@ struct AttentionKernels {
         }
         for (int h = gi * group; h < (gi + 1) * group; ++h) {
           decode_scores(s + h * kKeyTile, qf + h * hd, krows, n, nvec);
+          if constexpr (kInt8) mul_rows(s + h * kKeyTile, kscale + gi * kKeyTile, kTileVecs);
           scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
+          if constexpr (kInt8) mul_rows(s + h * kKeyTile, vscale + gi * kKeyTile, kTileVecs);
         }
         pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
       }
@@ -412,18 +481,21 @@ struct AttentionKernels {
     int const key0 = window_key_begin(p.window, pos0);  // keys before the first row's window: skipped
     int const rows = nq * group;
     T const* q = static_cast<T const*>(p.q);
-    T const* k_cache = static_cast<T const*>(p.kv_cache);
-    T const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    C const* k_cache = static_cast<C const*>(p.kv_cache);
+    C const* v_cache = k_cache + int64_t(p.num_blocks) * tpb * kvh * hd;
+    float const* k_scales = p.kv_scales;
+    float const* v_scales = kInt8 ? k_scales + int64_t(p.num_blocks) * tpb * kvh : nullptr;
     int32_t const* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
     alignas(64) float qf[kMaxContextRows * kBufHd];
     alignas(64) float o[kMaxContextRows * kBufHd];
     alignas(64) float s[kMaxContextRows * kKeyTile];
     alignas(64) float kt[kBufHd * kKeyTile];
-    alignas(64) float vbuf[std::is_same_v<T, float> ? 1 : kKeyTile * kBufHd];
+    alignas(64) float vbuf[kInPlace ? 1 : kKeyTile * kBufHd];
     int64_t key_rows[kKeyTile];
     float const* vrows[kKeyTile];
-    T const* ksrc[kKeyTile];
+    C const* ksrc[kKeyTile];
+    float kscale[kKeyTile];
     float m[kMaxContextRows], l[kMaxContextRows];
 
     for (int r = 0; r < nq; ++r)
@@ -439,14 +511,16 @@ struct AttentionKernels {
       int const n = std::min(kKeyTile, num_keys - kt0);
       tile_rows(key_rows, table, kt0, n, tpb, kvh);
       for (int i = 0; i < n; ++i) {
-        ksrc[i] = k_cache + (key_rows[i] + g) * hd;
-        vrows[i] = row_f32(v_cache + (key_rows[i] + g) * hd, vbuf + i * hd, nvec);
+        int64_t const row = key_rows[i] + g;
+        ksrc[i] = k_cache + row * hd;
+        kscale[i] = row_scale(k_scales, row);
+        vrows[i] = row_f32(v_cache + row * hd, row_scale(v_scales, row), vbuf + i * hd, nvec);
       }
       // Pack the key tile transposed ([hd][kKeyTile], fp32; missing keys as zeros), W x W at a time.
       for (int w0 = 0; w0 < kKeyTile; w0 += W) {
         for (int c = 0; c < nvec; ++c) {
           Reg blk[W];
-          for (int i = 0; i < W; ++i) blk[i] = w0 + i < n ? V::load_cvt(ksrc[w0 + i] + c * W) : V::zero();
+          for (int i = 0; i < W; ++i) blk[i] = w0 + i < n ? load_kv(ksrc[w0 + i] + c * W, kscale[w0 + i]) : V::zero();
           V::transpose(blk);
           for (int i = 0; i < W; ++i) V::store(kt + (c * W + i) * kKeyTile + w0, blk[i]);
         }
@@ -506,40 +580,6 @@ struct AttentionKernels {
       if (r0 >= q_len) return;
       context_item(p, b, g, r0, std::min(tile_q, q_len - r0));
     });
-  }
-};
-
-// Compile-time dispatch: the element type, then head_dim over kHeadDims (0 = run-time head_dim).
-template <class V, int... kHeadDims>
-struct Dispatch {
-  template <class T>
-  static bool by_head_dim(int hd, auto&& fn) {
-    bool done = false;
-    auto try_one = [&]<int kHd>() {
-      if (!done && hd == kHd) {
-        fn.template operator()<AttentionKernels<V, kHd, T>>();
-        done = true;
-      }
-    };
-    (void)try_one;  // unused when kHeadDims is empty (the portable path)
-    (try_one.template operator()<kHeadDims>(), ...);
-    if (done) return true;
-    if (hd % V::kWidth != 0 || hd > kMaxHeadDim) return false;
-    fn.template operator()<AttentionKernels<V, 0, T>>();
-    return true;
-  }
-
-  static bool run(ScalarType dtype, int hd, auto&& fn) {
-    bool done = false;
-    dispatch_float_type(dtype, [&](auto t) { done = by_head_dim<decltype(t)>(hd, fn); });
-    return done;
-  }
-
-  static bool paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan, ThreadPool& pool) {
-    return run(p.dtype, p.head_dim, [&]<class K>() { K::paged_attention(p, plan, pool); });
-  }
-  static bool context_attention(ContextAttentionParams const& p, ThreadPool& pool) {
-    return run(p.dtype, p.head_dim, [&]<class K>() { K::context_attention(p, pool); });
   }
 };
 

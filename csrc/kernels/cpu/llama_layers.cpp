@@ -265,6 +265,7 @@ P attention_params(LlamaShape const& s, std::int32_t const* block_tables, int ma
   p.head_dim = s.head_dim;
   p.scale = s.scale;
   p.dtype = s.dtype;
+  p.kv_dtype = s.kv_dtype;
   p.num_threads = num_threads;
   return p;
 }
@@ -354,6 +355,7 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   store.num_kv_heads = s.num_kv_heads;
   store.head_dim = s.head_dim;
   store.dtype = s.dtype;
+  store.kv_dtype = s.kv_dtype;
   store.num_threads = params.num_threads;
 
   auto ctx = attention_params<ContextAttentionParams>(s, step.ctx_block_tables, step.ctx_max_blocks, step.ctx_kv_lens,
@@ -379,14 +381,17 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
                             s.head_dim, static_cast<T const*>(s.qk_norm ? L.q_norm : nullptr),
                             static_cast<T const*>(L.k_norm), s.eps, threads);
     store.kv_cache = L.kv_cache;
+    store.kv_scales = L.kv_scales;
     launch_store_kv(store, pool);
     if (step.ctx_batch > 0) {
       ctx.kv_cache = L.kv_cache;
+      ctx.kv_scales = L.kv_scales;
       ctx.window = L.window;
       launch_context_attention(ctx, pool);
     }
     if (step.dec_batch > 0) {
       dec.kv_cache = L.kv_cache;
+      dec.kv_scales = L.kv_scales;
       dec.window = L.window;
       launch_paged_attention(dec, pool);
     }

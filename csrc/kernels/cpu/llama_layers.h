@@ -5,7 +5,8 @@
 // kernels. This runs every layer of a step — RMSNorm, fused q/k/v GEMM, (QK-norm,) RoPE, store_kv,
 // context and paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj +
 // residual — from C++ with no Python in between, over the same flattened batch, weights and paged KV
-// cache the Python path uses (so the two can alternate step by step).
+// cache the Python path uses (so the two can alternate step by step). The cache is in the model
+// dtype or int8 with per-token scales (LlamaShape::kv_dtype; store_kv quantises, attention dequantises).
 //
 // Two variants of the layer, as the Python layer's two branches:
 //   qk_norm (Qwen3, Gemma 3)  an RMSNorm over head_dim on every q head (q_norm) and every k head
@@ -63,18 +64,20 @@ struct LlamaLayerWeights {
   LinearOp o;                           // q_size -> hidden
   LinearOp gate_up;                     // hidden -> 2 * intermediate (gate rows, then up rows)
   LinearOp down;                        // intermediate -> hidden
-  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], model dtype
+  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], kv_dtype
+  float* kv_scales = nullptr;           // int8 cache: [2, num_blocks, tokens_per_block, num_kv_heads]
 };
 
 struct LlamaShape {
   int hidden = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate = 0;
   float eps = 1e-6f;
-  float scale = 1.0f;                        // attention softmax scale
-  ScalarType dtype = ScalarType::kFloat32;   // the model dtype: float32, bfloat16 or float16
-  int num_blocks = 0, tokens_per_block = 0;  // of every layer's cache
-  bool w8a8 = false;                         // some projection is W8A8: the workspace holds its scratch
-  bool qk_norm = false;                      // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
-  bool gemma = false;                        // Gemma 3's layer (see the top of this file)
+  float scale = 1.0f;                          // attention softmax scale
+  ScalarType dtype = ScalarType::kFloat32;     // the model dtype: float32, bfloat16 or float16
+  ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, or kInt8 (attention_params.h)
+  int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache
+  bool w8a8 = false;                           // some projection is W8A8: the workspace holds its scratch
+  bool qk_norm = false;                        // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
+  bool gemma = false;                          // Gemma 3's layer (see the top of this file)
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };

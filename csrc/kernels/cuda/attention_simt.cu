@@ -1,5 +1,6 @@
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_simt.h"
 #include "device_utils.cuh"
@@ -27,9 +28,22 @@ __device__ int find_sequence(int const* cu_seqlens, int batch_size, std::int64_t
   return lo;
 }
 
-// T: element type of q, the cache and out. kHeadDim: channels per head, a multiple of 32.
-template <typename T, int kHeadDim>
+// Element i of a cache row as fp32: widened, or for int8 codes times the row's scale.
+template <typename C>
+__device__ __forceinline__ float kv_value(C const* row, int i, float scale) {
+  if constexpr (std::is_same_v<C, std::int8_t>) {
+    return static_cast<float>(row[i]) * scale;
+  } else {
+    (void)scale;
+    return to_float(row[i]);
+  }
+}
+
+// T: element type of q and out. C: the cache's, T or int8_t (codes with p.kv_scales). kHeadDim:
+// channels per head, a multiple of 32.
+template <typename T, typename C, int kHeadDim>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(ContextAttentionParams p) {
+  constexpr bool kInt8 = std::is_same_v<C, std::int8_t>;
   constexpr int kPerLane = kHeadDim / 32;
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
@@ -60,8 +74,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) q_reg[i] = to_float(q[lane * kPerLane + i]);
 
-  T const* k_cache = static_cast<T const*>(p.kv_cache);
-  T const* v_cache = k_cache + p.num_blocks * p.tokens_per_block * p.num_kv_heads * static_cast<std::int64_t>(kHeadDim);
+  std::int64_t const half_rows = p.num_blocks * p.tokens_per_block * p.num_kv_heads;  // (slot, kv head) rows
+  C const* k_cache = static_cast<C const*>(p.kv_cache);
+  C const* v_cache = k_cache + half_rows * kHeadDim;
+  float const* k_scales = p.kv_scales;
+  float const* v_scales = kInt8 ? p.kv_scales + half_rows : nullptr;
   int const* table = p.block_tables + seq * p.block_table_stride;
   float const scale_log2 = p.scale * kLog2e;
 
@@ -73,18 +90,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
     std::int64_t const offset =
         paged_kv_offset(table, j, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
     if (offset < 0) continue;  // the same value in every lane: the warp stays converged
-    T const* k = k_cache + offset + lane * kPerLane;
-    T const* v = v_cache + offset + lane * kPerLane;
+    C const* k = k_cache + offset + lane * kPerLane;
+    C const* v = v_cache + offset + lane * kPerLane;
+    float const k_scale = kInt8 ? k_scales[offset / kHeadDim] : 1.f;
+    float const v_scale = kInt8 ? v_scales[offset / kHeadDim] : 1.f;
     float dot = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) dot += q_reg[i] * to_float(k[i]);
+    for (int i = 0; i < kPerLane; ++i) dot += q_reg[i] * kv_value(k, i, k_scale);
     float const s = warp_sum(dot) * scale_log2;
     float const m_new = fmaxf(m, s);
     float const alpha = exp2f(m - m_new);  // m = -inf at the first key: alpha = 0
     float const pj = exp2f(s - m_new);
     l = l * alpha + pj;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] = acc[i] * alpha + pj * to_float(v[i]);
+    for (int i = 0; i < kPerLane; ++i) acc[i] = acc[i] * alpha + pj * kv_value(v, i, v_scale);
     m = m_new;
   }
   float const inv = l > 0.f ? 1.f / l : 0.f;
@@ -100,10 +119,18 @@ cudaError_t launch_attention_simt(ContextAttentionParams const& params, cudaStre
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   std::int64_t const blocks = (params.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks > 0x7fffffff || params.num_heads > 65535) return cudaErrorInvalidValue;
+  bool const int8 = params.kv_dtype == ScalarType::kInt8;
+  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  dim3 const grid(static_cast<unsigned>(blocks), static_cast<unsigned>(params.num_heads));
   return SCALAR_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
-      dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(params.num_heads));
-      attention_simt_kernel<T, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
+      if (int8) {
+        attention_simt_kernel<T, std::int8_t, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
+      } else {
+        attention_simt_kernel<T, T, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
+      }
       return cudaGetLastError();
     });
   });

@@ -1,7 +1,8 @@
 // attention_simt: the CUDA-core attention kernel behind both attention ops' float32 path and their
 // *_simt twins. One warp per (query token, head); each lane owns head_dim / 32 channels; keys are
 // visited one at a time with an online softmax. Simple enough to check by reading, slow on long
-// contexts (no K/V reuse across query heads or tokens).
+// contexts (no K/V reuse across query heads or tokens). An int8 cache (params.kv_dtype) is read with its
+// kv_scales, every dtype of q.
 #pragma once
 
 #include <cuda_runtime_api.h>

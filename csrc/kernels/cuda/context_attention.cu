@@ -61,7 +61,9 @@ __device__ bool locate_tile(int const* cu_seqlens, int batch_size, int v, int bl
   return false;
 }
 
-template <typename T, int kHeadDim>
+// kInt8: the cache holds int8 codes and p.kv_scales; its tiles are dequantised to T as they are
+// loaded (through registers: a cp.async cannot convert), the rest is the 16-bit kernel.
+template <typename T, int kHeadDim, bool kInt8>
 __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
     context_attention_kernel(ContextAttentionParams p) {
   using C = PrefillConfig<T, kHeadDim>;
@@ -97,8 +99,13 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
   int const first_tile = key_lo < num_keys ? static_cast<int>(key_lo / C::kBlockN) : num_tiles;
 
   T const* q = static_cast<T const*>(p.q) + static_cast<std::int64_t>(head) * kHeadDim;
-  T const* k_cache = static_cast<T const*>(p.kv_cache);
-  T const* v_cache = k_cache + p.num_blocks * p.tokens_per_block * p.num_kv_heads * static_cast<std::int64_t>(kHeadDim);
+  std::int64_t const half_rows = p.num_blocks * p.tokens_per_block * p.num_kv_heads;  // (slot, kv head) rows
+  [[maybe_unused]] T const* k_cache = static_cast<T const*>(p.kv_cache);
+  [[maybe_unused]] T const* v_cache = k_cache + half_rows * kHeadDim;
+  [[maybe_unused]] std::int8_t const* k_codes = static_cast<std::int8_t const*>(p.kv_cache);
+  [[maybe_unused]] std::int8_t const* v_codes = k_codes + half_rows * kHeadDim;
+  [[maybe_unused]] float const* k_scales = p.kv_scales;
+  [[maybe_unused]] float const* v_scales = kInt8 ? p.kv_scales + half_rows : nullptr;
   int const* table = p.block_tables + seq * p.block_table_stride;
   int const chunk = tid % C::kChunks;  // this thread's 16-byte column in every row it copies
 
@@ -119,9 +126,20 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
       bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
-      std::int64_t const src = valid ? offset + chunk * 8 : 0;
-      cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
-      cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
+      if constexpr (kInt8) {
+        uint4 kd = make_uint4(0u, 0u, 0u, 0u), vd = kd;
+        if (valid) {
+          std::int64_t const row = offset / kHeadDim;
+          kd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8), k_scales[row]);
+          vd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8), v_scales[row]);
+        }
+        *reinterpret_cast<uint4*>(s_k + r * C::kRowElems + chunk * 8) = kd;
+        *reinterpret_cast<uint4*>(s_v + r * C::kRowElems + chunk * 8) = vd;
+      } else {
+        std::int64_t const src = valid ? offset + chunk * 8 : 0;
+        cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
+        cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
+      }
     }
   };
 
@@ -255,13 +273,13 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
   }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kInt8>
 cudaError_t launch_prefill(ContextAttentionParams const& p, cudaStream_t stream) {
   using C = PrefillConfig<T, kHeadDim>;
   // Upper bound on sum_i ceil(q_len_i / kBlockM) for q_len_i summing to num_tokens.
   std::int64_t const tiles = (p.num_tokens + C::kBlockM - 1) / C::kBlockM + p.batch_size;
   if (tiles > 0x7fffffff || p.num_heads > 65535) return cudaErrorInvalidValue;
-  auto kernel = context_attention_kernel<T, kHeadDim>;
+  auto kernel = context_attention_kernel<T, kHeadDim, kInt8>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
   dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_heads));
@@ -275,9 +293,15 @@ cudaError_t launch_context_attention(ContextAttentionParams const& params, cudaS
   if (params.num_tokens == 0 || params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (params.cu_seqlens == nullptr) return cudaErrorInvalidValue;
+  bool const int8 = params.kv_dtype == ScalarType::kInt8;
+  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(params, stream);
   return HALF_TYPE_SWITCH(params.dtype, T, [&] {
-    return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] { return launch_prefill<T, kHeadDim>(params, stream); });
+    return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
+      return BOOL_SWITCH(int8, kInt8, [&] { return launch_prefill<T, kHeadDim, kInt8>(params, stream); });
+    });
   });
 }
 

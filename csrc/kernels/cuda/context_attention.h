@@ -2,7 +2,8 @@
 //   Sequence i owns query tokens cu_seqlens[i] .. cu_seqlens[i+1]-1 (q_len of them) and kv_lens[i] keys
 //   (its history plus this chunk, already stored). Query r of sequence i sits at position
 //   kv_len - q_len + r and attends to keys 0 .. that position (under a window, params.window > 0, only
-//   to the last `window` of them: keys position - window + 1 .. position).
+//   to the last `window` of them: keys position - window + 1 .. position). An int8 cache is read with
+//   its kv_scales, each tile dequantised to q's dtype as it is loaded.
 //
 // Work split: one CTA per (64-query tile of one sequence, query head), FlashAttention-2 style: four warps
 // of 16 query rows each, online softmax over 64-key tiles read straight from the cache blocks into

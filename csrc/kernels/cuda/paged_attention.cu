@@ -35,7 +35,9 @@ struct DecodeConfig {
   static_assert(kThreads % kChunks == 0, "each thread copies one fixed column of 16-byte chunks");
 };
 
-template <typename T, int kHeadDim>
+// kInt8: the cache holds int8 codes and p.kv_scales; its tiles are dequantised to T as they are
+// loaded (through registers: a cp.async cannot convert), the rest is the 16-bit kernel.
+template <typename T, int kHeadDim, bool kInt8>
 __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
     paged_decode_kernel(PagedAttentionParams p, int num_partitions) {
   using C = DecodeConfig<T, kHeadDim>;
@@ -65,8 +67,13 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
   int const my_tiles = partition < num_tiles ? (num_tiles - partition + num_partitions - 1) / num_partitions : 0;
 
   T const* q = static_cast<T const*>(p.q) + seq * p.q_token_stride;
-  T const* k_cache = static_cast<T const*>(p.kv_cache);
-  T const* v_cache = k_cache + p.num_blocks * p.tokens_per_block * p.num_kv_heads * static_cast<std::int64_t>(kHeadDim);
+  std::int64_t const half_rows = p.num_blocks * p.tokens_per_block * p.num_kv_heads;  // (slot, kv head) rows
+  [[maybe_unused]] T const* k_cache = static_cast<T const*>(p.kv_cache);
+  [[maybe_unused]] T const* v_cache = k_cache + half_rows * kHeadDim;
+  [[maybe_unused]] std::int8_t const* k_codes = static_cast<std::int8_t const*>(p.kv_cache);
+  [[maybe_unused]] std::int8_t const* v_codes = k_codes + half_rows * kHeadDim;
+  [[maybe_unused]] float const* k_scales = p.kv_scales;
+  [[maybe_unused]] float const* v_scales = kInt8 ? p.kv_scales + half_rows : nullptr;
   int const* table = p.block_tables + seq * p.block_table_stride;
 
   // Query rows: head_begin + r for r < rows; the rest of the 16-row tile is zero.
@@ -89,9 +96,20 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
       bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
-      std::int64_t const src = valid ? offset + chunk * 8 : 0;
-      cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
-      cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
+      if constexpr (kInt8) {
+        uint4 kd = make_uint4(0u, 0u, 0u, 0u), vd = kd;
+        if (valid) {
+          std::int64_t const row = offset / kHeadDim;
+          kd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8), k_scales[row]);
+          vd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8), v_scales[row]);
+        }
+        *reinterpret_cast<uint4*>(s_k + r * C::kRowElems + chunk * 8) = kd;
+        *reinterpret_cast<uint4*>(s_v + r * C::kRowElems + chunk * 8) = vd;
+      } else {
+        std::int64_t const src = valid ? offset + chunk * 8 : 0;
+        cp_async_16(s_k + r * C::kRowElems + chunk * 8, k_cache + src, valid);
+        cp_async_16(s_v + r * C::kRowElems + chunk * 8, v_cache + src, valid);
+      }
     }
   };
 
@@ -295,7 +313,7 @@ cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partit
   return cudaSuccess;
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kInt8>
 cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   using C = DecodeConfig<T, kHeadDim>;
   int const group = p.num_heads / p.num_kv_heads;
@@ -306,7 +324,7 @@ cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   cudaError_t status = choose_partitions(p, static_cast<int>(grid_y) * p.batch_size, C::kTileKeys, num_partitions);
   if (status != cudaSuccess) return status;
 
-  auto kernel = paged_decode_kernel<T, kHeadDim>;
+  auto kernel = paged_decode_kernel<T, kHeadDim, kInt8>;
   status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
   dim3 grid(static_cast<unsigned>(num_partitions), static_cast<unsigned>(grid_y), static_cast<unsigned>(p.batch_size));
@@ -337,9 +355,15 @@ std::int64_t paged_attention_workspace_size(int batch_size, int num_heads, int m
 cudaError_t launch_paged_attention(PagedAttentionParams const& params, cudaStream_t stream) {
   if (params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
+  bool const int8 = params.kv_dtype == ScalarType::kInt8;
+  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(as_decode_context(params), stream);
   return HALF_TYPE_SWITCH(params.dtype, T, [&] {
-    return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] { return launch_decode<T, kHeadDim>(params, stream); });
+    return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
+      return BOOL_SWITCH(int8, kInt8, [&] { return launch_decode<T, kHeadDim, kInt8>(params, stream); });
+    });
   });
 }
 

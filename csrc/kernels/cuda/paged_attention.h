@@ -1,6 +1,7 @@
 // paged_attention: decode attention, one query token per sequence, over the paged KV cache.
 //   out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, keys 0 .. kv_lens[b]-1 of sequence b, read from
-//   kv_cache[0/1, block_tables[b, j // tpb], j % tpb, h // (num_heads / num_kv_heads)]. Under a window
+//   kv_cache[0/1, block_tables[b, j // tpb], j % tpb, h // (num_heads / num_kv_heads)] (an int8 cache:
+//   times its kv_scales entry, dequantised to q's dtype as a tile is loaded). Under a window
 //   (params.window > 0) only keys kv_lens[b] - window .. kv_lens[b] - 1 (those >= 0) are read.
 //
 // Work split: one CTA per (partition, KV head, 16-head chunk of its query group, sequence). The query

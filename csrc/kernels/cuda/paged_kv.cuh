@@ -1,9 +1,13 @@
 // Device-side addressing of the paged KV cache, shared by the attention kernels.
 //   kv_cache: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]; key j of a sequence lives in
 //   block block_table[j / tokens_per_block], row j % tokens_per_block.
+//   int8 cache (attention_params.h): the same layout of int8 codes, and kv_scales [2, num_blocks,
+//   tokens_per_block, num_kv_heads] float32, one scale per (key, KV head): row offset / head_dim.
 #pragma once
 
 #include <cstdint>
+
+#include "device_utils.cuh"
 
 namespace inflight::kernels::cuda {
 
@@ -25,6 +29,26 @@ __device__ __forceinline__ int clamp_kv_len(int kv_len, int max_blocks_per_seq, 
   std::int64_t const cap = static_cast<std::int64_t>(max_blocks_per_seq) * tokens_per_block;
   if (kv_len < 0) return 0;
   return kv_len > cap ? static_cast<int>(cap) : kv_len;
+}
+
+// Eight int8 codes (one 8-byte load, code i in byte i) times their row's scale, as eight T in the 16
+// bytes a 16-bit cache's cp.async would have copied (element 2i in the low half of word i): the int8
+// kernels dequantise on the way into shared memory, and everything after is the 16-bit kernels'.
+// Each value is code * scale rounded once to T. T: half or __nv_bfloat16.
+template <typename T>
+__device__ __forceinline__ uint4 dequant_int8x8(uint2 codes, float scale) {
+  std::uint32_t const words[2] = {codes.x, codes.y};
+  std::uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    std::uint32_t const w = words[i / 2];
+    int const shift = (i % 2) * 16;
+    // Shift the byte to the top, then arithmetically back: the sign-extended code.
+    float const lo = static_cast<float>(static_cast<int>(w << (24 - shift)) >> 24) * scale;
+    float const hi = static_cast<float>(static_cast<int>(w << (16 - shift)) >> 24) * scale;
+    out[i] = pack2<T>(lo, hi);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 }  // namespace inflight::kernels::cuda

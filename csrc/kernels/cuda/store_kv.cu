@@ -1,5 +1,7 @@
 #include <cstdint>
 
+#include "device_utils.cuh"
+#include "static_switch.h"
 #include "store_kv.h"
 
 namespace inflight::kernels::cuda {
@@ -46,10 +48,60 @@ cudaError_t launch(StoreKvParams const& p, std::int64_t row_bytes, std::int64_t 
   return cudaGetLastError();
 }
 
+// int8 cache: one warp per (token, K or V, KV head) row; the lanes stride over head_dim, a warp max
+// gives the row's scale. T: the element type of k and v (float, half, __nv_bfloat16).
+template <typename T>
+__global__ void store_kv_int8_kernel(StoreKvParams p) {
+  int const warp = threadIdx.x / 32;
+  int const lane = threadIdx.x % 32;
+  int const warps = blockDim.x / 32;
+  std::int64_t const rows_per_half = p.num_slots * p.num_kv_heads;
+  auto* const codes = static_cast<std::int8_t*>(p.kv_cache);
+  for (std::int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    std::int64_t const slot = p.slot_mapping[t];
+    if (slot < 0 || slot >= p.num_slots) continue;
+    for (int r = warp; r < 2 * p.num_kv_heads; r += warps) {  // uniform per warp: the shuffles see every lane
+      int const half = r / p.num_kv_heads;                    // 0 = K, 1 = V
+      int const head = r % p.num_kv_heads;
+      T const* src = half == 0 ? static_cast<T const*>(p.k) + t * p.k_token_stride
+                               : static_cast<T const*>(p.v) + t * p.v_token_stride;
+      src += static_cast<std::int64_t>(head) * p.head_dim;
+      float amax = 0.f;
+      for (int d = lane; d < p.head_dim; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
+      amax = warp_max(amax);
+      float const scale = amax / 127.f;
+      std::int64_t const row = half * rows_per_half + slot * p.num_kv_heads + head;
+      std::int8_t* dst = codes + row * p.head_dim;
+      for (int d = lane; d < p.head_dim; d += 32) {
+        float c = scale > 0.f ? rintf(__fdiv_rn(to_float(src[d]), scale)) : 0.f;
+        c = isnan(c) ? 0.f : fminf(fmaxf(c, -127.f), 127.f);  // a NaN code is 0, as on the CPU
+        dst[d] = static_cast<std::int8_t>(c);
+      }
+      if (lane == 0) p.kv_scales[row] = scale;
+    }
+  }
+}
+
+cudaError_t launch_store_kv_int8(StoreKvParams const& p, cudaStream_t stream) {
+  if (p.kv_scales == nullptr) return cudaErrorInvalidValue;
+  // A warp per row, up to 8 warps per token (K and V of 4 KV heads at once).
+  int const warps = 2 * p.num_kv_heads < 8 ? 2 * p.num_kv_heads : 8;
+  std::int64_t const blocks = p.num_tokens < 65535 ? p.num_tokens : 65535;
+  return SCALAR_TYPE_SWITCH(p.dtype, T, [&] {
+    store_kv_int8_kernel<T><<<static_cast<unsigned>(blocks), warps * 32, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace
 
 cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream) {
   if (!is_float_type(params.dtype)) return cudaErrorInvalidValue;
+  if (params.kv_dtype == ScalarType::kInt8) {
+    if (params.num_tokens == 0 || params.num_kv_heads == 0 || params.head_dim == 0) return cudaSuccess;
+    return launch_store_kv_int8(params, stream);
+  }
+  if (params.kv_dtype != params.dtype) return cudaErrorInvalidValue;
   std::int64_t const elem_bytes = static_cast<std::int64_t>(scalar_type_size(params.dtype));
   std::int64_t const row_bytes = static_cast<std::int64_t>(params.num_kv_heads) * params.head_dim * elem_bytes;
   if (params.num_tokens == 0 || row_bytes == 0) return cudaSuccess;

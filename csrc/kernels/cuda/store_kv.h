@@ -8,6 +8,10 @@
 // The params have the fields and names of the CPU op's (kernels/cpu/attention.h), which also takes
 // per-head strides; here a token's heads are contiguous (one row of num_kv_heads * head_dim elements,
 // copied in the widest unit that divides it).
+//
+// An int8 cache (kv_dtype = kInt8, attention_params.h): each (token, KV head) row is quantised as the
+// CPU op does it (kernels/cpu/attention.h, quantize_kv_row): scale = max|x| / 127 into kv_scales, codes
+// round(x / scale) to nearest even (IEEE division and rintf, so the codes are the CPU's, bit for bit).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,7 +33,9 @@ struct StoreKvParams {
   std::int64_t num_tokens;
   int num_kv_heads;
   int head_dim;
-  ScalarType dtype;  // of k, v and the cache: float32, bfloat16 or float16 (the copy needs its size only)
+  ScalarType dtype;     // of k and v: float32, bfloat16 or float16 (a copy needs its size only)
+  ScalarType kv_dtype;  // of the cache: dtype, or kInt8
+  float* kv_scales;     // with kv_dtype = kInt8: [2, num_slots, num_kv_heads], written
 };
 
 cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream);

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import RMSNorm, rms_norm
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
@@ -11,6 +11,8 @@ from inflight.layers.torch_attention import TorchAttentionBackend
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "Int8KvCache",
+    "KvCacheLike",
     "Linear",
     "LinearFactory",
     "RMSNorm",

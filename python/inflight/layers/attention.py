@@ -10,6 +10,10 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_k
 (index 0 = K, 1 = V). Token ``p`` of a sequence lives in block ``block_tables[i, p // tpb]`` at
 offset ``p % tpb``; ``slot_mapping[t] = block_id * tpb + offset`` is where this step's token ``t``
 is written.
+
+A layer's cache is that tensor in a float dtype, or an :class:`Int8KvCache` (``KvCacheConfig(dtype=
+"int8")``): int8 codes in the same layout plus one fp32 scale per token per KV head. Backends take
+either (``KvCacheLike``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,45 @@ import abc
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Int8KvCache:
+    """One layer's INT8 KV cache: ``kv`` int8 ``[2, num_blocks, tokens_per_block, num_kv_heads,
+    head_dim]`` (the float cache's layout) and ``scales`` float32 ``[2, num_blocks, tokens_per_block,
+    num_kv_heads]``. Code ``kv[i, b, o, h, d]`` stands for ``kv[i, b, o, h, d] * scales[i, b, o, h]``:
+    symmetric, one scale per token and KV head, ``max |x| / 127`` over the row's head_dim values, set
+    when the token is stored (no calibration). Both tensors are views into the engine's pool (written
+    in place), so this object is immutable and cheap."""
+
+    kv: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.kv.dtype != torch.int8 or self.kv.dim() != 5 or self.kv.shape[0] != 2:
+            raise ValueError(
+                "Int8KvCache.kv must be int8 [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], "
+                f"got {self.kv.dtype} {list(self.kv.shape)}"
+            )
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != tuple(self.kv.shape[:4]):
+            raise ValueError(
+                f"Int8KvCache.scales must be float32 {list(self.kv.shape[:4])} (kv's shape without head_dim), "
+                f"got {self.scales.dtype} {list(self.scales.shape)}"
+            )
+        if self.scales.device != self.kv.device:
+            raise ValueError(f"Int8KvCache.scales is on {self.scales.device}, kv on {self.kv.device}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.kv.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+
+# One layer's KV cache as the backends take it.
+KvCacheLike = torch.Tensor | Int8KvCache
 
 
 @dataclass(frozen=True)
@@ -74,7 +117,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
+        kv_cache: KvCacheLike,  # [2, num_blocks, tokens_per_block, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,

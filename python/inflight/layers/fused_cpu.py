@@ -16,7 +16,9 @@ weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
 :class:`~inflight.layers.quantized_linear.W8A16Linear` / :class:`~inflight.layers.quantized_linear.W8A8Linear`,
 or a dense
 :class:`~inflight.layers.linear.Linear` in the model dtype through ``dense_gemm``) and the KV cache
-has the model dtype; any other configuration runs the Python layers, which remain the reference.
+has the model dtype or is INT8 (:class:`~inflight.layers.attention.Int8KvCache`, every layer's: the
+stack's store quantises and its attention dequantises, as the native backend's kernels do); any other
+configuration runs the Python layers, which remain the reference.
 With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
 Python layers, where torch's GEMM is faster. ``INFLIGHT_FUSED_LAYERS=0``
 turns it off (for A/B measurements).
@@ -34,7 +36,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
-from inflight.layers.attention import AttentionMetadata
+from inflight.layers.attention import AttentionMetadata, Int8KvCache, KvCacheLike
 from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Linear
@@ -74,7 +76,7 @@ class FusedCpuLayers:
         self._stack = stack
         self._num_layers = num_layers
         self.max_tokens = max_tokens  # a step with more tokens runs the Python layers (None: no limit)
-        self._caches: list[torch.Tensor] | None = None  # the list last given to set_kv_caches
+        self._caches: list[KvCacheLike] | None = None  # the list last given to set_kv_caches
         self._cache_ids: tuple[int, ...] = ()
         # Some layer rotates with the model's second RoPE table (rotary_local): forward needs local_cos_sin.
         self.local_rope = False
@@ -159,17 +161,25 @@ class FusedCpuLayers:
         fused.local_rope = local_rope
         return fused
 
-    def accepts(self, kv_caches: list[torch.Tensor], dtype: torch.dtype, num_tokens: int) -> bool:
-        """Whether this step runs fused: caches in the model dtype on the CPU, not too many tokens."""
+    def accepts(self, kv_caches: list[KvCacheLike], dtype: torch.dtype, num_tokens: int) -> bool:
+        """Whether this step runs fused: caches on the CPU, all in the model dtype or all INT8, and not
+        too many tokens."""
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             return False
-        return all(c.dtype == dtype and c.device.type == "cpu" for c in kv_caches)
+        if all(isinstance(c, Int8KvCache) for c in kv_caches):
+            return all(c.device.type == "cpu" for c in kv_caches)
+        return all(
+            isinstance(c, torch.Tensor) and c.dtype == dtype and c.device.type == "cpu" for c in kv_caches
+        )
 
-    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        ids = tuple(c.data_ptr() for c in kv_caches)
+    def _bind_caches(self, kv_caches: list[KvCacheLike]) -> None:
+        int8 = bool(kv_caches) and isinstance(kv_caches[0], Int8KvCache)
+        tensors = [c.kv for c in kv_caches] if int8 else kv_caches
+        ids = tuple(c.data_ptr() for c in tensors)
         if self._caches is kv_caches and ids == self._cache_ids:
             return
-        self._stack.set_kv_caches([_dl(c) for c in kv_caches])
+        scales = [_dl(c.scales) for c in kv_caches] if int8 else None
+        self._stack.set_kv_caches([_dl(c) for c in tensors], scales)
         self._caches, self._cache_ids = kv_caches, ids
 
     def forward(
@@ -177,7 +187,7 @@ class FusedCpuLayers:
         hidden: torch.Tensor,  # [T, hidden], model dtype; updated in place and returned
         cos_sin: torch.Tensor,  # [T, 2, head_dim], model dtype
         metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KvCacheLike],
         tp=None,
         local_cos_sin: torch.Tensor | None = None,  # [T, 2, head_dim] of rotary_local (Gemma 3)
     ) -> torch.Tensor:

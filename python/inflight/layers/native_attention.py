@@ -14,6 +14,9 @@ The per-step argument slices depend only on the metadata, so they are built once
 first layer to see a metadata object) and reused by the other layers (a sliding-window layer passes
 its ``window`` to both kernels, which then read only the window's keys), as in
 :class:`~inflight.layers.torch_attention.TorchAttentionBackend`.
+
+An :class:`~inflight.layers.attention.Int8KvCache` goes to the same kernels with its scales: the store
+quantises, the attention kernels dequantise as they read; q and the output keep the model's dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
 from inflight.ops.attention import context_attention, paged_attention, store_kv
 
 
@@ -74,7 +77,7 @@ class NativeAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCacheLike,
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
@@ -83,9 +86,12 @@ class NativeAttentionBackend(AttentionBackend):
             self._plan, self._planned_for = plan_kernels(metadata), metadata
         plan = self._plan
         dtype = q.dtype
-        if kv_cache.dtype != dtype:  # a cache kept in another dtype: the kernels run in the cache's
+        scales = None
+        if isinstance(kv_cache, Int8KvCache):  # the kernels quantise and dequantise; q stays as it is
+            kv_cache, scales = kv_cache.kv, kv_cache.scales
+        elif kv_cache.dtype != dtype:  # a cache kept in another dtype: the kernels run in the cache's
             q, k, v = q.to(kv_cache.dtype), k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        store_kv(k, v, kv_cache, metadata.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = plan.num_context_tokens
         if plan.ctx_block_tables is not None:
@@ -99,8 +105,18 @@ class NativeAttentionBackend(AttentionBackend):
                 scale,
                 oc,
                 window=window,
+                kv_scales=scales,
             )
         if plan.dec_block_tables is not None:
             qd, od = (q, out) if n == 0 else (q[n:], out[n:])
-            paged_attention(qd, kv_cache, plan.dec_block_tables, plan.dec_kv_lens, scale, od, window=window)
+            paged_attention(
+                qd,
+                kv_cache,
+                plan.dec_block_tables,
+                plan.dec_kv_lens,
+                scale,
+                od,
+                window=window,
+                kv_scales=scales,
+            )
         return out if out.dtype == dtype else out.to(dtype)

@@ -12,6 +12,10 @@ group's longest.
 The indices and masks depend only on the metadata, so they are built once per step (the first layer
 to see a metadata object) and reused by the other layers: the backend keeps the last plan together
 with a reference to its metadata object, so identity comparison cannot be fooled by id() reuse.
+
+An :class:`~inflight.layers.attention.Int8KvCache` is written with the kernels' quantiser (the plain-
+torch twin, :func:`inflight.ops.reference.attention.quantize_kv`: the same codes and scales) and read
+dequantised to q's dtype, after which the attention is the float cache's.
 """
 
 from __future__ import annotations
@@ -21,13 +25,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
+from inflight.ops.reference.attention import dequantize_kv, quantize_kv
 
 # SDPA grew enable_gqa in torch 2.5; older torches get repeat_interleave instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def _decode_attention(q: torch.Tensor, flat: torch.Tensor, g: _GroupPlan, scale: float) -> torch.Tensor:
+def _gather(
+    flat: torch.Tensor, flat_scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """K and V of the flat ``slots`` in ``dtype`` (an int8 cache dequantised): ``[2, len(slots), kvh, hd]``.
+    index_select on the flat slot axis is a plain row gather (much cheaper than advanced indexing)."""
+    kv = flat.index_select(1, slots)
+    if flat_scales is not None:
+        return dequantize_kv(kv, flat_scales.index_select(1, slots), dtype)
+    return kv if kv.dtype == dtype else kv.to(dtype)
+
+
+def _decode_attention(
+    q: torch.Tensor, flat: torch.Tensor, flat_scales: torch.Tensor | None, g: _GroupPlan, scale: float
+) -> torch.Tensor:
     """One query token per sequence: two small batched matmuls instead of SDPA, whose CPU kernel
     spends milliseconds on a masked single-row query. GQA without copies: the query heads of one KV
     head form the rows of one matmul."""
@@ -35,10 +53,9 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, g: _GroupPlan, scale:
     num_kv_heads = flat.shape[2]
     group = num_heads // num_kv_heads
     max_kv = g.gather.shape[1]
-    # index_select on the flat slot axis is a plain row gather (much cheaper than advanced indexing).
-    kv = flat.index_select(1, g.gather.reshape(-1)).view(2, batch, max_kv, num_kv_heads, head_dim)
-    if kv.dtype != q.dtype:
-        kv = kv.to(q.dtype)
+    kv = _gather(flat, flat_scales, g.gather.reshape(-1), q.dtype).view(
+        2, batch, max_kv, num_kv_heads, head_dim
+    )
     key = kv[0].permute(0, 2, 3, 1)  # [batch, kvh, hd, max_kv]
     value = kv[1].transpose(1, 2)  # [batch, kvh, max_kv, hd]
     qh = q.view(batch, num_kv_heads, group, head_dim)
@@ -143,27 +160,35 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCacheLike,
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         _, num_blocks, tpb, num_kv_heads, _ = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
-        if k.dtype != flat.dtype:  # a cache kept in another dtype than the activations
-            k, v = k.to(flat.dtype), v.to(flat.dtype)
-        flat[0].index_copy_(0, metadata.slot_mapping, k)
-        flat[1].index_copy_(0, metadata.slot_mapping, v)
+        flat_scales = None
+        if isinstance(kv_cache, Int8KvCache):
+            flat = kv_cache.kv.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+            flat_scales = kv_cache.scales.view(2, num_blocks * tpb, num_kv_heads)
+            for i, x in enumerate((k, v)):
+                codes, scales = quantize_kv(x)
+                flat[i].index_copy_(0, metadata.slot_mapping, codes)
+                flat_scales[i].index_copy_(0, metadata.slot_mapping, scales)
+        else:
+            flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+            if k.dtype != flat.dtype:  # a cache kept in another dtype than the activations
+                k, v = k.to(flat.dtype), v.to(flat.dtype)
+            flat[0].index_copy_(0, metadata.slot_mapping, k)
+            flat[1].index_copy_(0, metadata.slot_mapping, v)
 
         outs = []
         for g in self._get_plan(metadata, q.device, window):
             if g.max_q == 1:
-                outs.append(_decode_attention(q[g.tok_begin : g.tok_end], flat, g, scale))
+                outs.append(_decode_attention(q[g.tok_begin : g.tok_end], flat, flat_scales, g, scale))
                 continue
-            kv = flat[:, g.gather]  # [2, batch, max_kv, kvh, hd]
-            if kv.dtype != q.dtype:
-                kv = kv.to(q.dtype)
+            kv = _gather(flat, flat_scales, g.gather.reshape(-1), q.dtype)
+            kv = kv.view(2, *g.gather.shape, num_kv_heads, head_dim)  # [2, batch, max_kv, kvh, hd]
             key = kv[0].transpose(1, 2)
             value = kv[1].transpose(1, 2)
             qg = q[g.tok_begin : g.tok_end]

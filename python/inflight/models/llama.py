@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata
+from inflight.layers.attention import AttentionBackend, AttentionMetadata, KvCacheLike
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import GemmaRMSNorm, RMSNorm
@@ -187,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KvCacheLike,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -376,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         metadata: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # one per layer of this stage
+        kv_caches: list[KvCacheLike],  # one per layer of this stage (a float tensor or an Int8KvCache)
         hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
     ) -> torch.Tensor:  # [len(metadata.logits_indices), vocab] float32; [T, hidden] before the last stage
         if len(kv_caches) != len(self.layers):

@@ -4,7 +4,10 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_k
 (index 0 = K, 1 = V); token ``p`` of sequence ``i`` lives at slot
 ``block_tables[i, p // tokens_per_block] * tokens_per_block + p % tokens_per_block``.
 
-The cache has q's dtype (float32, bfloat16 or float16); accumulation is fp32. CPU tensors go to
+The cache has q's dtype (float32, bfloat16 or float16), or is int8 with ``kv_scales``
+``[2, num_blocks, tokens_per_block, num_kv_heads]`` float32: one scale per token and KV head,
+``max |x| / 127`` of that row, written by :func:`store_kv` as it quantises (round to nearest even) and
+read by the attention ops, which dequantise as they read (INT8 KV cache). Accumulation is fp32. CPU tensors go to
 :mod:`inflight._C` (threads = ``torch.get_num_threads()``), CUDA tensors to :mod:`inflight._C_cuda`
 on the current stream. ``window`` (both attention ops): sliding-window attention as in transformers,
 a query at position ``p`` sees only keys ``p - window < j <= p``; 0 means no window. q, k and v may be strided views (a slice of a fused qkv projection) as long as
@@ -40,13 +43,24 @@ def _check_window(window: int) -> None:
         raise TypeError(f"window must be an int >= 0 (0: no window), got {type(window).__name__}")
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _opt(t: torch.Tensor | None):
+    return None if t is None else _dl(t)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at
-    ``slot_mapping`` ``[num_tokens]`` int64, in place; a negative slot skips its token (padding)."""
+    ``slot_mapping`` ``[num_tokens]`` int64, in place; a negative slot skips its token (padding). An
+    int8 ``kv_cache`` gets each (token, KV head) row quantised, its scale written to ``kv_scales``."""
     if k.is_cuda:
-        _cuda_op("store_kv")(k, v, kv_cache, slot_mapping, _stream(k))
+        _cuda_op("store_kv")(k, v, kv_cache, slot_mapping, _stream(k), kv_scales)
         return
-    _C.store_kv(_dl(k), _dl(v), _dl(kv_cache), _dl(slot_mapping), torch.get_num_threads())
+    _C.store_kv(_dl(k), _dl(v), _dl(kv_cache), _dl(slot_mapping), torch.get_num_threads(), _opt(kv_scales))
 
 
 def paged_attention(
@@ -57,12 +71,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[batch, num_heads, head_dim]`` holds one query per sequence, which
     attends to its keys ``0 .. kv_lens[i]-1`` (``block_tables`` ``[batch, max_blocks]`` int32,
     ``kv_lens`` ``[batch]`` int32); with ``window > 0`` only to the last ``window`` of them (the keys
-    before are not read). GQA when num_heads is a multiple of num_kv_heads. Returns ``out``
-    ``[batch, num_heads, head_dim]`` (allocated when None)."""
+    before are not read). GQA when num_heads is a multiple of num_kv_heads. ``kv_scales``: with an
+    int8 ``kv_cache``. Returns ``out`` ``[batch, num_heads, head_dim]`` (allocated when None)."""
     _check_window(window)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -70,7 +85,9 @@ def paged_attention(
         # No split-K workspace: one partition per (sequence, head); a caller that wants long
         # contexts split passes through the _C_cuda op with a workspace of
         # paged_attention_workspace_size(...) bytes.
-        _cuda_op("paged_attention")(q, kv_cache, block_tables, kv_lens, scale, out, None, _stream(q), window)
+        _cuda_op("paged_attention")(
+            q, kv_cache, block_tables, kv_lens, scale, out, None, _stream(q), window, kv_scales
+        )
     else:
         _C.paged_attention(
             _dl(q),
@@ -81,6 +98,7 @@ def paged_attention(
             _dl(out),
             torch.get_num_threads(),
             window,
+            _opt(kv_scales),
         )
     return out
 
@@ -94,20 +112,21 @@ def context_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill / chunked-prefill attention over the paged cache. Sequence ``i``'s queries are rows
     ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` of ``q`` ``[num_tokens, num_heads, head_dim]``, at
     positions ``kv_lens[i] - q_len_i + r``; each attends causally to the sequence's cached keys
     (earlier chunks and reused prefix blocks included; this step's K/V must already be stored), with
     ``window > 0`` only to keys ``position - window + 1 .. position``. ``cu_seqlens`` ``[batch + 1]``
-    int32, ``kv_lens`` ``[batch]`` int32. Returns ``out`` ``[num_tokens, num_heads, head_dim]``
-    (allocated when None)."""
+    int32, ``kv_lens`` ``[batch]`` int32; ``kv_scales`` with an int8 ``kv_cache``. Returns ``out``
+    ``[num_tokens, num_heads, head_dim]`` (allocated when None)."""
     _check_window(window)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
         _cuda_op("context_attention")(
-            q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, _stream(q), window
+            q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, _stream(q), window, kv_scales
         )
     else:
         _C.context_attention(
@@ -120,5 +139,6 @@ def context_attention(
             _dl(out),
             torch.get_num_threads(),
             window,
+            _opt(kv_scales),
         )
     return out

@@ -48,6 +48,35 @@ def parse_dtype(
     )
 
 
+# The KV cache may also be INT8: int8 codes with one fp32 scale per token per KV head (symmetric,
+# max |x| / 127, computed when the token is stored; see inflight.layers.attention.Int8KvCache).
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {**FLOAT_DTYPES, "int8": torch.int8}
+
+
+def parse_kv_cache_dtype(
+    value: str | torch.dtype | None, name: str = "KvCacheConfig.dtype"
+) -> torch.dtype | None:
+    """The KV cache dtype ``value`` names: a float dtype (as :func:`parse_dtype`), ``"int8"`` /
+    ``torch.int8``, or None for ``"auto"`` (the model's). Raises ValueError naming ``name``, the value
+    and the accepted spellings."""
+    if value is torch.int8 or (
+        isinstance(value, str) and value.strip().lower().removeprefix("torch.") == "int8"
+    ):
+        return torch.int8
+    try:
+        return parse_dtype(value, name)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be 'auto', 'float32', 'bfloat16', 'float16' or 'int8' (or fp32/bf16/fp16, or a "
+            f"torch dtype of those), got {value!r}"
+        ) from None
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.int8`` -> ``"int8"``, float dtypes as :func:`dtype_name`."""
+    return "int8" if dtype is torch.int8 else dtype_name(dtype)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the name the kernels and configs use)."""
     try:

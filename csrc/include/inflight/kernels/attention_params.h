@@ -6,6 +6,12 @@
 // The paged KV cache of one layer is [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] (0 = K,
 // 1 = V); key j of sequence i lives in block block_tables[i, j / tokens_per_block], row
 // j % tokens_per_block. Free of CUDA headers and C++17, like scalar_type.h.
+//
+// INT8 KV cache (kv_dtype = kInt8): the cache holds int8 codes and kv_scales one fp32 scale per token
+// per KV head, [2, num_blocks, tokens_per_block, num_kv_heads] (0 = K, 1 = V): element d of head h of
+// the token in slot s stands for cache[.., s, h, d] * kv_scales[.., s, h]. Symmetric, scale =
+// max |x| / 127 over that token's head_dim values, set by store_kv when the token is written (no
+// calibration); the attention kernels dequantise as they read.
 #pragma once
 
 #include <cstdint>
@@ -29,10 +35,12 @@ struct AttentionParams {
   void* out = nullptr;  // [tokens, num_heads, head_dim], contiguous
   int batch_size = 0;
   int num_heads = 0;
-  int num_kv_heads = 0;                     // divides num_heads
-  int head_dim = 0;                         // CUDA: 64 or 128
-  float scale = 1.0f;                       // of q . k, before the softmax
-  ScalarType dtype = ScalarType::kFloat32;  // of q, out and the cache: a float type
+  int num_kv_heads = 0;                        // divides num_heads
+  int head_dim = 0;                            // CUDA: 64 or 128
+  float scale = 1.0f;                          // of q . k, before the softmax
+  ScalarType dtype = ScalarType::kFloat32;     // of q and out: a float type
+  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, or kInt8 (with kv_scales)
+  float const* kv_scales = nullptr;            // with kv_dtype = kInt8: [2, num_blocks, tokens_per_block, num_kv_heads]
   // Sliding-window (local) attention: a query at position p sees the keys j with p - window < j <= p
   // (the last `window` tokens, itself included), as transformers' sliding_window. 0: no window (full
   // causal attention). Decode's query sits at kv_lens[i] - 1; keys before the window are not read.

