@@ -29,6 +29,9 @@ class KvBudget:
     max_seq_len: int
     source: str  # how the size was chosen
     parallel: str = ""  # the mapping of a parallel engine ("tp=2 pp=1"): the pool is per rank
+    dtype: str = ""  # the KV dtype's name, as the log line shows it ("int8": codes plus fp32 scales)
+    num_secondary_blocks: int = 0  # the secondary tier (KvCacheConfig.host_cache_size), 0: none
+    secondary: str = ""  # where the secondary tier lives ("host memory", "file /path")
 
     @property
     def num_tokens(self) -> int:
@@ -46,14 +49,43 @@ class KvBudget:
 
     def describe(self) -> str:
         where = f" per rank ({self.parallel}, every rank the same blocks)" if self.parallel else ""
+        kind = {"": "", "int8": "int8 + fp32 scales, "}.get(self.dtype, f"{self.dtype}, ")
         return (
             f"KV cache{where}: {self.num_blocks} blocks x {self.tokens_per_block} tokens = {self.num_tokens} tokens, "
-            f"{self.bytes / 2**20:.1f} MiB ({self.bytes_per_token} B/token); max concurrency at "
+            f"{self.bytes / 2**20:.1f} MiB ({kind}{self.bytes_per_token} B/token); max concurrency at "
             f"max_seq_len={self.max_seq_len}: {self.max_concurrency:.2f} sequences [{self.source}]"
+            + self.describe_secondary()
+        )
+
+    def describe_secondary(self) -> str:
+        if not self.num_secondary_blocks:
+            return ""
+        tokens = self.num_secondary_blocks * self.tokens_per_block
+        return (
+            f"; secondary tier: {self.num_secondary_blocks} blocks = {tokens} tokens, "
+            f"{tokens * self.bytes_per_token / 2**20:.1f} MiB in {self.secondary}"
         )
 
 
+def secondary_kv_blocks(kv_config, bytes_per_token: int) -> int:
+    """Blocks of the secondary tier: ``host_cache_size // bytes per block`` (0 without one); a size
+    that is not 0 but below one block is a ValueError naming it."""
+    size = kv_config.host_cache_size
+    if not size:
+        return 0
+    block_bytes = kv_config.tokens_per_block * bytes_per_token
+    if size < block_bytes:
+        raise ValueError(
+            f"KvCacheConfig.host_cache_size must be 0, None or at least one KV block ({block_bytes} bytes: "
+            f"tokens_per_block={kv_config.tokens_per_block} x {bytes_per_token} B/token), got {size}"
+        )
+    return size // block_bytes
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of every layer; an int8 cache's fp32 scale per KV head included (head_dim + 4 bytes)."""
+    if dtype == torch.int8:
+        return 2 * num_layers * num_kv_heads * (head_dim + 4)
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

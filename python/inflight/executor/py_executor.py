@@ -1,10 +1,10 @@
 """PyExecutor: the step loop on a worker thread.
 
 One iteration, in order: fetch new requests (queue -> waiting -> active; cancels) -> schedule
-(capacity, then micro-batch) -> free and pause what was paused -> prepare resources -> forward ->
-sample -> update request states (advance chunks, context -> generation) -> append tokens and check
-stop conditions -> responses -> free finished requests -> update resources (store context blocks
-for reuse) -> iteration stats.
+(capacity, then micro-batch; swapped-out requests come back first, preemption.py) -> free (or swap
+out) and pause what was paused -> prepare resources -> forward -> sample -> update request states
+(advance chunks, context -> generation) -> append tokens and check stop conditions -> responses ->
+free finished requests -> update resources (store context blocks for reuse) -> iteration stats.
 
 Overlap mode (``disable_overlap_scheduler=False``): step N's forward is launched (on a second
 thread) before the host work of step N-1, which then runs while N computes. N's decode inputs come
@@ -45,6 +45,7 @@ from inflight.batch_manager import FinishReason, LlmRequestState, RequestList
 from inflight.executor.guided_decoder import GuidedDecoder, apply_masks
 from inflight.executor.llm_request import ExecutorRequest, Response, format_iteration_stats, request_metrics
 from inflight.executor.model_engine import ModelEngine, ModelInputs
+from inflight.executor.preemption import Preemption
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager
 from inflight.executor.sampler import LogprobRows, Sampler, SamplerOutput, prompt_logprob_entries
 from inflight.executor.scheduler import RequestScheduler, ScheduledRequests
@@ -112,8 +113,11 @@ class PyExecutor:
         pipeline_depth: int = 1,
         speculator: Speculator | None = None,
         guided_decoder: GuidedDecoder | None = None,
+        preemption: Preemption | None = None,
     ):
         self.model_engine = model_engine
+        # What a paused request does with its KV (recompute / swap), and when a swapped one returns.
+        self.preemption = preemption if preemption is not None else Preemption()
         self.resource_manager = resource_manager
         self.scheduler = scheduler
         self.sampler = sampler
@@ -319,7 +323,7 @@ class PyExecutor:
         self._step_num_tokens = 0
         # A beam request's next rows depend on the beams its step in flight keeps: it sits this one out.
         waiting_beams = {r.request_id for r in prev.inputs.beam_requests or ()} if prev else set()
-        batch = self.scheduler.schedule_request(self.active, waiting_beams)
+        batch = self.scheduler.schedule_request(self.preemption.schedulable(self.active), waiting_beams)
         self._pause(batch.paused_requests, prev)
         launched = None
         if len(batch):
@@ -400,9 +404,10 @@ class PyExecutor:
         """The scheduler's batch; with speculation, drafts planned before it and filled after it.
         ``in_flight``: requests of launched micro-batches (untouched); ``held``: kept for a later one."""
         spec = self.speculator
+        active = self.preemption.schedulable(self.active)  # swapped-out requests sit out
         if spec is not None:
-            spec.plan(self.active, self.max_seq_len, in_flight)
-        batch = self.scheduler.schedule_request(self.active, set(in_flight) | set(held))
+            spec.plan(active, self.max_seq_len, in_flight)
+        batch = self.scheduler.schedule_request(active, set(in_flight) | set(held))
         if spec is not None:
             spec.fill(batch.generation_requests)
         return batch
@@ -536,13 +541,18 @@ class PyExecutor:
                 )
                 self._deferred_free.append(req)
                 continue
-            logger.warning("request %d preempted (KV cache full); it will be recomputed", req.request_id)
-            self.resource_manager.free_resources(req)
+            swapped = self.preemption.swap_out(req)  # else recomputed: its KV is freed
+            if swapped:
+                logger.info("request %d preempted (KV cache full); swapped out", req.request_id)
+            else:
+                logger.warning("request %d preempted (KV cache full); it will be recomputed", req.request_id)
+                self.resource_manager.free_resources(req)
             if self.speculator is not None:
                 self.speculator.free(req)
             if req.has_draft_tokens:
                 req.draft_tokens = []
-            req.pause(self.max_seq_len)
+            if not swapped:
+                req.pause(self.max_seq_len)
             req.py_num_preemptions += 1
             self.timelines.preempted(req.request_id)
 
@@ -885,6 +895,8 @@ class PyExecutor:
             "kv_cache_stats": kv_stats,
             **self._stats_extra,
         }
+        if self.preemption.mode == "swap":
+            stat["preemption"] = self.preemption.stats()
         if self.speculator is not None:
             if self.pipeline_depth == 1:  # a pipeline's iteration is not its micro-batch's time
                 self.speculator.observe_step(batch, stat["iter_latency_ms"] / 1e3)

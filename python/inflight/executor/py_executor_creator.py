@@ -22,7 +22,14 @@ import torch
 from inflight.batch_manager import ContextChunkingConfig, LlmRequest
 from inflight.executor.draft_cost import DRAFT_COSTS
 from inflight.executor.guided_decoder import GuidedDecoder, make_backend
-from inflight.executor.kv_cache_creator import KvBudget, cpu_kv_budget, gpu_kv_budget, kv_bytes_per_token
+from inflight.executor.kv_cache_creator import (
+    KvBudget,
+    cpu_kv_budget,
+    gpu_kv_budget,
+    kv_bytes_per_token,
+    secondary_kv_blocks,
+)
+from inflight.executor.kv_secondary_pool import SecondaryKvPool
 from inflight.executor.llm_request import Response
 from inflight.executor.model_engine import ModelEngine
 from inflight.executor.parallel_model import ParallelModel
@@ -33,6 +40,7 @@ from inflight.executor.parallel_runtime import (
     run_follower,
     stage_of,
 )
+from inflight.executor.preemption import Preemption
 from inflight.executor.py_executor import PyExecutor
 from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
 from inflight.executor.sampler import Sampler
@@ -51,7 +59,7 @@ from inflight.models.loader import load_config
 from inflight.parallel.comm import SINGLE
 from inflight.parallel.mapping import Mapping
 from inflight.parallel.sharding import PipelineStage, check_tensor_parallel
-from inflight.utils.dtypes import parse_dtype
+from inflight.utils.dtypes import kv_cache_dtype_name, parse_kv_cache_dtype
 
 logger = logging.getLogger("inflight")
 
@@ -187,7 +195,7 @@ def _create(
     )
 
     kv_config = args.kv_cache_config
-    kv_dtype = parse_dtype(kv_config.dtype, "KvCacheConfig.dtype") or loaded.dtype
+    kv_dtype = parse_kv_cache_dtype(kv_config.dtype, "KvCacheConfig.dtype") or loaded.dtype
     # This rank's heads: under tensor parallelism each rank's pool holds only its KV heads.
     kv_heads = loaded.model.num_kv_heads
     num_layers = loaded.model.num_layers  # this rank's (its pipeline stage's)
@@ -199,8 +207,13 @@ def _create(
         # The ranks of one machine share its memory.
         ranks_here = len(cluster.procs) + 1 if cluster is not None else 1
         budget = cpu_kv_budget(kv_config, bpt, max_seq_len, share=ranks_here)
+    budget = dataclasses.replace(budget, dtype=kv_cache_dtype_name(kv_dtype))
     if cluster is not None:
         budget = dataclasses.replace(budget, parallel=parallel)
+    num_secondary = secondary_kv_blocks(kv_config, bpt)
+    if num_secondary:
+        where = SecondaryKvPool.where(kv_config.host_cache_path, device)
+        budget = dataclasses.replace(budget, num_secondary_blocks=num_secondary, secondary=where)
     logger.info("%s", budget.describe())
     if budget.num_tokens < max_seq_len:
         logger.warning(
@@ -221,6 +234,8 @@ def _create(
         kv_dtype,
         device,
         kv_config.enable_block_reuse,
+        num_secondary,
+        kv_config.host_cache_path,
     )
     if isinstance(model, ParallelModel):  # the same pool on every rank
         model.allocate_kv(budget.num_blocks, kv_config.tokens_per_block, kv_dtype)
@@ -250,6 +265,7 @@ def _create(
         pipeline_depth=pp,
         speculator=speculator,
         guided_decoder=_make_guided_decoder(args.guided_decoding_backend, loaded.tokenizer, cfg),
+        preemption=Preemption(args.scheduler_config.preemption_mode, kv_manager, two_steps_lookahead=overlap),
     )
     if isinstance(model, ParallelModel):
         model.on_failure = executor.fail

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from inflight.batch_manager import KVCacheManager, RequestList, SequenceSlotManager
+from inflight.batch_manager import KVCacheManager, KvTransferKind, RequestList, SequenceSlotManager
+from inflight.executor.kv_secondary_pool import SecondaryKvPool
 from inflight.executor.scheduler import ScheduledRequests
+from inflight.layers.attention import Int8KvCache, KvCacheLike
 
 logger = logging.getLogger("inflight")
 
@@ -96,23 +98,72 @@ def _zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
+def allocate_kv_pool(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_blocks: int,
+    tokens_per_block: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The zero-filled pool ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` and,
+    for an int8 ``dtype``, its scales ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads]``
+    float32 (else None).
+
+    Never-written slots must not hold NaN/Inf patterns: attention gathers whole blocks (and padding up
+    to the longest sequence of the batch), and a masked-out NaN value still poisons softmax @ V. On a CPU
+    the pool is an anonymous mapping: zero pages, committed only when first written (lazy allocation).
+    torch.empty is not enough there: an allocation below malloc's mmap threshold (up to 32 MiB) recycles
+    freed heap memory, garbage included. GPU memory may hold anything, so it is cleared once."""
+
+    def zeros(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+        if torch.device(device).type == "cpu":
+            return _zeroed_host_tensor(shape, dt)
+        return torch.zeros(shape, dtype=dt, device=device)
+
+    pool = zeros((num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim), dtype)
+    scales = None
+    if dtype == torch.int8:
+        scales = zeros((num_layers, 2, num_blocks, tokens_per_block, num_kv_heads), torch.float32)
+    return pool, scales
+
+
+def layer_caches(pool: torch.Tensor, scales: torch.Tensor | None) -> list[KvCacheLike]:
+    """One cache per layer, views into the pool: tensors, or :class:`Int8KvCache` with scales."""
+    if scales is None:
+        return list(pool.unbind(0))
+    return [Int8KvCache(kv, s) for kv, s in zip(pool.unbind(0), scales.unbind(0))]
+
+
 class KVCacheResourceManager(BaseResourceManager):
     """Owns the KV pool (torch tensors, one per layer) and drives the block accounting of a
     KVCacheManager (the C++ one, or its twin; ``impl``).
 
-    Pool layout per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``. Build it with
+    Pool layout per layer: ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``; an int8 pool
+    has ``scales`` beside it (one fp32 per token and KV head, :class:`Int8KvCache`). Build it with
     :meth:`allocate`; ``KVCacheResourceManager(impl)`` without a pool does the accounting only (for a
-    model engine that does not read KV, as the scheduling simulator's).
+    model engine that does not read KV, as the scheduling simulator's). ``secondary``: the memory of the
+    manager's secondary level (its ``num_secondary_blocks`` blocks, :class:`SecondaryKvPool`), into
+    which :meth:`prepare_resources` executes the manager's transfers.
     """
 
-    def __init__(self, impl: Any, pool: torch.Tensor | None = None):
+    def __init__(
+        self,
+        impl: Any,
+        pool: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+        secondary: SecondaryKvPool | None = None,
+    ):
         self.impl = impl
+        self.secondary = secondary
         self.tokens_per_block = impl.tokens_per_block
         self.num_blocks = impl.max_num_blocks
         self.max_seq_len = impl.max_seq_len
         self.pool = pool
+        self.scales = scales
         self.dtype = pool.dtype if pool is not None else None
-        self.kv_caches = list(pool.unbind(0)) if pool is not None else []
+        self.kv_caches = layer_caches(pool, scales) if pool is not None else []
         # Beam search: the KV sequences of beams other than a request's first get ids from here (far
         # above any request id).
         self._beam_ids = itertools.count(1 << 62)
@@ -129,25 +180,31 @@ class KVCacheResourceManager(BaseResourceManager):
         dtype: torch.dtype,
         device: torch.device,
         enable_block_reuse: bool,
+        num_secondary_blocks: int = 0,
+        host_cache_path: str | None = None,
     ) -> KVCacheResourceManager:
-        """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index."""
-        impl = KVCacheManager(num_blocks, tokens_per_block, max_seq_len, enable_block_reuse)
-        shape = (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
-        # Never-written slots must not hold NaN/Inf patterns: attention gathers whole blocks (and
-        # padding up to the longest sequence of the batch), and a masked-out NaN value still poisons
-        # softmax @ V. On a CPU the pool is an anonymous mapping: zero pages, committed only when
-        # first written (lazy allocation). torch.empty is not enough there: an allocation below
-        # malloc's mmap threshold (up to 32 MiB) recycles freed heap memory, garbage included.
-        # GPU memory may hold anything, so it is cleared once.
-        if device.type == "cpu":
-            pool = _zeroed_host_tensor(shape, dtype)
-        else:
-            pool = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(impl, pool)
+        """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index; with
+        ``num_secondary_blocks``, its secondary level and that tier's memory (a file at
+        ``host_cache_path``, else host memory)."""
+        impl = KVCacheManager(
+            num_blocks, tokens_per_block, max_seq_len, enable_block_reuse, num_secondary_blocks
+        )
+        pool, scales = allocate_kv_pool(
+            num_layers, num_kv_heads, head_dim, num_blocks, tokens_per_block, dtype, device
+        )
+        secondary = None
+        if num_secondary_blocks:
+            tensors = [pool] if scales is None else [pool, scales]
+            secondary = SecondaryKvPool(tensors, num_secondary_blocks, host_cache_path)
+        return cls(impl, pool, scales, secondary)
 
     @property
     def bytes(self) -> int:
-        return 0 if self.pool is None else self.pool.numel() * self.pool.element_size()
+        """The pool's bytes, an int8 pool's scales included."""
+        if self.pool is None:
+            return 0
+        extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.pool.numel() * self.pool.element_size() + extra
 
     def get_kv_cache_stats(self) -> dict[str, Any]:
         """The KV stats of docs/batch-manager.md as a dict (used/free blocks, hit rate, ...)."""
@@ -183,7 +240,45 @@ class KVCacheResourceManager(BaseResourceManager):
                 req.draft_tokens = []
                 kv.add_token(req.request_id)
 
+        # The moves between the levels first (their order is the manager's), then the copy-on-writes.
+        self.execute_transfers(kv.take_transfers())
         self.copy_blocks(kv.take_block_copies())
+
+    def execute_transfers(self, transfers) -> None:
+        """Executes the KV manager's ``(kind, src_block, dst_block)`` moves between its levels **in
+        order** (a later one may overwrite an earlier one's source): OFFLOAD copies every tensor of a
+        primary block (K and V of every layer, an int8 pool's scales) to its secondary slot, ONBOARD the
+        reverse."""
+        if not transfers or self.pool is None:
+            return
+        if self.secondary is None:
+            raise RuntimeError("the KV manager queued transfers but this pool has no secondary tier's memory")
+        tensors = [self.pool] if self.scales is None else [self.pool, self.scales]
+        first = self.num_blocks  # secondary block id P + i is the tier's row i
+        for kind, src, dst in transfers:
+            if kind == KvTransferKind.OFFLOAD:
+                self.secondary.offload(tensors, src, dst - first)
+            else:
+                self.secondary.onboard(tensors, src - first, dst)
+
+    def suspend(self, request) -> bool:
+        """Swap-out (preemption_mode="swap"): the request's private blocks move to the secondary level
+        (copied by the next :meth:`prepare_resources`); it keeps its tokens and position. False, with
+        nothing changed, when there is no secondary level, the request holds no KV, or the level lacks
+        the free blocks."""
+        kv = self.impl
+        rid = request.request_id
+        if self.secondary is None or not kv.has_sequence(rid) or kv.is_suspended(rid):
+            return False
+        if kv.get_needed_secondary_blocks_to_suspend(rid) > kv.num_free_secondary_blocks:
+            return False
+        kv.suspend_sequence(rid)
+        return True
+
+    def resume(self, request) -> None:
+        """Swap-in: the suspended request's blocks come back to the primary pool (onboarded by the next
+        :meth:`prepare_resources`); RuntimeError, nothing changed, if the pool lacks the free blocks."""
+        self.impl.resume_sequence(request.request_id)
 
     def copy_blocks(self, pairs) -> None:
         """Executes the KV manager's copy-on-write pairs ``(src_block, dst_block)``: every layer's K and V
@@ -194,6 +289,8 @@ class KVCacheResourceManager(BaseResourceManager):
             return
         for src, dst in pairs:
             self.pool[:, :, dst].copy_(self.pool[:, :, src])
+            if self.scales is not None:
+                self.scales[:, :, dst].copy_(self.scales[:, :, src])
 
     def reorder_beams(self, request, parents: list[int]) -> None:
         """After a beam step: running beam i continues the beam ``parents[i]`` of the step before. Each
@@ -245,3 +342,5 @@ class KVCacheResourceManager(BaseResourceManager):
     def shutdown(self) -> None:
         self.kv_caches = []
         self.pool = None
+        self.scales = None
+        self.secondary = None

@@ -38,7 +38,8 @@ __all__ = [
 # Channel commands (header[0]).
 STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
 _HEADER = 8
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a KV message's dtype field indexes this
+# A KV message's dtype field indexes this (int8: the INT8 KV cache, codes plus per-token scales).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def encode_step(input_ids: torch.Tensor, md: AttentionMetadata) -> tuple[list[int], torch.Tensor]:
@@ -267,11 +268,8 @@ def data_paths(
 
 
 def allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: torch.dtype, device) -> list:
-    from inflight.executor.resource_manager import _zeroed_host_tensor
+    from inflight.executor.resource_manager import allocate_kv_pool, layer_caches
 
-    shape = (model.num_layers, *model.kv_cache_shape(num_blocks, tpb))
-    if torch.device(device).type == "cpu":
-        pool = _zeroed_host_tensor(shape, dtype)
-    else:
-        pool = torch.zeros(shape, dtype=dtype, device=device)
-    return list(pool.unbind(0))
+    _, _, _, num_kv_heads, head_dim = model.kv_cache_shape(num_blocks, tpb)
+    pool, scales = allocate_kv_pool(model.num_layers, num_kv_heads, head_dim, num_blocks, tpb, dtype, device)
+    return layer_caches(pool, scales)
