@@ -117,7 +117,17 @@ def main() -> None:
     print(f"\nratio recompute / disk tier: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"times_s": times, "median_s": med, "ratio": ratio, "kv_stats": stats}, f, indent=1)
+            json.dump(
+                {
+                    "header": cpu_header(),
+                    "times_s": times,
+                    "median_s": med,
+                    "ratio": ratio,
+                    "kv_stats": stats,
+                },
+                f,
+                indent=1,
+            )
     for llm in engines.values():
         llm.shutdown()
     if args.dir is None:
