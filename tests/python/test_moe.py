@@ -330,22 +330,36 @@ def test_inflight_quantize_refuses_moe(tmp_path, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
-def test_gguf_mixture_of_experts_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "arch,used,match",
+    [
+        ("llama", None, "without llama.expert_used_count"),
+        ("qwen2", 2, "architecture 'qwen2' are not supported"),
+    ],
+)
+def test_gguf_mixture_of_experts_refusals(tmp_path, arch, used, match):
+    """MoE GGUF files load (test_gguf_moe.py); one without its top-k, or of an architecture without
+    experts here, is refused by name."""
     import gguf
 
     from inflight.models.loader import load_config
 
     path = tmp_path / "moe.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
+    w.add_head_count(4)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_vocab_size(8)
     w.add_expert_count(8)
-    w.add_expert_used_count(2)
-    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    if used is not None:
+        w.add_expert_used_count(used)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 16).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="expert_count=8"):
+    with pytest.raises(ValueError, match=match):
         load_config(path)
 
 

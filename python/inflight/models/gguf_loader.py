@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inflight.models import gguf_moe
 from inflight.models.config import ModelConfig
 from inflight.models.gguf_file import GGUFFile
 from inflight.quantization.gguf_import import (
@@ -55,7 +56,14 @@ KNOWN_MODELS = {
     ),
 }
 
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_GGUF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 
 _LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -70,6 +78,12 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen3's QK-norm; a MoE layer's router (split_stacked_experts gives it Mixtral's name) and its
+    # stacked experts (gguf_moe.STACKED: turned into per-expert tensors by the loaders).
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **gguf_moe.STACKED,
 }
 # Gemma 3's layer tensors beside those of _LAYER_MAP (its ffn_norm is the pre-MLP norm).
 _GEMMA_LAYER_MAP = {
@@ -142,11 +156,6 @@ def config_from_gguf(reader) -> ModelConfig:
         )
     p = f"{arch}."
     experts = _field(reader, p + "expert_count")
-    if experts:  # Mixtral-style GGUF files say llama, with ffn_*_exps tensors
-        raise ValueError(
-            f"GGUF mixture-of-experts models ({p}expert_count={experts}) are not supported; load the "
-            "Hugging Face directory instead"
-        )
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -157,7 +166,7 @@ def config_from_gguf(reader) -> ModelConfig:
         raise ValueError("GGUF file gives no vocabulary size (no vocab_size, no tokenizer.ggml.tokens)")
     d: dict[str, Any] = {
         "architectures": [_GGUF_ARCH[arch]],
-        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "model_type": _MODEL_TYPE.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, p + "feed_forward_length")),
@@ -179,6 +188,10 @@ def config_from_gguf(reader) -> ModelConfig:
         "eos_token_id": _eos_ids(reader, arch),
         "hidden_act": "silu",
     }
+    if experts:  # Mixtral-style files say llama, with ffn_*_exps tensors
+        d.update(gguf_moe.moe_config(lambda key, default=None: _field(reader, key, default), arch, experts))
+    elif arch == "qwen3moe":
+        raise ValueError("GGUF qwen3moe file without qwen3moe.expert_count")
     rope_dims = _field(reader, p + "rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != d["head_dim"]:
         raise ValueError(
@@ -248,7 +261,7 @@ def _hf_name(gguf_name: str, gemma: bool = False) -> str:
 
 def _qk_heads(config: ModelConfig, name: str) -> int | None:
     """Heads of llama.cpp's Q/K row permutation for tensor ``name`` (None: not permuted)."""
-    if config.model_type != "llama":
+    if config.model_type not in ("llama", "mixtral"):
         return None
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return config.num_attention_heads
@@ -276,7 +289,18 @@ def iter_gguf_tensors(reader, config: ModelConfig, dtype: torch.dtype) -> Iterat
     """(Hugging Face name, tensor in ``dtype``) for every tensor of the file."""
     for t in reader.tensors:
         name = _hf_name(t.name, config.is_gemma)
+        part = gguf_moe.stacked_part(name)
+        if part is not None:
+            yield from _dense_experts(t, name, config, dtype, *part)
+            continue
         yield name, _dequantized(t, name, config, dtype)
+
+
+def _dense_experts(t, name: str, config: ModelConfig, dtype: torch.dtype, layer: int, part: str):
+    """A stacked expert tensor dequantised, as one ``weight`` per expert in the model's layout."""
+    w = _dequantized(t, name, config, dtype)  # [E, rows, columns]
+    for e, prefix in enumerate(gguf_moe.expert_names(config.model_type, layer, part, w.shape[0])):
+        yield prefix + "weight", w[e]
 
 
 def gguf_tensor_kinds(reader) -> dict[str, int]:
@@ -367,8 +391,13 @@ def _is_gemma(reader) -> bool:
 
 
 def _linear_module(name: str) -> tuple[int, str] | None:
+    """(layer, module) of a linear weight: a projection, or a stacked expert tensor (module
+    ``experts_gate_up`` / ``experts_down``: every expert of the layer shares the format)."""
     m = _LINEAR.fullmatch(name)
-    return None if m is None else (int(m.group(1)), _MODULE_OF[m.group(2)])
+    if m is not None:
+        return int(m.group(1)), _MODULE_OF[m.group(2)]
+    part = gguf_moe.stacked_part(name)
+    return None if part is None else (part[0], gguf_moe.MODULE_OF_PART[part[1]])
 
 
 def gguf_linear_kinds(reader) -> set[str]:
@@ -446,8 +475,19 @@ def iter_gguf_quantized_tensors(
         fmt = plan.format_of(*module) if module is not None else None
         if name == "model.embed_tokens.weight" and plan.embedding is not None:
             fmt = plan.embedding
+        part = gguf_moe.stacked_part(name)
         if fmt is None or not fmt.bits:
-            yield name, _dequantized(t, name, config, dtype)
+            if part is not None:
+                yield from _dense_experts(t, name, config, dtype, *part)
+            else:
+                yield name, _dequantized(t, name, config, dtype)
+            continue
+        if part is not None:  # repacked one expert at a time
+            slices = gguf_moe.expert_slices(t)
+            for prefix, sub in zip(gguf_moe.expert_names(config.model_type, *part, len(slices)), slices):
+                for suffix, tensor in _native_parts(sub, fmt).items():
+                    if tensor is not None:
+                        yield prefix + suffix, tensor
             continue
         heads = _qk_heads(config, name)
         for suffix, tensor in _native_parts(t, fmt).items():

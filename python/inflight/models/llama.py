@@ -116,7 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
         self.post_feedforward_layernorm = norm(d, config.rms_norm_eps, **kw) if self.gemma else None
         # A sparse (mixture-of-experts) layer's MLP; it has no dense gate_up_proj / down_proj then.
-        self.moe = make_moe_block(config, layer_idx, dtype, device, tp)
+        # A GGUF file's quantised experts: one W4A16 / W8A16 layer per expert (dense: stacked experts).
+        experts = (make("experts_gate_up"), make("experts_down")) if pick is not None else None
+        if experts is not None and all(cls is Linear for cls in experts):
+            experts = None
+        self.moe = make_moe_block(config, layer_idx, dtype, device, tp, experts)
         self.gate_up_proj = self.down_proj = None
         if self.moe is None:
             self.gate_up_proj = make("gate_up_proj")(

@@ -15,7 +15,11 @@ The experts run as grouped GEMMs: the (token, expert) pairs are sorted by expert
 multiplies only its own rows, in one ``torch.nn.functional.grouped_mm`` per projection on the CPU (one
 ``F.linear`` per expert that received rows elsewhere). There is no per-token work in Python.
 
-The weights of all experts are stacked, ``[E, 2 * I, H]`` (gate rows, then up rows) and ``[E, H, I]``,
+Quantised experts (a GGUF file's 4- and 8-bit expert tensors, see ``gguf_moe``) are instead one
+W4A16 / W8A16 layer per expert and projection (gate and up fused), run by the weight-only GEMM kernels
+on the rows routed to that expert, one expert after another (:func:`quantized_experts`).
+
+Dense experts' weights are stacked, ``[E, 2 * I, H]`` (gate rows, then up rows) and ``[E, H, I]``,
 and loaded from the per-expert tensors of a Hugging Face checkpoint (the hub's layout, which
 transformers' ``save_pretrained`` writes too): Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate,
 up, down) and ``block_sparse_moe.gate``; Qwen3-MoE ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and
@@ -30,7 +34,7 @@ has no expert kernel) runs the Python layers for these models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,8 +51,10 @@ ModelConfig = Any
 __all__ = [
     "MOE_MODEL_TYPES",
     "SparseMoeBlock",
+    "checkpoint_names",
     "grouped_experts",
     "moe_fields",
+    "quantized_experts",
     "route",
     "split_stacked_experts",
     "validate_moe",
@@ -60,6 +66,11 @@ _CHECKPOINT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 MOE_MODEL_TYPES = tuple(_CHECKPOINT_NAMES)
+
+
+def checkpoint_names(model_type: str) -> tuple[str, tuple[str, str, str]]:
+    """(the MLP's module name in a checkpoint, the expert's (gate, up, down) tensor names)."""
+    return _CHECKPOINT_NAMES[model_type]
 
 
 # ---- config ----------------------------------------------------------------------------------------
@@ -205,9 +216,41 @@ def grouped_experts(
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
+def quantized_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    weights: torch.Tensor,  # [T, k]
+    gate_up: Sequence[nn.Module],  # per expert: x [n, H] -> [n, 2 * I] (gate columns, then up)
+    down: Sequence[nn.Module],  # per expert: [n, I] -> [n, H]
+) -> torch.Tensor:  # [T, H], x's dtype
+    """:func:`grouped_experts` with per-expert layers (quantised weights): each expert that has rows
+    runs its two GEMMs on them, in expert order; the weighting and the sum are the same."""
+    num_tokens, hidden = x.shape
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order // top_k)
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    out = rows.new_empty(rows.shape[0], hidden)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            h = gate_up[e](rows[start : start + n])
+            inter = h.shape[1] // 2
+            out[start : start + n] = down[e](F.silu(h[:, :inter]) * h[:, inter:])
+            start += n
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    per_slot = torch.empty_like(out).index_copy_(0, order, out)
+    return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
 class SparseMoeBlock(nn.Module):
     """One sparse layer's MLP: ``forward(x [T, H]) -> [T, H]`` (this rank's partial sum under tensor
-    parallelism). Parameters are uninitialised until loaded (:meth:`checkpoint_targets`)."""
+    parallelism). Parameters are uninitialised until loaded (:meth:`checkpoint_targets`).
+
+    ``expert_layers``: None for dense stacked experts, or the layer classes (``(in_features,
+    output_sizes, bias=, dtype=, device=)`` like the model's linears) of each expert's gate_up and
+    down projections: quantised experts, one layer each (one rank only)."""
 
     def __init__(
         self,
@@ -215,12 +258,18 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None,
         tp: TensorParallel = SINGLE,
+        expert_layers: tuple[Callable[..., nn.Module], Callable[..., nn.Module]] | None = None,
     ) -> None:
         super().__init__()
         inter = config.moe_intermediate_size
         if inter % tp.size:
             raise ValueError(
                 f"moe_intermediate_size={inter} is not divisible by tensor_parallel_size={tp.size}"
+            )
+        if expert_layers is not None and tp.enabled:
+            raise ValueError(
+                f"quantised experts (a GGUF file's) run with tensor_parallel_size=1 only, got {tp.size}; "
+                "load it with quantization=None to dequantise them"
             )
         self.tp = tp
         self.model_type = config.model_type
@@ -232,8 +281,14 @@ class SparseMoeBlock(nn.Module):
         e, h, i = config.num_experts, config.hidden_size, self.intermediate_size
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
-        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, **kw), requires_grad=False)
-        self.experts_down = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
+        self.quantized = expert_layers is not None
+        if self.quantized:
+            gate_up, down = expert_layers
+            self.expert_gate_up = nn.ModuleList(gate_up(h, (i, i), bias=False, **kw) for _ in range(e))
+            self.expert_down = nn.ModuleList(down(i, (h,), bias=False, **kw) for _ in range(e))
+        else:
+            self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, **kw), requires_grad=False)
+            self.experts_down = nn.Parameter(torch.empty(e, h, i, **kw), requires_grad=False)
 
     def extra_repr(self) -> str:
         return (
@@ -253,7 +308,13 @@ class SparseMoeBlock(nn.Module):
         module = _CHECKPOINT_NAMES[self.model_type][0]
         targets: dict[str, Any] = {f"{prefix}.{module}.gate.weight": self.router}
         for name, e, part in self._expert_names(prefix):
-            targets[name] = (self, 3 * e + part, "weight")
+            if not self.quantized:
+                targets[name] = (self, 3 * e + part, "weight")
+                continue
+            layer = self.expert_down[e] if part == 2 else self.expert_gate_up[e]
+            stem = name[: -len("weight")]
+            for tensor_name in layer.checkpoint_tensor_names():
+                targets[stem + tensor_name] = (layer, 0 if part == 2 else part, tensor_name)
         return targets
 
     def shard_slicers(self, prefix: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -282,14 +343,23 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob, self.fp32_weights)
+        if self.quantized:
+            return quantized_experts(x, ids, weights, self.expert_gate_up, self.expert_down)
         return grouped_experts(x, ids, weights, self.experts_gate_up, self.experts_down)
 
 
 def make_moe_block(
-    config: ModelConfig, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE
+    config: ModelConfig,
+    layer: int,
+    dtype: torch.dtype,
+    device,
+    tp: TensorParallel = SINGLE,
+    expert_layers: tuple[Callable[..., nn.Module], Callable[..., nn.Module]] | None = None,
 ) -> SparseMoeBlock | None:
     """Layer ``layer``'s MoE MLP, or None when its MLP is dense."""
-    return SparseMoeBlock(config, dtype, device, tp) if config.is_sparse(layer) else None
+    if not config.is_sparse(layer):
+        return None
+    return SparseMoeBlock(config, dtype, device, tp, expert_layers)
 
 
 def split_stacked_experts(
