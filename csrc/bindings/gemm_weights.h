@@ -13,8 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include <string>
+
 #include "dense_gemm.h"
 #include "gemm.h"
+#include "llama_layers.h"
 #include "op_checks.h"
 #include "w8a8_gemm.h"
 
@@ -221,5 +224,61 @@ class W8A8Weight {
   kc::W8A8PackedWeight w_;
   std::vector<float> smooth_, bias_;
 };
+
+// A fused op's model dtype, by name.
+inline ScalarType model_dtype_of(std::string const& dtype) {
+  if (dtype == "float32") return ScalarType::kFloat32;
+  if (dtype == "bfloat16") return ScalarType::kBFloat16;
+  if (dtype == "float16") return ScalarType::kFloat16;
+  throw_value_error("dtype must be 'float32', 'bfloat16' or 'float16', got '" + dtype + "'");
+}
+
+// One projection of a fused op (the layer stack, the expert group): the weight object's kernel params,
+// checked to map k -> n features with a bias (if any) of the model dtype t.
+inline kc::LinearOp linear_op(nanobind::object const& obj, std::string const& name, std::int64_t k, std::int64_t n,
+                              ScalarType t) {
+  kc::LinearOp op;
+  auto check = [&](std::int64_t wk, std::int64_t wn, bool has_bias, ScalarType bias_type) {
+    if (wk != k || wn != n) {
+      throw_value_error(name + " must map " + std::to_string(k) + " -> " + std::to_string(n) + " features, got " +
+                        std::to_string(wk) + " -> " + std::to_string(wn));
+    }
+    if (has_bias && bias_type != t) {
+      throw_type_error(name + "'s bias must have the model dtype (" + inflight::kernels::scalar_type_name(t) +
+                       "), got " + inflight::kernels::scalar_type_name(bias_type));
+    }
+  };
+  if (nanobind::isinstance<W4A16Weight>(obj)) {
+    W4A16Weight const& w = nanobind::cast<W4A16Weight const&>(obj);
+    check(w.k(), w.n(), w.has_bias(), w.bias_type());
+    op.kind = kc::LinearOp::Kind::kW4A16;
+    op.w4 = w.params();
+  } else if (nanobind::isinstance<W8A16Weight>(obj)) {
+    W8A16Weight const& w = nanobind::cast<W8A16Weight const&>(obj);
+    check(w.k(), w.n(), w.has_bias(), w.bias_type());
+    op.kind = kc::LinearOp::Kind::kW8A16;
+    op.w8 = w.params();
+  } else if (nanobind::isinstance<W8A8Weight>(obj)) {
+    W8A8Weight const& w = nanobind::cast<W8A8Weight const&>(obj);
+    check(w.k(), w.n(), false, t);  // its bias is fp32, inside the packed weight
+    op.kind = kc::LinearOp::Kind::kW8A8;
+    op.w8a8 = w.params();
+  } else if (nanobind::isinstance<DenseWeight>(obj)) {
+    DenseWeight const& w = nanobind::cast<DenseWeight const&>(obj);
+    if (w.dtype() != t) {
+      throw_type_error(name + "'s weight must have the model dtype (" + inflight::kernels::scalar_type_name(t) +
+                       "), got " + inflight::kernels::scalar_type_name(w.dtype()));
+    }
+    check(w.k(), w.n(), false, t);
+    op.kind = kc::LinearOp::Kind::kDense;
+    op.dense = w.params();
+  } else {
+    throw_type_error(name + " must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got " +
+                     nanobind::cast<std::string>(nanobind::str(nanobind::handle(obj.type()).attr("__name__"))));
+  }
+  op.n = n;
+  op.k = k;
+  return op;
+}
 
 }  // namespace inflight::bindings::gemm

@@ -67,13 +67,6 @@ struct ShmReduce {
 constexpr char const* kModelDtype = "the model dtype";
 constexpr char const* kCacheLayout = "[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]";
 
-ScalarType model_dtype_of(std::string const& dtype) {
-  if (dtype == "float32") return ScalarType::kFloat32;
-  if (dtype == "bfloat16") return ScalarType::kBFloat16;
-  if (dtype == "float16") return ScalarType::kFloat16;
-  throw_value_error("dtype must be 'float32', 'bfloat16' or 'float16', got '" + dtype + "'");
-}
-
 class LlamaLayerStack {
  public:
   LlamaLayerStack(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale,
@@ -365,49 +358,7 @@ class LlamaLayerStack {
   }
 
   kc::LinearOp linear_op(nb::object const& obj, std::string const& name, std::int64_t k, std::int64_t n) const {
-    kc::LinearOp op;
-    ScalarType const t = shape_.dtype;
-    auto check = [&](std::int64_t wk, std::int64_t wn, bool has_bias, ScalarType bias_type) {
-      if (wk != k || wn != n) {
-        throw_value_error(name + " must map " + std::to_string(k) + " -> " + std::to_string(n) + " features, got " +
-                          std::to_string(wk) + " -> " + std::to_string(wn));
-      }
-      if (has_bias && bias_type != t) {
-        throw_type_error(name + "'s bias must have the model dtype (" + scalar_type_name(t) + "), got " +
-                         scalar_type_name(bias_type));
-      }
-    };
-    if (nb::isinstance<W4A16Weight>(obj)) {
-      W4A16Weight const& w = nb::cast<W4A16Weight const&>(obj);
-      check(w.k(), w.n(), w.has_bias(), w.bias_type());
-      op.kind = kc::LinearOp::Kind::kW4A16;
-      op.w4 = w.params();
-    } else if (nb::isinstance<W8A16Weight>(obj)) {
-      W8A16Weight const& w = nb::cast<W8A16Weight const&>(obj);
-      check(w.k(), w.n(), w.has_bias(), w.bias_type());
-      op.kind = kc::LinearOp::Kind::kW8A16;
-      op.w8 = w.params();
-    } else if (nb::isinstance<W8A8Weight>(obj)) {
-      W8A8Weight const& w = nb::cast<W8A8Weight const&>(obj);
-      check(w.k(), w.n(), false, t);  // its bias is fp32, inside the packed weight
-      op.kind = kc::LinearOp::Kind::kW8A8;
-      op.w8a8 = w.params();
-    } else if (nb::isinstance<DenseWeight>(obj)) {
-      DenseWeight const& w = nb::cast<DenseWeight const&>(obj);
-      if (w.dtype() != t) {
-        throw_type_error(name + "'s weight must have the model dtype (" + scalar_type_name(t) + "), got " +
-                         scalar_type_name(w.dtype()));
-      }
-      check(w.k(), w.n(), false, t);
-      op.kind = kc::LinearOp::Kind::kDense;
-      op.dense = w.params();
-    } else {
-      throw_type_error(name + " must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got " +
-                       nb::cast<std::string>(nb::str(nb::handle(obj.type()).attr("__name__"))));
-    }
-    op.n = n;
-    op.k = k;
-    return op;
+    return gemm::linear_op(obj, name, k, n, shape_.dtype);
   }
 
   kc::LlamaShape shape_;

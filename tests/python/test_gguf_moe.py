@@ -219,3 +219,43 @@ def test_quantised_experts_refuse_tensor_parallelism():
     tp = SimpleNamespace(rank=0, size=2, enabled=True)  # what the block reads of a TensorParallel
     with pytest.raises(ValueError, match="tensor_parallel_size=1 only, got 2"):
         SparseMoeBlock(cfg, torch.float32, "cpu", tp, expert_layers=(W4A16Linear, W8A16Linear))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_fused_expert_group_equals_the_per_expert_layers(moe_gguf, tokens):
+    """The C++ MoeExperts (one call for every expert of a layer) against the same layers called one
+    expert at a time from Python: the same GEMM kernels on the same rows, SiLU and product rounded alike."""
+    from inflight.models.moe import quantized_experts, route
+
+    path, _, _ = moe_gguf
+    model = load_model(path, dtype=torch.float32, quantization="gguf", attention_backend="torch").model
+    block = model.layers[0].moe
+    if block is None:
+        pytest.skip("a dense model")
+    x = torch.randn(tokens, block.router.shape[1], generator=torch.Generator().manual_seed(tokens))
+    weights, ids = route(x, block.router, block.top_k, block.norm_topk_prob, block.fp32_weights)
+    want = quantized_experts(x, ids, weights, block.expert_gate_up, block.expert_down)
+    got = quantized_experts(x, ids, weights, block.expert_gate_up, block.expert_down, block._fused_experts())
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(block(x), got)
+
+
+def test_fused_expert_group_validates_its_input(moe_gguf):
+    from torch.utils.dlpack import to_dlpack
+
+    path, _, _ = moe_gguf
+    model = load_model(path, dtype=torch.float32, quantization="gguf", attention_backend="torch").model
+    block = model.layers[0].moe
+    if block is None:
+        pytest.skip("a dense model")
+    op = block._fused_experts()
+    hidden = block.router.shape[1]
+    x, out = torch.randn(4, hidden), torch.empty(4, hidden)
+    counts = torch.zeros(block.num_experts, dtype=torch.int64)
+    counts[0] = 3
+    with pytest.raises(ValueError, match=r"counts must sum to x's rows \(4\), got 3"):
+        op.run(to_dlpack(x), to_dlpack(counts), to_dlpack(out), 1)
+    counts[0] = 4
+    with pytest.raises((TypeError, ValueError), match="x"):
+        op.run(to_dlpack(x.double()), to_dlpack(counts), to_dlpack(out), 1)
+    op.run(to_dlpack(x), to_dlpack(counts), to_dlpack(out), 1)  # all rows to expert 0: fine

@@ -438,4 +438,40 @@ void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool) {
   });
 }
 
+std::int64_t moe_experts_workspace_size(MoeExpertsParams const& params) {
+  std::int64_t most = 0;
+  for (int e = 0; e < params.num_experts; ++e) most = std::max(most, params.counts[e]);
+  return most * 3 * params.intermediate * std::int64_t(scalar_type_size(params.dtype));
+}
+
+void launch_moe_experts(MoeExpertsParams const& params, ThreadPool& pool) {
+  if (params.rows == 0) return;
+  std::int64_t const need = moe_experts_workspace_size(params);
+  if (params.workspace == nullptr || params.workspace_bytes < need) {
+    throw std::invalid_argument("moe_experts: workspace must be >= " + std::to_string(need) + " bytes, got " +
+                                std::to_string(params.workspace_bytes));
+  }
+  Threads const threads{pool, params.num_threads};
+  dispatch_float_type(params.dtype, [&](auto t) {
+    using T = decltype(t);
+    auto const* x = static_cast<T const*>(params.x);
+    auto* out = static_cast<T*>(params.out);
+    auto* gate_up = static_cast<T*>(params.workspace);
+    std::int64_t start = 0;
+    for (int e = 0; e < params.num_experts; ++e) {
+      std::int64_t const n = params.counts[e];
+      if (n == 0) continue;
+      T* inter = gate_up + n * 2 * params.intermediate;
+      linear(params.gate_up[e], x + start * params.hidden, gate_up, n, params.dtype, threads, nullptr);
+      if (params.gelu) {
+        act_mul<T, true>(gate_up, inter, int(n), params.intermediate, threads);
+      } else {
+        act_mul<T, false>(gate_up, inter, int(n), params.intermediate, threads);
+      }
+      linear(params.down[e], inter, out + start * params.hidden, n, params.dtype, threads, nullptr);
+      start += n;
+    }
+  });
+}
+
 }  // namespace inflight::kernels::cpu

@@ -128,4 +128,31 @@ std::int64_t llama_layers_workspace_size(LlamaLayersParams const& params);
 // std::invalid_argument only for a workspace smaller than llama_layers_workspace_size(params).
 void launch_llama_layers(LlamaLayersParams const& params, ThreadPool& pool);
 
+// A mixture-of-experts layer's experts (one call per layer, inflight.models.moe.quantized_experts):
+// x's rows are grouped by expert (counts[e] rows for expert e, in expert order); for each expert with
+// rows, out = down_e(act(gate_e(x)) * up_e(x)) on those rows (gate_up_e maps hidden -> 2 * intermediate,
+// gate columns then up; act SiLU, or tanh GELU with gelu; each product rounded to dtype as torch does).
+// W4A16 / W8A16 / dense projections (no W8A8: its scratch is the layer stack's).
+struct MoeExpertsParams {
+  LinearOp const* gate_up = nullptr;  // [num_experts]
+  LinearOp const* down = nullptr;     // [num_experts]
+  int num_experts = 0;
+  std::int64_t const* counts = nullptr;  // [num_experts], summing to rows
+  std::int64_t rows = 0;
+  int hidden = 0, intermediate = 0;
+  ScalarType dtype = ScalarType::kFloat32;  // x, out and the projections' activations
+  bool gelu = false;
+  void const* x = nullptr;  // [rows, hidden]
+  void* out = nullptr;      // [rows, hidden]
+  void* workspace = nullptr;  // moe_experts_workspace_size(params) bytes
+  std::int64_t workspace_bytes = 0;
+  int num_threads = 1;
+};
+
+// Bytes of scratch launch_moe_experts needs: one expert's gate_up output and its activation.
+std::int64_t moe_experts_workspace_size(MoeExpertsParams const& params);
+
+// Callers validate (the binding does); throws std::invalid_argument for a small workspace.
+void launch_moe_experts(MoeExpertsParams const& params, ThreadPool& pool);
+
 }  // namespace inflight::kernels::cpu

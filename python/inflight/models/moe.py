@@ -40,9 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.dlpack import to_dlpack
 
+from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import column_shard, row_shard
+from inflight.utils.dtypes import dtype_name
 
 # The ``config`` arguments below are :class:`~inflight.models.config.ModelConfig` objects (not imported:
 # config.py imports this module for its MoE fields).
@@ -160,6 +163,13 @@ def validate_moe(c: ModelConfig) -> None:
 # ---- compute ---------------------------------------------------------------------------------------
 
 
+def _kernel_weight(layer: nn.Module):
+    """The C++ weight object of an expert's layer (W4A16Weight, W8A16Weight or DenseWeight)."""
+    if isinstance(layer, (W4A16Linear, W8A16Linear)):
+        return layer.kernel_weight()._w
+    return layer.kernel_weight()
+
+
 def route(
     x: torch.Tensor,  # [T, H]
     router: torch.Tensor,  # [E, H]
@@ -222,23 +232,28 @@ def quantized_experts(
     weights: torch.Tensor,  # [T, k]
     gate_up: Sequence[nn.Module],  # per expert: x [n, H] -> [n, 2 * I] (gate columns, then up)
     down: Sequence[nn.Module],  # per expert: [n, I] -> [n, H]
+    fused: Any = None,  # an inflight._C.MoeExperts of the same layers: one C++ call for all experts
 ) -> torch.Tensor:  # [T, H], x's dtype
     """:func:`grouped_experts` with per-expert layers (quantised weights): each expert that has rows
-    runs its two GEMMs on them, in expert order; the weighting and the sum are the same."""
+    runs its two GEMMs on them, in expert order (in Python, one layer call each, or all in one
+    ``fused`` call); the weighting and the sum are the same."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // top_k)
-    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    counts = torch.bincount(flat, minlength=len(gate_up))
     out = rows.new_empty(rows.shape[0], hidden)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            h = gate_up[e](rows[start : start + n])
-            inter = h.shape[1] // 2
-            out[start : start + n] = down[e](F.silu(h[:, :inter]) * h[:, inter:])
-            start += n
+    if fused is not None:
+        fused.run(to_dlpack(rows), to_dlpack(counts), to_dlpack(out), torch.get_num_threads())
+    else:
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                h = gate_up[e](rows[start : start + n])
+                inter = h.shape[1] // 2
+                out[start : start + n] = down[e](F.silu(h[:, :inter]) * h[:, inter:])
+                start += n
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     per_slot = torch.empty_like(out).index_copy_(0, order, out)
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
@@ -282,6 +297,7 @@ class SparseMoeBlock(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Parameter(torch.empty(e, h, **kw), requires_grad=False)
         self.quantized = expert_layers is not None
+        self._fused: tuple[Any, Any] | None = None  # (the first expert's kernel weight, its MoeExperts)
         if self.quantized:
             gate_up, down = expert_layers
             self.expert_gate_up = nn.ModuleList(gate_up(h, (i, i), bias=False, **kw) for _ in range(e))
@@ -341,10 +357,28 @@ class SparseMoeBlock(nn.Module):
             )
         dst.copy_(tensor)
 
+    def _fused_experts(self):
+        """The C++ expert group of the quantised experts (built once; again after a reload, which gives
+        the layers new kernel weights)."""
+        first = _kernel_weight(self.expert_gate_up[0])
+        if self._fused is None or self._fused[0] is not first:
+            from inflight import _C
+
+            op = _C.MoeExperts(
+                [_kernel_weight(m) for m in self.expert_gate_up],
+                [_kernel_weight(m) for m in self.expert_down],
+                self.router.shape[1],
+                self.intermediate_size,
+                dtype_name(self.router.dtype),
+            )
+            self._fused = (first, op)
+        return self._fused[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob, self.fp32_weights)
         if self.quantized:
-            return quantized_experts(x, ids, weights, self.expert_gate_up, self.expert_down)
+            fused = self._fused_experts() if x.device.type == "cpu" else None
+            return quantized_experts(x, ids, weights, self.expert_gate_up, self.expert_down, fused)
         return grouped_experts(x, ids, weights, self.experts_gate_up, self.experts_down)
 
 
