@@ -16,6 +16,14 @@ Each round runs every engine (the order alternating); the table shows median tim
 in the page cache: the figure is the warm case of the disk tier (a cold read adds the disk's time for
 ``--prefix`` tokens of KV, the bytes shown).
 
+- **after restart** (the persistent tier, docs/batch-manager.md §3.10): the disk-tier engine is shut down
+  (its index written, the primary pool's cached blocks moved into the file), and each round a new ``LLM`` on
+  the same file starts, adopts the tier, serves one short unrelated request (its one-time warm-up) and then
+  the prefix with a new tail, timed: the prefix comes from the file. Twice per round: with the file's pages
+  in the page cache, and with them dropped first (``posix_fadvise(DONTNEED)``). Adopting reads and hashes
+  every adopted block (their digests are checked), so the cold read is paid at start-up: the table shows the
+  engine's start-up time (``LLM(...)``: weights, the weights' digest, the adoption) beside the TTFT.
+
     python benchmarks/bench_kv_tiers.py [--model smollm2] [--prefix 2048] [--rounds 5] [--dir DIR]
                                         [--json out.json]
 """
@@ -28,6 +36,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 
 import torch
 from bench_common import cpu_header
@@ -55,6 +64,16 @@ def _ttft(llm: LLM, prompt: list[int]) -> float:
         [prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False
     )
     return out[0].metrics["ttft"]
+
+
+def _drop_page_cache(path: str) -> None:
+    """Drops the file's clean pages from the page cache (its dirty pages are written first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
@@ -100,8 +119,35 @@ def main() -> None:
             times[name].append(_ttft(llm, prefix + tail))
     stats = tier.executor.kv_cache_manager.get_kv_cache_stats()
     assert stats["onboarded_blocks"] >= args.rounds * (args.prefix // tpb), stats
+
+    # After a restart: a new LLM on the same file, its first prefix request served from the file.
+    tier.shutdown()
+    restart_cases = {"after restart": False, "after restart, pages dropped": True}
+    startup: dict[str, list[float]] = {k: [] for k in restart_cases}
+    adopted: list[int] = []
+    for name in restart_cases:
+        times[name] = []
+    for _ in range(args.rounds):
+        for name, cold in restart_cases.items():
+            if cold:
+                _drop_page_cache(tier_path)
+            t0 = time.perf_counter()
+            llm = _engine(args.model, pool_tokens, tpb, tier_path, 4 * pool_tokens * bpt)
+            startup[name].append(time.perf_counter() - t0)
+            adopted.append(
+                llm.executor.kv_cache_manager.get_kv_cache_stats()["reusable_num_secondary_blocks"]
+            )
+            _ttft(llm, rand(TAIL))  # the engine's one-time warm-up, on a prompt that shares nothing
+            times[name].append(_ttft(llm, prefix + rand(TAIL)))
+            after = llm.executor.kv_cache_manager.get_kv_cache_stats()
+            assert after["secondary_reused_blocks"] >= args.prefix // tpb, (
+                after
+            )  # the prefix came from the file
+            llm.shutdown()  # writes the index again (the prefix flushed back into the file)
+    engines.update(dict.fromkeys(restart_cases))
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["recompute"] / med["disk tier"]
+    restart_ratio = {k: med["recompute"] / med[k] for k in restart_cases}
     kv_mib = args.prefix * bpt / 2**20
     print(
         f"\nmodel {args.model}, prefix {args.prefix} tokens (+{TAIL}), {tpb}-token blocks, primary pool "
@@ -111,10 +157,19 @@ def main() -> None:
         f"prefix KV: {kv_mib:.1f} MiB ({bpt} B/token); tier stats: onboarded {stats['onboarded_blocks']}, "
         f"offloaded {stats['offloaded_blocks']}, secondary hit rate {stats['secondary_hit_rate']:.2f}"
     )
-    print("\n| case | median TTFT (ms) | min (ms) | rounds |\n|---|---:|---:|---:|")
+    print(
+        f"after restart: adopted {min(adopted)}..{max(adopted)} cached blocks per start; engine start-up "
+        + ", ".join(f"{k} {statistics.median(v):.2f} s" for k, v in startup.items())
+    )
+    print("\n| case | median TTFT (ms) | min (ms) | rounds | recompute / case |\n|---|---:|---:|---:|---:|")
     for name in engines:
-        print(f"| {name} | {1e3 * med[name]:.1f} | {1e3 * min(times[name]):.1f} | {len(times[name])} |")
+        print(
+            f"| {name} | {1e3 * med[name]:.1f} | {1e3 * min(times[name]):.1f} | {len(times[name])} "
+            f"| {med['recompute'] / med[name]:.2f}x |"
+        )
     print(f"\nratio recompute / disk tier: {ratio:.2f}x")
+    for name, r in restart_ratio.items():
+        print(f"ratio recompute / {name}: {r:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -123,13 +178,17 @@ def main() -> None:
                     "times_s": times,
                     "median_s": med,
                     "ratio": ratio,
+                    "restart_ratio": restart_ratio,
+                    "restart_startup_s": startup,
+                    "restart_adopted_blocks": adopted,
                     "kv_stats": stats,
                 },
                 f,
                 indent=1,
             )
     for llm in engines.values():
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
     if args.dir is None:
         os.remove(tier_path)
         os.rmdir(workdir)

@@ -115,6 +115,18 @@ PyType_Slot request_list_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(req
                                     {0, nullptr}};
 
 using BlockTableArray = nb::ndarray<std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Int32Vector = nb::ndarray<std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A NumPy array that owns `values` (shape [values.size() / cols, cols], or 1-D when cols == 0).
+template <typename T>
+nb::ndarray<nb::numpy, T> owned_array(std::vector<T> values, std::size_t cols = 0) {
+  auto* heap = new std::vector<T>(std::move(values));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  std::size_t const shape[2] = {cols == 0 ? heap->size() : heap->size() / cols, cols};
+  return nb::ndarray<nb::numpy, T>(heap->data(), cols == 0 ? 1 : 2, shape, owner);
+}
+
+std::vector<std::int32_t> to_vector(Int32Vector const& a) { return {a.data(), a.data() + a.shape(0)}; }
 
 }  // namespace
 
@@ -479,6 +491,35 @@ void bind_batch_manager(nb::module_& m) {
            "two_steps_lookahead"_a = false)
       .def("get_remaining_blocks_to_completion", &bm::KVCacheManager::get_remaining_blocks_to_completion, "request"_a)
       .def("find_new_context_block", &bm::KVCacheManager::find_new_context_block, "request"_a)
+      .def(
+          "export_secondary_blocks",
+          [](bm::KVCacheManager const& kv) {
+            bm::KvSecondaryBlocks b = kv.export_secondary_blocks();
+            return nb::make_tuple(owned_array(std::move(b.block_ids)), owned_array(std::move(b.parents)),
+                                  owned_array(std::move(b.priorities)),
+                                  owned_array(std::move(b.tokens), static_cast<std::size_t>(kv.tokens_per_block())));
+          },
+          "The secondary level's reusable prefixes as int32 arrays (block_ids [n], parents [n] (-1: a first block), "
+          "priorities [n], tokens [n, tokens_per_block]), in free-queue order (docs/batch-manager.md 3.10).")
+      .def(
+          "import_secondary_blocks",
+          [](bm::KVCacheManager& kv, Int32Vector block_ids, Int32Vector parents, Int32Vector priorities,
+             BlockTableArray tokens) {
+            if (tokens.shape(1) != static_cast<std::size_t>(kv.tokens_per_block())) {
+              throw std::invalid_argument("import_secondary_blocks: tokens must have tokens_per_block " +
+                                          std::to_string(kv.tokens_per_block()) + " columns, got " +
+                                          std::to_string(tokens.shape(1)));
+            }
+            kv.import_secondary_blocks({to_vector(block_ids),
+                                        to_vector(parents),
+                                        to_vector(priorities),
+                                        {tokens.data(), tokens.data() + tokens.shape(0) * tokens.shape(1)}});
+          },
+          "block_ids"_a, "parents"_a, "priorities"_a, "tokens"_a,
+          "Adopts an export_secondary_blocks() list into this fresh manager; ValueError (state unchanged) naming "
+          "the entry of a malformed list.")
+      .def("offload_reusable_blocks", &bm::KVCacheManager::offload_reusable_blocks,
+           "Moves the free cached primary blocks into free uncached secondary blocks (before a shutdown).")
       .def("check_integrity", &bm::KVCacheManager::check_integrity);
 
   // ------------------------------------------------------------------ slots

@@ -356,8 +356,10 @@ class KvCacheConfig(_Args):
     )
     host_cache_path: str | None = arg(
         None,
-        "a file on local disk that holds the secondary KV tier (mapped with mmap; created or truncated "
-        "to its size at start-up): a disk tier; needs host_cache_size",
+        "a file on local disk that holds the secondary KV tier (mapped with mmap): a disk tier; needs "
+        "host_cache_size. With block reuse it persists: a new engine of the same model (weights, KV "
+        "dtype and layout, tier size) adopts the cached blocks it finds there (docs/batch-manager.md "
+        "§3.10); any other file is rebuilt, with a warning",
     )
 
     @classmethod

@@ -73,8 +73,14 @@ def _op_trace(seed: int, steps: int = 500) -> list[tuple]:
     return ops
 
 
-def _run(module, ops: list[tuple], num_blocks: int, num_secondary: int, min_priority: int) -> list:
-    kv = module.KVCacheManager(num_blocks, 2, 24, True, num_secondary, min_priority)
+def _export(kv) -> tuple[list, ...]:
+    """export_secondary_blocks() as lists (the C++ returns NumPy arrays, as the twin does)."""
+    return tuple(np.asarray(a).tolist() for a in kv.export_secondary_blocks())
+
+
+def _run(module, ops: list[tuple], num_blocks: int, num_secondary: int, min_priority: int, kv=None) -> list:
+    if kv is None:
+        kv = module.KVCacheManager(num_blocks, 2, 24, True, num_secondary, min_priority)
     requests: dict[int, LlmRequest] = {}
     seen = []
     for op in ops:
@@ -126,6 +132,7 @@ def _run(module, ops: list[tuple], num_blocks: int, num_secondary: int, min_prio
                 {name: getattr(stats, name) for name in ALL_STAT_NAMES},
                 kv.take_transfers(),
                 kv.take_block_copies(),
+                _export(kv),
             )
         )
     return seen
@@ -153,12 +160,13 @@ def test_secondary_traces_agree(config: tuple[int, int, int], seed: int) -> None
 
 def test_the_traces_exercise_every_path() -> None:
     """Across the traces above: offloads on eviction, onboards of prefix hits, suspends and resumes
-    (and failures of both), copy-on-writes and suspended sequences rejecting other calls."""
+    (and failures of both), copy-on-writes, suspended sequences rejecting other calls, and non-empty
+    exports of the secondary level."""
     kinds: dict[str, int] = {}
     for config in CONFIGS[1:]:
         for seed in range(4):
             for row in _run(bm, _op_trace(seed), *config):
-                op, result, transfers = row[0], row[1], row[-2]
+                op, result, transfers, copies, exported = row[0], row[1], row[-3], row[-2], row[-1]
                 for kind, src, dst in transfers:
                     key = "offload" if kind == KvTransferKind.OFFLOAD else "onboard"
                     kinds[key] = kinds.get(key, 0) + 1
@@ -168,12 +176,24 @@ def test_the_traces_exercise_every_path() -> None:
                 kinds[label] = kinds.get(label, 0) + 1
                 if "is suspended" in result:
                     kinds["rejected_suspended"] = kinds.get("rejected_suspended", 0) + 1
-                if row[-1]:
+                if copies:
                     kinds["copy"] = kinds.get("copy", 0) + 1
+                if exported[0]:
+                    kinds["exported"] = kinds.get("exported", 0) + 1
                 kinds["secondary_hits"] = max(
-                    kinds.get("secondary_hits", 0), row[-3]["secondary_reused_blocks"]
+                    kinds.get("secondary_hits", 0), row[-4]["secondary_reused_blocks"]
                 )
-    for key in ("offload", "onboard", "suspend", "resume", "copy", "rejected_suspended", "secondary_hits"):
+    keys = (
+        "offload",
+        "onboard",
+        "suspend",
+        "resume",
+        "copy",
+        "rejected_suspended",
+        "secondary_hits",
+        "exported",
+    )
+    for key in keys:
         assert kinds.get(key, 0) >= 5, (key, kinds)
     assert kinds.get("resume:RuntimeError", 0) + kinds.get("suspend:RuntimeError", 0) >= 5, kinds
 
@@ -185,7 +205,7 @@ def test_zero_secondary_blocks_is_the_one_level_manager() -> None:
     for module in (bm, ref):
         two_level = _run(module, ops, 10, 0, 30)
         assert two_level == _run(_one_level(module), ops, 10, 0, 30)
-        assert all(row[-2] == [] for row in two_level)
+        assert all(row[-3] == [] and row[-1] == ([], [], [], []) for row in two_level)
 
 
 def _one_level(module):
@@ -335,3 +355,133 @@ def test_bound_secondary_api() -> None:
     kv.add_sequence(2, 1)
     with pytest.raises(RuntimeError, match=r"suspend_sequence: not enough free secondary KV blocks"):
         kv.suspend_sequence(2)
+
+
+# ---- persistence: export_secondary_blocks / import_secondary_blocks ------------------------------
+
+
+def _drain(kv, ops: list[tuple]) -> None:
+    """Removes every sequence the trace left (as an engine's shutdown does)."""
+    for rid in {op[1] for op in ops}:
+        if kv.has_sequence(rid):
+            kv.remove_sequence(rid)
+    kv.take_transfers()
+    kv.take_block_copies()
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:])
+@pytest.mark.parametrize("seed", range(3))
+def test_export_import_agree_and_the_adopted_managers_run_alike(
+    config: tuple[int, int, int], seed: int
+) -> None:
+    """A trace, then its export adopted by fresh managers (a restart): C++ and twin export the same
+    list (the per-step exports are compared in test_secondary_traces_agree), the adopted managers pass
+    check_integrity, export it again unchanged, and then run a second trace with the same decisions,
+    prefix hits on the adopted blocks included."""
+    num_blocks, num_secondary, min_priority = config
+    ops = _op_trace(seed, 300)
+    exports, adopted, flushed = [], [], []
+    for module in (bm, ref):
+        kv = module.KVCacheManager(num_blocks, 2, 24, True, num_secondary, min_priority)
+        _run(module, ops, *config, kv=kv)
+        _drain(kv, ops)
+        flushed.append((kv.offload_reusable_blocks(), kv.take_transfers()))
+        kv.check_integrity()
+        exports.append(_export(kv))
+        fresh = module.KVCacheManager(num_blocks, 2, 24, True, num_secondary, min_priority)
+        block_ids, parents, priorities, tokens = (
+            np.asarray(a, np.int32) for a in kv.export_secondary_blocks()
+        )
+        fresh.import_secondary_blocks(block_ids, parents, priorities, tokens.reshape(len(block_ids), 2))
+        fresh.check_integrity()
+        assert _export(fresh) == exports[-1]
+        adopted.append(fresh)
+    assert flushed[0] == flushed[1]
+    assert exports[0] == exports[1]
+    assert len(exports[0][0]) > 0, "the trace left nothing in the secondary level to export"
+    # The second trace continues the id space, so its requests never collide with the first's.
+    second = [
+        (op[0], op[1] + 10_000, *op[2:]) if op[0] != "fork" else (op[0], op[1] + 10_000, op[2] + 10_000)
+        for op in _op_trace(seed + 100, 300)
+    ]
+    cpp = _run(bm, second, *config, kv=adopted[0])
+    twin = _run(ref, second, *config, kv=adopted[1])
+    for a, b in zip(cpp, twin, strict=True):
+        assert a == b, f"C++ {a}\n!= twin {b}"
+    assert adopted[0].get_kv_cache_stats().secondary_reused_blocks > 0 or num_secondary < 6
+
+
+IMPORT_ERRORS = [  # (edit of the good list, message fragment)
+    (lambda b: b[1].pop(), "parents has 2 entries and priorities 3; both must have block_ids' 3"),
+    (lambda b: b[3].pop(), r"tokens has 4 entries, expected 6 \(block_ids' 3 x tokens_per_block 2\)"),
+    (
+        lambda b: b[3].__setitem__(slice(None), [[5, 6, 0], [3, 4, 0], [1, 2, 0]]),
+        r"tokens must have tokens_per_block 2 columns, got 3$",
+    ),
+    (
+        lambda b: b[0].__setitem__(1, 3),
+        r"block_ids\[1\] = 3 is not a secondary block id \(must be in \[4, 9\]\)",
+    ),
+    (lambda b: b[0].__setitem__(2, 4), r"block_ids\[2\] = 4 is listed twice \(also block_ids\[0\]\)"),
+    (lambda b: b[2].__setitem__(0, -1), r"priorities\[0\] must be in \[0, 100\], got -1"),
+    (lambda b: b[1].__setitem__(0, 9), r"parents\[0\] = 9 is not a listed block"),
+    (lambda b: b[1].__setitem__(2, 4), r"block_ids\[0\] = 4: its chain of parents has a cycle"),
+    (
+        lambda b: (b[1].__setitem__(1, -1), b[3].__setitem__(1, [1, 2])),
+        r"block_ids\[1\] = 5 and block_ids\[2\] = 6 hold the same key",
+    ),
+]
+
+
+@pytest.mark.parametrize("edit,message", IMPORT_ERRORS)
+def test_twin_import_errors_match(edit, message: str) -> None:
+    """Each malformed import is the same ValueError in C++ and the twin, and changes nothing: the
+    manager then adopts the good list."""
+    for module in (bm, ref):
+        kv = module.KVCacheManager(4, 2, 16, True, 6)
+        lists = [[4, 5, 6], [5, 6, -1], [35, 35, 35], [[5, 6], [3, 4], [1, 2]]]
+        edit(lists)
+        arrays = [np.asarray(a, np.int32) for a in lists[:3]]
+        tokens = np.asarray(lists[3], np.int32)
+        with pytest.raises(ValueError, match=message):
+            kv.import_secondary_blocks(*arrays, tokens)
+        kv.check_integrity()
+        assert _export(kv) == ([], [], [], [])
+        kv.import_secondary_blocks(
+            np.asarray([4, 5, 6], np.int32),
+            np.asarray([5, 6, -1], np.int32),
+            np.asarray([35, 35, 35], np.int32),
+            np.asarray([[5, 6], [3, 4], [1, 2]], np.int32),
+        )
+        kv.check_integrity()
+        assert _export(kv) == ([4, 5, 6], [5, 6, -1], [35, 35, 35], [[5, 6], [3, 4], [1, 2]])
+        with pytest.raises(ValueError, match=r"the manager is not fresh \(0 sequences, 3 cached blocks"):
+            kv.import_secondary_blocks(
+                *(np.asarray(a, np.int32) for a in ([4], [-1], [35])), np.zeros((1, 2), np.int32)
+            )
+        with pytest.raises(ValueError, match=r"block reuse is disabled"):
+            module.KVCacheManager(4, 2, 16, False, 6).import_secondary_blocks(
+                *(np.asarray(a, np.int32) for a in ([4], [-1], [35])), np.zeros((1, 2), np.int32)
+            )
+
+
+def test_adopted_prefix_is_onboarded_in_both() -> None:
+    """After an import, a prompt that starts with the adopted prefix onboards its blocks (root first)."""
+    for module in (bm, ref):
+        kv = module.KVCacheManager(4, 2, 16, True, 6)
+        kv.import_secondary_blocks(
+            np.asarray([4, 5, 6], np.int32),
+            np.asarray([5, 6, -1], np.int32),
+            np.asarray([35, 35, 35], np.int32),
+            np.asarray([[5, 6], [3, 4], [1, 2]], np.int32),
+        )
+        req = LlmRequest(1, 4, [1, 2, 3, 4, 5, 6, 7, 8])
+        kv.add_sequence(1, 8, 1, req)
+        assert req.prepopulated_prompt_len == 6
+        assert kv.take_transfers() == [
+            (KvTransferKind.ONBOARD, 6, 0),
+            (KvTransferKind.ONBOARD, 5, 1),
+            (KvTransferKind.ONBOARD, 4, 2),
+        ]
+        assert kv.get_kv_cache_stats().secondary_reused_blocks == 3
+        kv.check_integrity()

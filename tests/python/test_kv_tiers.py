@@ -18,6 +18,7 @@ import torch
 from llm_utils import LLM_PROMPTS, LLM_TPB, assert_kv_idle, greedy
 
 from inflight.batch_manager import LlmRequest, LlmRequestState, RequestList
+from inflight.executor.kv_secondary_pool import header_bytes
 from inflight.executor.preemption import Preemption
 from inflight.executor.resource_manager import KVCacheResourceManager
 from inflight.executor.scheduler import ScheduledRequests
@@ -102,6 +103,8 @@ def test_swapped_requests_come_back_in_order_and_nothing_overtakes_them():
         "num_swapped_out": 2,
         "num_swapped_in": 2,
         "num_recomputed": 1,
+        "num_beams_kept": 0,
+        "num_beams_restarted": 0,
         "num_swapped_requests": 0,
     }
     kv.check_integrity()
@@ -193,7 +196,8 @@ def test_evicted_prefix_is_onboarded_from_the_tier(make_llm, long_model, tmp_pat
         assert size == llm.executor.kv_cache_manager.secondary.nbytes
         assert size >= tier_blocks * block_bytes
         if kv_dtype == "auto":
-            assert size == tier_blocks * block_bytes
+            # The header region of the persistent tier (its index), then the blocks.
+            assert size == header_bytes(tier_blocks, PREFIX_TPB) + tier_blocks * block_bytes
 
 
 # ---- swap preemption ---------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ import itertools
 import logging
 import math
 import mmap
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from inflight.batch_manager import KVCacheManager, KvTransferKind, RequestList, SequenceSlotManager
@@ -23,6 +25,10 @@ from inflight.executor.scheduler import ScheduledRequests
 from inflight.layers.attention import Int8KvCache, KvCacheLike
 
 logger = logging.getLogger("inflight")
+
+# A persistent secondary tier (KvCacheConfig.host_cache_path) writes its index at shutdown, and after
+# offloads at most this often while running, so that a crash loses at most this much of what was cached.
+TIER_SAVE_INTERVAL_S = 10.0
 
 
 class BaseResourceManager(abc.ABC):
@@ -163,7 +169,12 @@ class KVCacheResourceManager(BaseResourceManager):
         self.pool = pool
         self.scales = scales
         self.dtype = pool.dtype if pool is not None else None
+        # Called with each batch of copy-on-write pairs once made here: a parallel engine sends them
+        # to its other ranks, whose pools must stay the same (ParallelModel.queue_block_copies).
+        self.on_block_copies = None
         self.kv_caches = layer_caches(pool, scales) if pool is not None else []
+        self._tier_dirty = False  # offloads since the persistent tier's index was last written
+        self._tier_saved_at = time.monotonic()
         # Beam search: the KV sequences of beams other than a request's first get ids from here (far
         # above any request id).
         self._beam_ids = itertools.count(1 << 62)
@@ -182,10 +193,13 @@ class KVCacheResourceManager(BaseResourceManager):
         enable_block_reuse: bool,
         num_secondary_blocks: int = 0,
         host_cache_path: str | None = None,
+        identity: dict[str, Any] | None = None,
     ) -> KVCacheResourceManager:
         """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index; with
         ``num_secondary_blocks``, its secondary level and that tier's memory (a file at
-        ``host_cache_path``, else host memory)."""
+        ``host_cache_path``, else host memory). With the file, block reuse and the model's
+        ``identity``, the tier is persistent: the cached prefixes a previous engine left in the file
+        are adopted (docs/batch-manager.md §3.10) and the index is written again at shutdown."""
         impl = KVCacheManager(
             num_blocks, tokens_per_block, max_seq_len, enable_block_reuse, num_secondary_blocks
         )
@@ -195,8 +209,50 @@ class KVCacheResourceManager(BaseResourceManager):
         secondary = None
         if num_secondary_blocks:
             tensors = [pool] if scales is None else [pool, scales]
-            secondary = SecondaryKvPool(tensors, num_secondary_blocks, host_cache_path)
-        return cls(impl, pool, scales, secondary)
+            persistent = identity if enable_block_reuse else None
+            secondary = SecondaryKvPool(tensors, num_secondary_blocks, host_cache_path, persistent)
+        manager = cls(impl, pool, scales, secondary)
+        manager._adopt()
+        return manager
+
+    def _adopt(self) -> None:
+        """Imports the blocks the persistent tier found in its file into the (fresh) manager."""
+        tier = self.secondary
+        if tier is None or tier.adopted is None:
+            return
+        try:
+            self.impl.import_secondary_blocks(*tier.adopted.as_block_ids(self.num_blocks))
+        except ValueError as exc:  # a well-formed file whose index the manager refuses: start empty
+            tier.discard_adopted(f"its index is inconsistent: {exc}")
+            return
+        n = len(tier.adopted)
+        logger.info(
+            "KV tier file %s: adopted %d cached blocks (%d tokens) of a previous engine%s",
+            tier.path,
+            n,
+            n * self.tokens_per_block,
+            f"; {tier.dropped} dropped" if tier.dropped else "",
+        )
+
+    def save_secondary(self, flush: bool = False) -> None:
+        """Writes the persistent tier's index (no-op without one): every reusable secondary block whose
+        whole prefix is in the tier, with its key and a digest of its bytes. ``flush`` (at shutdown):
+        first the primary pool's cached blocks move into the tier's free uncached blocks
+        (``offload_reusable_blocks``), so that a prefix served from the primary pool survives too.
+        Transfers still queued are executed first, so the tier holds every block the index lists."""
+        tier = self.secondary
+        if tier is None or not tier.persistent or self.pool is None:
+            return
+        if flush:
+            self.impl.offload_reusable_blocks()
+        self._execute(self.impl.take_transfers())
+        block_ids, parents, priorities, tokens = self.impl.export_secondary_blocks()
+        first = np.int32(self.num_blocks)
+        slots = np.asarray(block_ids, np.int32) - first
+        parent_slots = np.where(np.asarray(parents) >= 0, np.asarray(parents, np.int32) - first, -1)
+        tier.save(slots, parent_slots, priorities, tokens)
+        self._tier_dirty = False
+        self._tier_saved_at = time.monotonic()
 
     @property
     def bytes(self) -> int:
@@ -249,6 +305,17 @@ class KVCacheResourceManager(BaseResourceManager):
         order** (a later one may overwrite an earlier one's source): OFFLOAD copies every tensor of a
         primary block (K and V of every layer, an int8 pool's scales) to its secondary slot, ONBOARD the
         reverse."""
+        self._execute(transfers)
+        tier = self.secondary
+        if (
+            self._tier_dirty
+            and tier is not None
+            and tier.persistent
+            and time.monotonic() - self._tier_saved_at >= TIER_SAVE_INTERVAL_S
+        ):
+            self.save_secondary()
+
+    def _execute(self, transfers) -> None:
         if not transfers or self.pool is None:
             return
         if self.secondary is None:
@@ -258,27 +325,69 @@ class KVCacheResourceManager(BaseResourceManager):
         for kind, src, dst in transfers:
             if kind == KvTransferKind.OFFLOAD:
                 self.secondary.offload(tensors, src, dst - first)
+                self._tier_dirty = True
             else:
                 self.secondary.onboard(tensors, src - first, dst)
 
+    @staticmethod
+    def sequences(request) -> list[int]:
+        """The KV sequences of ``request``: its own id, or every running beam's (beam 0 is the request's id)."""
+        beam = getattr(request, "py_beam", None)
+        return list(beam.seq_ids) if beam is not None else [request.request_id]
+
+    def blocks_to_suspend(self, request) -> int:
+        """Free secondary blocks :meth:`suspend` needs for ``request`` (every beam's private blocks)."""
+        return sum(self.impl.get_needed_secondary_blocks_to_suspend(s) for s in self.sequences(request))
+
+    def blocks_to_resume(self, request) -> int:
+        """Free primary blocks :meth:`resume` needs for ``request`` (every beam's secondary blocks)."""
+        return sum(self.impl.get_needed_blocks_to_resume(s) for s in self.sequences(request))
+
     def suspend(self, request) -> bool:
         """Swap-out (preemption_mode="swap"): the request's private blocks move to the secondary level
-        (copied by the next :meth:`prepare_resources`); it keeps its tokens and position. False, with
-        nothing changed, when there is no secondary level, the request holds no KV, or the level lacks
-        the free blocks."""
+        (copied by the next :meth:`prepare_resources`); it keeps its tokens and position. A beam request
+        moves all its beams or none. False, with nothing changed, when there is no secondary level, the
+        request holds no KV, or the level lacks the free blocks."""
         kv = self.impl
         rid = request.request_id
         if self.secondary is None or not kv.has_sequence(rid) or kv.is_suspended(rid):
             return False
-        if kv.get_needed_secondary_blocks_to_suspend(rid) > kv.num_free_secondary_blocks:
+        if self.blocks_to_suspend(request) > kv.num_free_secondary_blocks:
             return False
-        kv.suspend_sequence(rid)
+        # Suspending one beam leaves the reference counts of the others' blocks as they were (a suspended
+        # sequence still holds its shared blocks), so the count above holds for all of them.
+        for sid in self.sequences(request):
+            kv.suspend_sequence(sid)
         return True
 
     def resume(self, request) -> None:
-        """Swap-in: the suspended request's blocks come back to the primary pool (onboarded by the next
-        :meth:`prepare_resources`); RuntimeError, nothing changed, if the pool lacks the free blocks."""
-        self.impl.resume_sequence(request.request_id)
+        """Swap-in: the suspended request's blocks (every beam's) come back to the primary pool
+        (onboarded by the next :meth:`prepare_resources`); RuntimeError, nothing changed, if the pool
+        lacks the free blocks."""
+        kv = self.impl
+        need = self.blocks_to_resume(request)
+        if need > kv.num_free_blocks:
+            raise RuntimeError(
+                f"resume: not enough free KV blocks for request_id {request.request_id}: need {need}, "
+                f"free {kv.num_free_blocks}"
+            )
+        for sid in self.sequences(request):
+            kv.resume_sequence(sid)
+
+    def beam_copy_blocks(self, request) -> int:
+        """The blocks a beam request's next decode takes for copy-on-write, which the C++ planner's
+        ``get_needed_blocks_one_step`` does not count: a partly filled last block held by ``m`` beams is
+        copied for ``m - 1`` of them (the last writer keeps it). 0 for any other request."""
+        beam = getattr(request, "py_beam", None)
+        if beam is None or len(beam.seq_ids) < 2:
+            return 0
+        kv, tpb = self.impl, self.tokens_per_block
+        holders: dict[int, int] = {}
+        for sid in beam.seq_ids:
+            if kv.get_num_tokens(sid) % tpb:
+                last = kv.get_block_ids(sid)[-1]
+                holders[last] = holders.get(last, 0) + 1
+        return sum(m - 1 for m in holders.values())
 
     def copy_blocks(self, pairs) -> None:
         """Executes the KV manager's copy-on-write pairs ``(src_block, dst_block)``: every layer's K and V
@@ -287,6 +396,8 @@ class KVCacheResourceManager(BaseResourceManager):
         SmolLM2)."""
         if not pairs or self.pool is None:
             return
+        if self.on_block_copies is not None:
+            self.on_block_copies(pairs)
         for src, dst in pairs:
             self.pool[:, :, dst].copy_(self.pool[:, :, src])
             if self.scales is not None:
@@ -340,6 +451,13 @@ class KVCacheResourceManager(BaseResourceManager):
         self.impl.copy_block_tables(requests, out)
 
     def shutdown(self) -> None:
+        if self.secondary is not None and self.secondary.persistent and self.pool is not None:
+            try:
+                self.save_secondary(flush=True)
+            except (OSError, ValueError) as exc:  # the engine still shuts down; the next one starts empty
+                logger.warning("KV tier file %s: index not saved at shutdown: %s", self.secondary.path, exc)
+        if self.secondary is not None:
+            self.secondary.close()
         self.kv_caches = []
         self.pool = None
         self.scales = None

@@ -23,6 +23,7 @@
 //     in the order the engine must execute them (take_transfers).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -51,6 +52,21 @@ inline constexpr SizeType32 kPrimaryLevel = 0;
 inline constexpr SizeType32 kSecondaryLevel = 1;
 // TRT-LLM's default: an evicted reusable block is offloaded only if its retention priority is >= this.
 inline constexpr SizeType32 kDefaultSecondaryOffloadMinPriority = 30;
+
+// The reusable blocks of the secondary level with their reuse keys, as export_secondary_blocks lists
+// them and import_secondary_blocks adopts them (a persistent tier: docs/batch-manager.md §3.10).
+// Entry i: secondary block block_ids[i], its parent in the reuse tree parents[i] (the block id of
+// another entry, or -1: the block is the first of a prefix), its retention priority priorities[i],
+// and its tokens tokens[i * tpb, (i + 1) * tpb). A key is its parent's key plus its tokens: nothing
+// else (no LoRA id or salt) enters a reuse key in this manager.
+struct KvSecondaryBlocks {
+  std::vector<BlockIdType> block_ids;
+  std::vector<BlockIdType> parents;
+  std::vector<SizeType32> priorities;
+  std::vector<TokenIdType> tokens;
+  std::size_t size() const { return block_ids.size(); }
+  bool operator==(KvSecondaryBlocks const&) const = default;
+};
 
 struct KvCacheStats {
   SizeType32 max_num_blocks = 0;
@@ -191,6 +207,28 @@ class KVCacheManager {
   // blocks that is not in the reuse tree; nullopt when all are cached, there are none, or reuse
   // is off. Used by the capacity scheduler to delay duplicate prefills.
   std::optional<std::uint64_t> find_new_context_block(LlmRequest const& request) const;
+
+  // Persistence of the secondary level (kv_cache_manager_persist.cpp).
+  //
+  // Every keyed secondary block whose ancestors are all keyed secondary blocks (a prefix that lies
+  // wholly in the secondary level, so that its KV is all in the tier's memory): first the free ones
+  // in free-queue order (retention priority ascending, oldest first), then those held by suspended
+  // sequences, by id. A secondary block below a primary ancestor is left out.
+  KvSecondaryBlocks export_secondary_blocks() const;
+  // Adopts an export into this fresh manager (reuse on, no sequence, no key, no pending transfer):
+  // each block is keyed at its id under its parent and freed with its priority, in the listed order
+  // (so the free queue is the exported one); the other secondary blocks cache nothing and go to the
+  // front of the priority-0 list. A later add_sequence whose prompt starts with an adopted prefix
+  // onboards those blocks. All or nothing: std::invalid_argument (state unchanged) naming the entry
+  // for arrays of different lengths, more entries than secondary blocks, an id that is not a
+  // secondary block or is listed twice, a priority outside [0, 100], a parent that is not a listed
+  // block, a cycle of parents, two entries with one key; and for a manager that is not fresh.
+  void import_secondary_blocks(KvSecondaryBlocks const& blocks);
+  // Before a shutdown that keeps the tier: moves the keys of the free cached primary blocks (of
+  // priority >= secondary_offload_min_priority) to free secondary blocks, fewest ancestors first
+  // (then by id), an offload transfer each, so that they are exported too. Stops when the secondary
+  // level has no free block without a key: it evicts nothing of the tier. Returns the blocks moved.
+  SizeType32 offload_reusable_blocks();
 
   // Throws std::logic_error describing the first violated invariant.
   void check_integrity() const;

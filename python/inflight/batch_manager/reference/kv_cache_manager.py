@@ -615,6 +615,177 @@ class KVCacheManager:
                 return key
         return None
 
+    # ---- persistence -----------------------------------------------------------------------------
+
+    def export_secondary_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The keyed secondary blocks whose ancestors are all keyed secondary blocks, as int32 arrays
+        ``(block_ids [n], parents [n], priorities [n], tokens [n, tokens_per_block])`` (a parent is the
+        block id of another entry, or -1 for the first block of a prefix): free ones in free-queue
+        order (priority ascending, oldest first), then those held by suspended sequences, by id."""
+        tpb = self._tokens_per_block
+        rows: list[tuple[int, int, int, BlockKey]] = []
+        if self._enable_block_reuse and self._num_secondary_blocks:
+
+            def whole_prefix_secondary(key: BlockKey) -> bool:
+                return all(
+                    self._blocks[self._cached[key[:end]]].level == SECONDARY_LEVEL
+                    for end in range(tpb, len(key) + 1, tpb)
+                )
+
+            def row(block_id: int) -> tuple[int, int, int, BlockKey]:
+                block = self._blocks[block_id]
+                parent = self._cached[block.key[:-tpb]] if len(block.key) > tpb else -1
+                return block_id, parent, block.retention_priority, block.key[-tpb:]
+
+            lists = self._free_lists[SECONDARY_LEVEL]
+            for priority in sorted(lists):
+                for block_id in lists[priority]:
+                    key = self._blocks[block_id].key
+                    if key is not None and whole_prefix_secondary(key):
+                        rows.append(row(block_id))
+            for block in self._blocks[self._num_blocks :]:
+                if block.ref_count > 0 and block.key is not None and whole_prefix_secondary(block.key):
+                    rows.append(row(block.block_id))
+        n = len(rows)
+        return (
+            np.array([r[0] for r in rows], dtype=np.int32),
+            np.array([r[1] for r in rows], dtype=np.int32),
+            np.array([r[2] for r in rows], dtype=np.int32),
+            np.array([r[3] for r in rows], dtype=np.int32).reshape(n, tpb),
+        )
+
+    def import_secondary_blocks(self, block_ids, parents, priorities, tokens) -> None:
+        """Adopts an :meth:`export_secondary_blocks` list into this fresh manager (reuse on, no
+        sequence, nothing cached, no pending transfer): each block keyed at its id under its parent
+        and freed with its priority in the listed order; the other secondary blocks cache nothing and
+        go to the front of the priority-0 list. ValueError naming the entry (state unchanged) for a
+        malformed list."""
+        caller = "import_secondary_blocks"
+        tpb = self._tokens_per_block
+        tokens_array = np.asarray(tokens)
+        if tokens_array.ndim != 2:
+            raise ValueError(
+                f"{caller}: tokens must be [n, tokens_per_block], got shape {list(tokens_array.shape)}"
+            )
+        if tokens_array.shape[1] != tpb:
+            raise ValueError(
+                f"{caller}: tokens must have tokens_per_block {tpb} columns, got {tokens_array.shape[1]}"
+            )
+        if not self._enable_block_reuse:
+            raise ValueError(f"{caller}: block reuse is disabled (enable_block_reuse=false)")
+        block_ids = [int(b) for b in np.asarray(block_ids).reshape(-1)]
+        parents = [int(p) for p in np.asarray(parents).reshape(-1)]
+        priorities = [int(p) for p in np.asarray(priorities).reshape(-1)]
+        n = len(block_ids)
+        if len(parents) != n or len(priorities) != n:
+            raise ValueError(
+                f"{caller}: parents has {len(parents)} entries and priorities {len(priorities)}; "
+                f"both must have block_ids' {n}"
+            )
+        if tokens_array.size != n * tpb:
+            raise ValueError(
+                f"{caller}: tokens has {tokens_array.size} entries, expected {n * tpb} "
+                f"(block_ids' {n} x tokens_per_block {tpb})"
+            )
+        if n > self._num_secondary_blocks:
+            raise ValueError(
+                f"{caller}: {n} blocks listed, more than num_secondary_blocks {self._num_secondary_blocks}"
+            )
+        if self._sequences or self._cached or self._transfers:
+            raise ValueError(
+                f"{caller}: the manager is not fresh ({len(self._sequences)} sequences, {len(self._cached)} "
+                f"cached blocks, {len(self._transfers)} pending transfers); import into a new manager"
+            )
+        if n == 0:
+            return
+        first, last = self._num_blocks, self._num_blocks + self._num_secondary_blocks - 1
+        index_of: dict[int, int] = {}
+        for i, block_id in enumerate(block_ids):
+            if not first <= block_id <= last:
+                raise ValueError(
+                    f"{caller}: block_ids[{i}] = {block_id} is not a secondary block id "
+                    f"(must be in [{first}, {last}])"
+                )
+            if block_id in index_of:
+                raise ValueError(
+                    f"{caller}: block_ids[{i}] = {block_id} is listed twice (also block_ids[{index_of[block_id]}])"
+                )
+            index_of[block_id] = i
+            if not 0 <= priorities[i] <= 100:
+                raise ValueError(f"{caller}: priorities[{i}] must be in [0, 100], got {priorities[i]}")
+        parent_index = []
+        for i, parent in enumerate(parents):
+            if parent != -1 and parent not in index_of:
+                raise ValueError(
+                    f"{caller}: parents[{i}] = {parent} is not a listed block (a parent must be listed too, or -1)"
+                )
+            parent_index.append(index_of[parent] if parent != -1 else -1)
+        keys: list[BlockKey | None] = [None] * n
+        for i in range(n):
+            walk, cur, seen = [], i, set()
+            while cur != -1 and keys[cur] is None:
+                if cur in seen:
+                    raise ValueError(
+                        f"{caller}: block_ids[{i}] = {block_ids[i]}: its chain of parents has a cycle"
+                    )
+                seen.add(cur)
+                walk.append(cur)
+                cur = parent_index[cur]
+            key: BlockKey = () if cur == -1 else keys[cur]
+            for j in reversed(walk):
+                key = key + tuple(int(t) for t in tokens_array[j])
+                keys[j] = key
+        owner: dict[BlockKey, int] = {}
+        for i, key in enumerate(keys):
+            if key in owner:
+                j = owner[key]
+                raise ValueError(
+                    f"{caller}: block_ids[{j}] = {block_ids[j]} and block_ids[{i}] = {block_ids[i]} hold the "
+                    "same key (the same parent and tokens)"
+                )
+            owner[key] = i
+
+        unlisted = [b for b in range(first, last + 1) if b not in index_of]
+        lists: dict[int, dict[int, None]] = {_MIN_RETENTION_PRIORITY: dict.fromkeys(unlisted)}
+        for block_id in unlisted:
+            self._blocks[block_id].retention_priority = _MIN_RETENTION_PRIORITY
+        for i, block_id in enumerate(block_ids):
+            block = self._blocks[block_id]
+            block.key = keys[i]
+            block.retention_priority = priorities[i]
+            self._cached[keys[i]] = block_id
+            lists.setdefault(priorities[i], {})[block_id] = None
+        self._free_lists[SECONDARY_LEVEL] = lists
+
+    def offload_reusable_blocks(self) -> int:
+        """Before a shutdown that keeps the tier: the keys of the free cached primary blocks (priority
+        >= secondary_offload_min_priority) move to free secondary blocks, fewest ancestors first (then
+        by id), an offload each; stops when the secondary level has no free uncached block. Returns
+        the blocks moved."""
+        if not self._enable_block_reuse or not self._num_secondary_blocks:
+            return 0
+        tpb = self._tokens_per_block
+        order = sorted(
+            (len(b.key) // tpb - 1, b.block_id)
+            for b in self._blocks[: self._num_blocks]
+            if b.ref_count == 0
+            and b.key is not None
+            and b.retention_priority >= self._secondary_offload_min_priority
+        )
+        moved = 0
+        for _, block_id in order:
+            if (
+                self._num_free(SECONDARY_LEVEL) == 0
+                or self._blocks[self._front(SECONDARY_LEVEL)].key is not None
+            ):
+                break
+            block = self._blocks[block_id]
+            primary = self._free_lists[PRIMARY_LEVEL]
+            del primary[block.retention_priority][block_id]
+            moved += 1 if self._offload(block_id) else 0
+            primary.setdefault(block.retention_priority, {})[block_id] = None
+        return moved
+
     # ---- integrity -------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
