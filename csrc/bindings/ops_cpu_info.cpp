@@ -48,4 +48,13 @@ INFLIGHT_REGISTER_OPS(cpu_info) {
   m.def(
       "set_cpu_isa", [](std::string const& name) { return std::string(kc::isa_name(kc::set_selected_isa(name))); },
       nb::arg("name"), "Forces portable / avx2 / avx512 (capped at what the CPU has); returns the ISA now used.");
+  m.def("batch_invariant", &kc::batch_invariant,
+        "Whether the CPU kernels are batch-invariant (a row's bits independent of the batch; the default).");
+  m.def(
+      "set_batch_invariant",
+      [](bool on) {
+        kc::set_batch_invariant(on);
+        return kc::batch_invariant();
+      },
+      nb::arg("on"), "Turns the CPU kernels' batch invariance on or off (INFLIGHT_BATCH_INVARIANT); returns it.");
 }

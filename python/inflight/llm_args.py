@@ -530,6 +530,13 @@ class LlmArgs(_Args):
         Int(2, optional=True),
     )
     enable_chunked_prefill: bool = arg(False, "split long prompts over several steps", Bool())
+    batch_invariant: bool = arg(
+        True,
+        "batch-invariant CPU kernels: a request's tokens and logprobs do not depend on the requests "
+        "beside it, the prefill chunking or prefix reuse (off: the faster row-count-dependent kernel "
+        "strategies; process-wide, like the kernels' ISA)",
+        Bool(),
+    )
     disable_overlap_scheduler: bool | None = arg(
         None,
         "run each step's host work after its forward instead of beside the next one (default: on a CPU)",

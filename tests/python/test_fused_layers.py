@@ -176,7 +176,19 @@ def test_unsupported_models_run_the_python_layers(tmp_path):
     assert q.fused_layers() is None
 
 
-def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch):
+@pytest.fixture
+def not_invariant():
+    """Batch invariance off (LLM(batch_invariant=False)), restored afterwards."""
+    from inflight import _C
+
+    before = _C.batch_invariant()
+    _C.set_batch_invariant(False)
+    yield
+    _C.set_batch_invariant(before)
+
+
+def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch, not_invariant):
+    """Batch invariance off: a dense model's large prefill runs the Python layers (torch's GEMM)."""
     from inflight.layers import fused_cpu
 
     model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
@@ -195,6 +207,26 @@ def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch):
     assert model.fused_layers().max_tokens == n
     q = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
     assert q.fused_layers().max_tokens is None  # 4-bit weights: the fused kernels at every size
+
+
+def test_batch_invariant_models_run_every_step_fused(tmp_path, monkeypatch):
+    """Batch-invariant (the default): a dense model's large prefill runs fused too, so that a token's
+    GEMMs never change with the size of its step."""
+    from inflight import _C
+    from inflight.layers import fused_cpu
+
+    assert _C.batch_invariant()
+    model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
+    calls = []
+    real = fused_cpu.FusedCpuLayers.forward
+    monkeypatch.setattr(
+        fused_cpu.FusedCpuLayers, "forward", lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a)
+    )
+    kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
+    n = fused_cpu.DENSE_MAX_TOKENS
+    ids, positions, md = kv.step([("a", list(range(1, n + 2)))])
+    model(ids, positions, md, kv.kv_caches)
+    assert calls == [n + 1]
 
 
 def test_fused_can_be_switched_off(tmp_path, monkeypatch):
@@ -390,7 +422,7 @@ def test_llm_greedy_matches_transformers_through_the_fused_stack(
 ):
     """test_llm_generate's greedy parity with transformers (fp32, dense, the default backend), with
     every step of the generation run by the fused stack (but, dense weights, a step of more than
-    DENSE_MAX_TOKENS tokens: the first prefill of the plain mode)."""
+    DENSE_MAX_TOKENS tokens with batch invariance off: the first prefill of the plain mode)."""
     from llm_utils import LLM_PROMPTS, greedy
 
     from inflight.layers import fused_cpu
@@ -406,9 +438,9 @@ def test_llm_greedy_matches_transformers_through_the_fused_stack(
     assert model.fused_layers() is not None, FusedCpuLayers.unsupported_reason(model)
     outs = llm.generate(LLM_PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy_refs(arch)
-    # Every step of the generation ran fused, but a prefill of more than DENSE_MAX_TOKENS tokens.
+    # Every step of the generation ran fused (batch-invariant, the default: whatever its size).
     sizes = [s["num_tokens"] for s in llm.get_stats()]
-    assert steps == [n for n in sizes if 0 < n <= fused_cpu.DENSE_MAX_TOKENS]
+    assert steps == [n for n in sizes if n > 0]
     assert len(steps) >= len(sizes) - 2
     if mode == "chunked":
         assert max(steps) <= 32 < max(len(p) for p in LLM_PROMPTS)

@@ -128,10 +128,20 @@ def test_batched_fp32_paths_are_exact_fp32_math(isa, k):
                 torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
 
 
-def test_batched_bf16_equals_the_bf16_dequantised_weights(isa):
-    # bf16 x with many rows: the weights are dequantised (s * q + o in fp32), rounded to bf16, and multiplied
-    # in fp32 (AVX-512: L2-sized panels through the dense bf16 kernel). That is the model dequantised to
-    # bf16, so the result equals fp32 math on those bf16 weights up to the final rounding to bf16 (1 ulp).
+@pytest.fixture
+def not_invariant():
+    """The previous, row-count-dependent strategies (LLM(batch_invariant=False)), restored afterwards."""
+    before = _C.batch_invariant()
+    _C.set_batch_invariant(False)
+    yield
+    _C.set_batch_invariant(before)
+
+
+def test_batched_bf16_equals_the_bf16_dequantised_weights(isa, not_invariant):
+    # Not batch-invariant, bf16 x with many rows: the weights are dequantised (s * q + o in fp32), rounded
+    # to bf16, and multiplied in fp32 (AVX-512: L2-sized panels through the dense bf16 kernel). That is the
+    # model dequantised to bf16, so the result equals fp32 math on those bf16 weights up to the final
+    # rounding to bf16 (1 ulp). (Batch-invariant, the rows take the decode kernels: test_w4a16_matches_reference.)
     gen = torch.Generator().manual_seed(11)
     k = 640
     for symmetric in (False, True):
@@ -230,3 +240,66 @@ def test_set_cpu_isa_is_capped_and_restorable():
         assert _C.set_cpu_isa("avx512") == _C.cpu_best_isa() or _C.cpu_best_isa() != "avx512"
     finally:
         _C.set_cpu_isa(before)
+
+
+# ---- batch invariance: a row's bits do not depend on the rows beside it -------------------------------
+
+# Row counts of the batch-invariance tests: every M tile of every path (1-3, 4, 6, 8, 12 ...), 64 (chunks).
+_BATCH_ROWS = [*range(2, 18), 64]
+
+
+def _assert_rows_invariant(fn, x: torch.Tensor) -> None:
+    """Each row of fn(x[:m]) equals fn of that row alone, bit for bit, for every m in _BATCH_ROWS."""
+    alone = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    for m in _BATCH_ROWS:
+        got = fn(x[:m])
+        bad = [i for i in range(m) if not torch.equal(got[i], alone[i])]
+        assert not bad, f"m={m}: rows {bad[:8]} differ from the same rows computed alone"
+
+
+@pytest.fixture
+def invariant():
+    """Batch-invariant kernels (the default), restored afterwards."""
+    before = _C.batch_invariant()
+    _C.set_batch_invariant(True)
+    yield
+    _C.set_batch_invariant(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["dense", "w4", "w4_sym", "w8", "fp8", "w8a8"])
+def test_gemm_row_is_batch_invariant(isa, invariant, kind, dtype):
+    """A row computed at M = 1 equals the same row inside M = 2..17 and 64, on every ISA path: the
+    strategy (GEMV or tiles, panels, group sums) and the per-element reduction order never depend on M."""
+    gen = torch.Generator().manual_seed(len(kind) + 3 * DTYPES.index(dtype))
+    n, k, group = 133, 320, 32  # n not a multiple of any tile; k a few groups, not a multiple of 128
+    x = torch.randn(64, k, generator=gen).to(dtype)
+    if kind == "dense":
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        _assert_rows_invariant(lambda a: ops.dense_gemm(a, w), x)
+    elif kind.startswith("w4"):
+        qweight, scales, offsets = _w4(n, k, group, kind == "w4_sym", torch.float32, gen)
+        weight = ops.W4A16Weight(qweight, scales, offsets, group, None)
+        _assert_rows_invariant(weight, x)
+    elif kind == "w8a8":  # exact int32 sums (w8a8_gemm.h): invariant by construction; checked here
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scales = torch.rand(n, generator=gen) * 0.02 + 0.002
+        smooth = torch.rand(k, generator=gen) + 0.5
+        _assert_rows_invariant(ops.W8A8Weight(codes, scales, smooth, None), x)
+    else:
+        if kind == "fp8":
+            codes = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+        else:
+            codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.002
+        weight = ops.W8A16Weight(codes, scales, group, None)
+        _assert_rows_invariant(weight, x)
+
+
+def test_gemm_batch_invariance_switch_is_process_wide():
+    before = _C.batch_invariant()
+    try:
+        assert _C.set_batch_invariant(False) is False and not _C.batch_invariant()
+        assert _C.set_batch_invariant(True) is True and _C.batch_invariant()
+    finally:
+        _C.set_batch_invariant(before)

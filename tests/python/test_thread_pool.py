@@ -9,9 +9,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 
+import pytest
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from inflight import _C
 from inflight.ops.gemm import W4A16Weight, dense_gemm
 from inflight.quantization.w4a16 import quantize_w4
 
@@ -24,13 +26,23 @@ def _weights():
     return w, x, W4A16Weight(qweight, scales, offsets, 32)
 
 
-def test_concurrent_callers_get_the_same_results():
+@pytest.mark.parametrize("invariant", [True, False])
+def test_concurrent_callers_get_the_same_results(invariant):
     w, x, packed = _weights()
     torch.set_num_threads(2)
-    # One caller's results per row count (the kernel, and so the rounding, depends on the row count: 1-3 rows
-    # stream the weights, 4+ rows take the batched tiles), computed before any concurrency.
-    want_q = {rows: packed(x[:rows]).clone() for rows in range(1, 17)}
-    want_d = {rows: dense_gemm(x[:rows], w).clone() for rows in range(1, 17)}
+    before = _C.batch_invariant()
+    _C.set_batch_invariant(invariant)
+    if invariant:
+        # Batch-invariant kernels (the default): every row count's result is the first rows of the
+        # 16-row result, whichever caller got the workers.
+        full_q, full_d = packed(x).clone(), dense_gemm(x, w).clone()
+        want_q = {rows: full_q[:rows] for rows in range(1, 17)}
+        want_d = {rows: full_d[:rows] for rows in range(1, 17)}
+    else:
+        # The previous strategies depend on the row count (1 row streams the weights through W4Dot,
+        # 2+ rows take the batched tiles): one caller's result per row count, before any concurrency.
+        want_q = {rows: packed(x[:rows]).clone() for rows in range(1, 17)}
+        want_d = {rows: dense_gemm(x[:rows], w).clone() for rows in range(1, 17)}
     errors: list[str] = []
 
     def worker(k: int) -> None:
@@ -46,6 +58,7 @@ def test_concurrent_callers_get_the_same_results():
         t.start()
     for t in threads:
         t.join(timeout=120)
+    _C.set_batch_invariant(before)
     assert not any(t.is_alive() for t in threads), "a kernel call hung"
     assert errors == []
 

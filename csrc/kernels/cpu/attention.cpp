@@ -82,9 +82,15 @@ PagedAttentionPlan make_plan(PagedAttentionParams const& p, bool split) {
   plan.max_partitions = 1;
   int64_t const macs = total * p.num_heads * p.head_dim * 2;  // q.k and p.v
   plan.num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
-  if (!split || plan.num_threads <= 1 || max_kv <= kMinPartition) return plan;
   int const per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
+  plan.kv_heads_per_item = per_item;
   int64_t const kv_chunks = (p.num_kv_heads + per_item - 1) / per_item;
+  if (batch_invariant()) {
+    // Fewer items than threads: one KV head per item (each head computes alike in any item).
+    if (int64_t(p.batch_size) * kv_chunks < plan.num_threads) plan.kv_heads_per_item = 1;
+    return plan;
+  }
+  if (!split || plan.num_threads <= 1 || max_kv <= kMinPartition) return plan;
   int64_t const target = int64_t(plan.num_threads) * kItemsPerThread;
   int64_t size = (total * kv_chunks + target - 1) / target;
   size = std::max<int64_t>(kMinPartition, (size + kTile - 1) / kTile * kTile);

@@ -81,10 +81,14 @@ struct ContextAttentionParams : AttentionParams {
 // kv_len - 1) in partitions of `partition_size` tokens, so a small batch with long contexts still
 // gives every thread work; partitions are merged by log-sum-exp. Depends only on the shapes, kv_lens,
 // the window and num_threads (not on the workspace).
+// Under batch invariance (cpu_features.h) no sequence is split: a merge rounds differently from one
+// pass, and the split would depend on the rest of the batch. A small batch is spread over the threads
+// by KV heads instead (kv_heads_per_item: each head's arithmetic is the same whichever item has it).
 struct PagedAttentionPlan {
   int partition_size = 0;
-  int max_partitions = 1;  // over the batch
-  int num_threads = 1;     // <= params.num_threads: a tiny batch is not worth waking threads for
+  int max_partitions = 1;     // over the batch
+  int num_threads = 1;        // <= params.num_threads: a tiny batch is not worth waking threads for
+  int kv_heads_per_item = 1;  // KV heads one work item covers (decode_kv_heads_per_item, or fewer)
 };
 
 // Multiply-adds below which one more thread costs more (wake-up, join) than it saves: ~10 us of work.
@@ -132,6 +136,11 @@ inline int decode_kv_heads_per_item(int num_heads, int num_kv_heads, int head_di
 
 // The first key a query at position `pos` sees: pos - window + 1 under a window, else 0.
 inline int window_key_begin(int window, int pos) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
+
+// Where a row's key tiles start: `first` (the first key it sees) or, under batch invariance, `first`
+// rounded down to a multiple of `tile`, so that a query's tiles are the same absolute key ranges in a
+// decode and in any prefill chunk (the keys before `first` in that tile are masked).
+inline int key_tile_begin(int first, int tile, bool invariant) { return invariant ? first - first % tile : first; }
 
 // The first key decode reads for a sequence of kv_len keys (its query sits at kv_len - 1).
 inline int decode_key_begin(int window, int kv_len) { return window_key_begin(window, kv_len - 1); }

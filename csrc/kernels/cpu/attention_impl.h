@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "attention.h"
+#include "cpu_features.h"
 
 namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA {
 
@@ -308,9 +309,12 @@ struct AttentionKernels {
                           int part) {
     int const kv_len = p.kv_lens[b];
     int const key0 = decode_key_begin(p.window, kv_len);
-    int const j0 = key0 + part * plan.partition_size;
+    // Batch invariance: one partition (never split), its tiles at multiples of kKeyTile as in context
+    // attention; the keys of the first tile before key0 are masked.
+    bool const aligned = plan.max_partitions == 1 && batch_invariant();
+    int const j0 = aligned ? key_tile_begin(key0, kKeyTile, true) : key0 + part * plan.partition_size;
     if (j0 >= kv_len) return;
-    int const j1 = std::min(kv_len, j0 + plan.partition_size);
+    int const j1 = aligned ? kv_len : std::min(kv_len, j0 + plan.partition_size);
     int const hd = head_dim(p.head_dim), nvec = hd / W;
     int const group = p.num_heads / p.num_kv_heads;
     int const heads = ng * group, h0 = g0 * group;  // this item's query heads: h0 .. h0 + heads - 1
@@ -400,6 +404,7 @@ struct AttentionKernels {
         for (int h = gi * group; h < (gi + 1) * group; ++h) {
           decode_scores(s + h * kKeyTile, qf + h * hd, krows, n, nvec);
           if constexpr (kInt8) mul_rows(s + h * kKeyTile, kscale + gi * kKeyTile, kTileVecs);
+          if (t0 < key0) std::fill_n(s + h * kKeyTile, key0 - t0, kNegInf);  // before the window
           scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
           if constexpr (kInt8) mul_rows(s + h * kKeyTile, vscale + gi * kKeyTile, kTileVecs);
         }
@@ -446,7 +451,7 @@ struct AttentionKernels {
   }
 
   static void paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan, ThreadPool& pool) {
-    int const kv_per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
+    int const kv_per_item = plan.kv_heads_per_item;
     int const kv_chunks = (p.num_kv_heads + kv_per_item - 1) / kv_per_item;
     int64_t const num_items = int64_t(p.batch_size) * kv_chunks * plan.max_partitions;
     int64_t const num_rows = int64_t(p.batch_size) * p.num_heads;
@@ -476,9 +481,15 @@ struct AttentionKernels {
     int const tok0 = p.cu_seqlens[b];
     int const q_len = p.cu_seqlens[b + 1] - tok0;
     int const kv_len = p.kv_lens[b];
-    int const pos0 = kv_len - q_len + r0;               // position of the tile's first query token
-    int const num_keys = pos0 + nq;                     // keys 0 .. last query's position
-    int const key0 = window_key_begin(p.window, pos0);  // keys before the first row's window: skipped
+    int const pos0 = kv_len - q_len + r0;  // position of the tile's first query token
+    int const num_keys = pos0 + nq;        // keys 0 .. last query's position
+    // Batch invariance: every row's scores by decode_scores (one dot product per key, as in decode),
+    // over key tiles at multiples of kKeyTile, and int8 scales applied to the scores and probabilities
+    // as decode does; a row's bits then depend on its own position only, not on the query tile, the
+    // chunk or whether it is a decode. Otherwise the key tile is packed transposed for qk_rows.
+    bool const invariant = batch_invariant();
+    // Keys before the first row's window (the tile holding it, under batch invariance): skipped.
+    int const key0 = key_tile_begin(window_key_begin(p.window, pos0), kKeyTile, invariant);
     int const rows = nq * group;
     T const* q = static_cast<T const*>(p.q);
     C const* k_cache = static_cast<C const*>(p.kv_cache);
@@ -494,8 +505,10 @@ struct AttentionKernels {
     alignas(64) float vbuf[kInPlace ? 1 : kKeyTile * kBufHd];
     int64_t key_rows[kKeyTile];
     float const* vrows[kKeyTile];
+    float const* krows[kKeyTile];  // batch invariance: fp32 key rows (in place, or widened into kt)
     C const* ksrc[kKeyTile];
-    float kscale[kKeyTile];
+    alignas(64) float kscale[kKeyTile];
+    alignas(64) float vscale[kKeyTile];
     float m[kMaxContextRows], l[kMaxContextRows];
 
     for (int r = 0; r < nq; ++r)
@@ -510,22 +523,42 @@ struct AttentionKernels {
     for (int kt0 = key0; kt0 < num_keys; kt0 += kKeyTile) {
       int const n = std::min(kKeyTile, num_keys - kt0);
       tile_rows(key_rows, table, kt0, n, tpb, kvh);
-      for (int i = 0; i < n; ++i) {
-        int64_t const row = key_rows[i] + g;
-        ksrc[i] = k_cache + row * hd;
-        kscale[i] = row_scale(k_scales, row);
-        vrows[i] = row_f32(v_cache + row * hd, row_scale(v_scales, row), vbuf + i * hd, nvec);
-      }
-      // Pack the key tile transposed ([hd][kKeyTile], fp32; missing keys as zeros), W x W at a time.
-      for (int w0 = 0; w0 < kKeyTile; w0 += W) {
-        for (int c = 0; c < nvec; ++c) {
-          Reg blk[W];
-          for (int i = 0; i < W; ++i) blk[i] = w0 + i < n ? load_kv(ksrc[w0 + i] + c * W, kscale[w0 + i]) : V::zero();
-          V::transpose(blk);
-          for (int i = 0; i < W; ++i) V::store(kt + (c * W + i) * kKeyTile + w0, blk[i]);
+      if (invariant) {
+        for (int i = 0; i < kKeyTile; ++i) {
+          int64_t const row = i < n ? key_rows[i] + g : 0;
+          kscale[i] = i < n ? row_scale(k_scales, row) : 1.0f;
+          vscale[i] = i < n ? row_scale(v_scales, row) : 1.0f;
+          if (i >= n) continue;
+          if constexpr (kInPlace) {
+            krows[i] = k_cache + row * hd;
+          } else {
+            widen_row(kt + i * hd, k_cache + row * hd, hd);  // int8: the codes, scaled below
+            krows[i] = kt + i * hd;
+          }
+          vrows[i] = row_f32(v_cache + row * hd, 1.0f, vbuf + i * hd, nvec);
         }
+        for (int r = 0; r < rows; ++r) {
+          decode_scores(s + r * kKeyTile, qf + r * hd, krows, n, nvec);
+          if constexpr (kInt8) mul_rows(s + r * kKeyTile, kscale, kTileVecs);
+        }
+      } else {
+        for (int i = 0; i < n; ++i) {
+          int64_t const row = key_rows[i] + g;
+          ksrc[i] = k_cache + row * hd;
+          kscale[i] = row_scale(k_scales, row);
+          vrows[i] = row_f32(v_cache + row * hd, row_scale(v_scales, row), vbuf + i * hd, nvec);
+        }
+        // Pack the key tile transposed ([hd][kKeyTile], fp32; missing keys as zeros), W x W at a time.
+        for (int w0 = 0; w0 < kKeyTile; w0 += W) {
+          for (int c = 0; c < nvec; ++c) {
+            Reg blk[W];
+            for (int i = 0; i < W; ++i) blk[i] = w0 + i < n ? load_kv(ksrc[w0 + i] + c * W, kscale[w0 + i]) : V::zero();
+            V::transpose(blk);
+            for (int i = 0; i < W; ++i) V::store(kt + (c * W + i) * kKeyTile + w0, blk[i]);
+          }
+        }
+        qk_rows(s, qf, hd, kt, rows, hd);
       }
-      qk_rows(s, qf, hd, kt, rows, hd);
       // Causal mask (and the tile's missing keys): row r sees keys j <= pos0 + r.
       if (kt0 + kKeyTile - 1 > pos0) {
         for (int r = 0; r < nq; ++r) {
@@ -544,7 +577,10 @@ struct AttentionKernels {
           for (int h = 0; h < group; ++h) std::fill_n(s + (r * group + h) * kKeyTile, first_visible, kNegInf);
         }
       }
-      for (int r = 0; r < rows; ++r) scale_row(o + r * hd, softmax_update(s + r * kKeyTile, m[r], l[r]), nvec);
+      for (int r = 0; r < rows; ++r) {
+        scale_row(o + r * hd, softmax_update(s + r * kKeyTile, m[r], l[r]), nvec);
+        if (kInt8 && invariant) mul_rows(s + r * kKeyTile, vscale, kTileVecs);  // V holds the bare codes
+      }
       pv_rows(o, hd, s, kKeyTile, vrows, n, rows, nvec);
     }
 

@@ -159,6 +159,19 @@ Isa set_selected_isa(std::string const& name) {
   return selected_isa();
 }
 
+namespace {
+std::atomic<bool>& invariant_flag() {
+  static std::atomic<bool> on = [] {
+    char const* env = std::getenv("INFLIGHT_BATCH_INVARIANT");
+    return env == nullptr || *env == '\0' || std::string(env) != "0";
+  }();
+  return on;
+}
+}  // namespace
+
+bool batch_invariant() { return invariant_flag().load(std::memory_order_relaxed); }
+void set_batch_invariant(bool on) { invariant_flag().store(on, std::memory_order_relaxed); }
+
 char const* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kPortable:

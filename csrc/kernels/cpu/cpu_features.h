@@ -39,4 +39,15 @@ Isa selected_isa();
 Isa set_selected_isa(std::string const& name);
 char const* isa_name(Isa isa);
 
+// Batch invariance (on by default): every kernel computes an output element with a reduction order
+// that depends only on that element's own inputs and the shapes of the weights, never on how many
+// rows share the call, how a prefill is chunked or how the threads split the work. A row's result is
+// then bit-identical alone, in a batch of 16, in a chunk of 64 or of 300, or as a decode. Off
+// (INFLIGHT_BATCH_INVARIANT=0 or set_batch_invariant(false)), the GEMMs may pick a strategy by the
+// row count (bf16 panels from 12 rows, W4Dot for one fp32 row, group sums for one int8 row) and
+// decode attention may split a sequence's keys by the batch's total work; LLM(batch_invariant=False)
+// sets it for a process. Like the ISA, it is process-wide and read by every launcher on each call.
+bool batch_invariant();
+void set_batch_invariant(bool on);
+
 }  // namespace inflight::kernels::cpu

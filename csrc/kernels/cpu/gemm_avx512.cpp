@@ -12,6 +12,9 @@
 //    W4Bf16Dot (bf16 x).
 //  - int8: batched bf16 x through panels, other batches tiled, decode through W8Fma (one x row scales
 //    each group's sum once, several rows dequantise each weight vector once).
+//  - batch invariant (the default, cpu_features.h): the decode kernels at every m, so that no strategy
+//    depends on m: int4 through W4Dot (W4Bf16Dot / W4Fma for rows too long for it), int8 through W8Fma
+//    with group sums (gemm_impl.h), no panels and no tiles.
 #include "gemm_avx512.h"
 
 namespace inflight::kernels::cpu {
@@ -19,13 +22,24 @@ namespace inflight::kernels::cpu {
 using gemm_avx512::Vec512;
 
 void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
-  if (gemm_avx512::w4a16_panels(p, pool) || gemm_avx512::w4a16_tiled(p, pool) || gemm_avx512::w4a16_dot(p, pool)) {
-    return;
-  }
-  // Rows too long for the scratch buffers: the in-register kernels, no reordering.
-  if (p.dtype == ScalarType::kBFloat16) {
-    gemm_avx512::w4a16_bf16_dot(p, pool);
-    return;
+  if (batch_invariant()) {
+    // One strategy per x dtype and shape of the weights, whatever m: W4Dot (its tiles of 1 to 3 rows
+    // sum each element alike), the decode kernel, so one row costs what it did; rows too long for its
+    // buffer take W4Bf16Dot (bf16 x) or W4Fma at every m.
+    if (gemm_avx512::w4a16_dot(p, pool)) return;
+    if (p.dtype == ScalarType::kBFloat16) {
+      gemm_avx512::w4a16_bf16_dot(p, pool);
+      return;
+    }
+  } else {
+    if (gemm_avx512::w4a16_panels(p, pool) || gemm_avx512::w4a16_tiled(p, pool) || gemm_avx512::w4a16_dot(p, pool)) {
+      return;
+    }
+    // Rows too long for the scratch buffers: the in-register kernels, no reordering.
+    if (p.dtype == ScalarType::kBFloat16) {
+      gemm_avx512::w4a16_bf16_dot(p, pool);
+      return;
+    }
   }
   // bf16 x never gets here (the caller checked); the discarded branch leaves st and asym unused.
   gemm_detail::dispatch_w4(p, [&](auto xt, [[maybe_unused]] auto st, [[maybe_unused]] auto asym) {
@@ -37,11 +51,14 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
-  if (gemm_avx512::w8a16_panels(p, pool) || gemm_avx512::w8a16_tiled(p, pool)) return;
+  // Batch invariance: W8Fma with group sums at every m (the decode kernel's rounding; no bf16 panels,
+  // which round the weights to bf16, and no tiles, which scale each weight before the product).
+  bool const invariant = batch_invariant();
+  if (!invariant && (gemm_avx512::w8a16_panels(p, pool) || gemm_avx512::w8a16_tiled(p, pool))) return;
   // Decode, and bf16 x below the panels' rows (widened to fp32 exactly).
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
-    gemm_detail::run_tiles(gemm_avx512::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p}, p.m, p.n, p.k, p.num_threads,
-                           pool);
+    gemm_detail::run_tiles(gemm_avx512::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p, invariant}, p.m, p.n, p.k,
+                           p.num_threads, pool);
   });
 }
 

@@ -10,6 +10,9 @@
 //   gemm_dot_avx512.cpp    int4 decode: bf16-exact nibbles and VDPBF16PS (W4Dot); bf16 x with rows too
 //                          long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
 //   gemm_impl.h            the rest: W4Fma (fp32 / fp16 x, long rows) and W8Fma (int8 decode)
+// Under batch invariance (cpu_features.h, the default) the choice may not depend on m: int4 runs W4Dot
+// (W4Bf16Dot / W4Fma for long rows) and int8 W8Fma with group sums at every m; panels and tiles serve
+// only LLM(batch_invariant=False).
 //
 // gemm_avx512f.cpp includes it too, with INFLIGHT_AVX512F_ONLY defined (AVX-512 without BF16): the
 // namespace is then gemm_avx512f and the BF16 parts (Bf16Step; the strategies of the panel and dot files,

@@ -27,9 +27,11 @@ void w4a16_gemm_avx512f(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_avx512f(W8A16GemmParams const& p, ThreadPool& pool) {
-  if (gemm_avx512f::w8a16_tiled(p, pool)) return;
+  // Batch invariance: W8Fma with group sums at every m (the tiles scale each weight before the product).
+  bool const invariant = batch_invariant();
+  if (!invariant && gemm_avx512f::w8a16_tiled(p, pool)) return;
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
-    gemm_detail::run_tiles(gemm_avx512f::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p}, p.m, p.n, p.k,
+    gemm_detail::run_tiles(gemm_avx512f::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p, invariant}, p.m, p.n, p.k,
                            p.num_threads, pool);
   });
 }

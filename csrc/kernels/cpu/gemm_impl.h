@@ -155,6 +155,16 @@ struct W8Fma {
   static constexpr int kMaxMR = V::kW8MaxMR;  // x rows per tile
   static_assert(kMaxMR * kNR + kMaxMR + kNR + 1 <= V::kRegs, "register tile does not fit");
   W8A16GemmParams const& p;
+  // Group sums at every m (batch invariance, cpu_features.h): each x row sums q * x over a group and
+  // scales the sum once, at most kGroupSumMR rows per tile (two accumulators per pair), so that a row
+  // rounds as it does alone. Otherwise only one x row does (V::kW8GroupSums), and several rows
+  // dequantise each weight vector once (q * scale rounded, as W8Tiled does).
+  bool all_group_sums = false;
+  static constexpr int kGroupSumMR = 2;
+  static_assert(!V::kW8GroupSums || 2 * kGroupSumMR * kNR + kGroupSumMR + kNR + 1 <= V::kRegs,
+                "group-sum tile does not fit");
+
+  int max_mr() const { return all_group_sums ? kGroupSumMR : kMaxMR; }
 
   void tile(int mr, std::int64_t m0, std::int64_t n0) const { dispatch_mr<kMaxMR>(*this, mr, m0, n0); }
 
@@ -168,34 +178,47 @@ struct W8Fma {
     Reg acc[MR][kNR];
     zero_tile<V>(acc);
     for (std::int64_t g = 0; g < groups; ++g) {
-      if constexpr (MR == 1 && V::kW8GroupSums) {
-        Reg gacc[kNR];
-#pragma GCC unroll 4
-        for (int r = 0; r < kNR; ++r) {
-          gacc[r] = V::zero();
-          _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + kPrefetchTiles * kNR * k_dim + g * g_size), _MM_HINT_T0);
-        }
-        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
-          Reg const xv = V::load(x + kb);
-#pragma GCC unroll 4
-          for (int r = 0; r < kNR; ++r) gacc[r] = V::fmadd(V::template w8<kFp8>(t.w[r] + kb), xv, gacc[r]);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < kNR; ++r) acc[0][r] = V::fmadd(gacc[r], V::bcast(t.s[r] + g), acc[0][r]);
-      } else {
-        Reg sc[kNR];
-#pragma GCC unroll 4
-        for (int r = 0; r < kNR; ++r) sc[r] = V::bcast(t.s[r] + g);
-        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
-          Reg xv[MR];
-#pragma GCC unroll 4
-          for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
+      if constexpr (MR <= kGroupSumMR) {
+        if ((MR == 1 && V::kW8GroupSums) || all_group_sums) {
+          Reg gacc[MR][kNR];
+          zero_tile<V>(gacc);
 #pragma GCC unroll 4
           for (int r = 0; r < kNR; ++r) {
-            Reg const wv = V::mul(V::template w8<kFp8>(t.w[r] + kb), sc[r]);
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(wv, xv[i], acc[i][r]);
+            _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + kPrefetchTiles * kNR * k_dim + g * g_size),
+                         _MM_HINT_T0);
           }
+          for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
+            Reg xv[MR];
+#pragma GCC unroll 2
+            for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
+#pragma GCC unroll 4
+            for (int r = 0; r < kNR; ++r) {
+              Reg const wv = V::template w8<kFp8>(t.w[r] + kb);
+#pragma GCC unroll 2
+              for (int i = 0; i < MR; ++i) gacc[i][r] = V::fmadd(wv, xv[i], gacc[i][r]);
+            }
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < kNR; ++r) {
+            Reg const sc = V::bcast(t.s[r] + g);
+#pragma GCC unroll 2
+            for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(gacc[i][r], sc, acc[i][r]);
+          }
+          continue;
+        }
+      }
+      Reg sc[kNR];
+#pragma GCC unroll 4
+      for (int r = 0; r < kNR; ++r) sc[r] = V::bcast(t.s[r] + g);
+      for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
+        Reg xv[MR];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
+#pragma GCC unroll 4
+        for (int r = 0; r < kNR; ++r) {
+          Reg const wv = V::mul(V::template w8<kFp8>(t.w[r] + kb), sc[r]);
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(wv, xv[i], acc[i][r]);
         }
       }
     }

@@ -19,8 +19,9 @@ or a dense
 has the model dtype or is INT8 (:class:`~inflight.layers.attention.Int8KvCache`, every layer's: the
 stack's store quantises and its attention dequantises, as the native backend's kernels do); any other
 configuration runs the Python layers, which remain the reference.
-With dense weights, steps of more than ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the
-Python layers, where torch's GEMM is faster. ``INFLIGHT_FUSED_LAYERS=0``
+With dense weights and batch invariance off (``LLM(batch_invariant=False)``), steps of more than
+``DENSE_MAX_TOKENS`` tokens (large prefills) also run the Python layers, where torch's GEMM is
+faster; batch-invariant (the default), every step runs fused. ``INFLIGHT_FUSED_LAYERS=0``
 turns it off (for A/B measurements).
 
 Under tensor parallelism the stack holds this rank's slice of each layer and calls back into Python
@@ -40,6 +41,7 @@ from inflight.layers.attention import AttentionMetadata, Int8KvCache, KvCacheLik
 from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Linear
+from inflight.ops import batch_invariant
 from inflight.utils.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["FusedCpuLayers", "fused_layers_enabled"]
@@ -164,7 +166,9 @@ class FusedCpuLayers:
     def accepts(self, kv_caches: list[KvCacheLike], dtype: torch.dtype, num_tokens: int) -> bool:
         """Whether this step runs fused: caches on the CPU, all in the model dtype or all INT8, and not
         too many tokens."""
-        if self.max_tokens is not None and num_tokens > self.max_tokens:
+        # Under batch invariance every step runs fused, whatever its size: a token must not change its
+        # GEMM (torch's in the Python layers) with the size of the step it is in.
+        if self.max_tokens is not None and num_tokens > self.max_tokens and not batch_invariant():
             return False
         if all(isinstance(c, Int8KvCache) for c in kv_caches):
             return all(c.device.type == "cpu" for c in kv_caches)

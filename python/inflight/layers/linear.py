@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inflight.ops import batch_invariant
+from inflight.ops.gemm import dense_gemm
+
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W = cat(shard_0, shard_1, ...)`` along the output dimension."""
@@ -90,6 +93,12 @@ class Linear(nn.Module):
         self._kernel_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's CPU GEMM (oneDNN / MKL) picks its blocking by the number of rows, so a row's bits
+        # depend on the batch; the dense kernel sums every element in one order (docs/architecture.md,
+        # "Batch invariance").
+        if x.is_cpu and self.weight.is_cpu and batch_invariant() and x.dim() >= 1:
+            y = dense_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ from inflight.layers.rotary import RotaryEmbedding, apply_rotary
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models.config import ModelConfig
 from inflight.models.moe import make_moe_block, split_stacked_experts
+from inflight.ops import batch_invariant
 from inflight.ops.gemm import dense_gemm
 from inflight.parallel.comm import SINGLE, TensorParallel
 from inflight.parallel.sharding import (
@@ -416,9 +417,9 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head_shard(hidden)
         elif self.embedding is not None:
             logits = self.embedding(hidden)
-        elif (
-            run_fused
-        ):  # a decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the weights)
+        elif run_fused or (hidden.is_cpu and batch_invariant()):
+            # A decode-size step on the CPU: the small-M dense kernel (the head is ~20 % of the
+            # weights); under batch invariance every CPU step (torch's GEMM depends on the rows).
             logits = dense_gemm(hidden, self.lm_head)
         else:
             logits = F.linear(hidden, self.lm_head)
