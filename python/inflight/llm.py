@@ -210,24 +210,30 @@ class LLM:
         return max_new
 
     def _check_beams(self, prompt_len: int, max_new: int, params: SamplingParams) -> None:
-        """A beam request must be able to run: within max_beam_width, on one process, never paused,
-        and with KV room for all its beams to the end (else it would wait forever)."""
+        """A beam request must be able to run: within max_beam_width, never recomputed
+        (GUARANTEED_NO_EVICT, or MAX_UTILIZATION with swap preemption), and with KV room for all its beams
+        to the end (else it would wait forever)."""
         k = params.beam_width
         if k > self.args.max_beam_width:
             raise RequestError(
                 "best_of",
                 f"best_of (the beam width) must be <= max_beam_width={self.args.max_beam_width}, got {k}",
             )
-        if self.args.tensor_parallel_size > 1 or self.args.pipeline_parallel_size > 1:
+        sched = self.args.scheduler_config
+        policy = getattr(sched.capacity_scheduler_policy, "name", str(sched.capacity_scheduler_policy))
+        if policy == "MAX_UTILIZATION" and sched.preemption_mode != "swap":
             raise RequestError(
-                "use_beam_search", f"use_beam_search is not supported with parallelism ({self.parallel})"
+                "use_beam_search",
+                "use_beam_search under capacity_scheduler_policy MAX_UTILIZATION needs "
+                "SchedulerConfig(preemption_mode='swap') and a secondary KV tier (KvCacheConfig."
+                "host_cache_size): a paused beam request is swapped out, never recomputed; got "
+                f"preemption_mode={sched.preemption_mode!r}",
             )
-        policy = self.args.scheduler_config.capacity_scheduler_policy
-        if getattr(policy, "name", str(policy)) != "GUARANTEED_NO_EVICT":
+        if policy not in ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION"):
             raise RequestError(
                 "use_beam_search",
                 "use_beam_search needs capacity_scheduler_policy GUARANTEED_NO_EVICT (a beam request is "
-                f"never paused), got {getattr(policy, 'name', policy)}",
+                f"never paused), or MAX_UTILIZATION with preemption_mode='swap'; got {policy}",
             )
         kv = self.executor.kv_cache_manager
         if kv is not None:

@@ -377,8 +377,10 @@ def test_requests_the_engine_cannot_run_are_refused(llm, make_llm):
     assert len(out.outputs[0].token_ids) == 200
     with pytest.raises(RequestError, match="needs 210 KV blocks of 8 tokens, more than the pool's 128"):
         small.generate(LLM_PROMPTS[0], beam_params(8, 1, max_new=200), use_tqdm=False)
-    maxu = make_llm(scheduler_config=SchedulerConfig("max_utilization"))
-    with pytest.raises(RequestError, match="needs capacity_scheduler_policy GUARANTEED_NO_EVICT"):
+    maxu = make_llm(scheduler_config=SchedulerConfig("max_utilization"))  # recompute preemption
+    with pytest.raises(
+        RequestError, match="MAX_UTILIZATION needs SchedulerConfig\\(preemption_mode='swap'\\)"
+    ):
         maxu.generate(LLM_PROMPTS[0], beam_params(2, 1), use_tqdm=False)
     # Nothing of the refused requests reached the engine; it still serves.
     out = llm.generate(LLM_PROMPTS[0], beam_params(2, 2, ignore_eos=True), use_tqdm=False)

@@ -477,3 +477,54 @@ def test_speculative_decoding_across_ranks_changes_nothing(models, tp, pp):
     finally:
         llm.shutdown()
     assert not _children()
+
+
+def _beams(llm: LLM, prompts: list, params: list) -> list[list[tuple[list[int], float]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(list(c.token_ids), c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,kv_dtype",
+    [(2, 1, "auto"), (1, 2, "auto"), (2, 2, "auto"), (2, 1, "int8")],
+    ids=["tp2", "pp2", "tp2xpp2", "tp2-int8kv"],
+)
+def test_beam_search_across_ranks_gives_the_single_process_beams(models, tp, pp, kv_dtype):
+    """Beam requests (their beams forked KV sequences, the partly filled last blocks copied on write)
+    beside greedy ones: each step's block copies travel with the step, so every rank's pool (an int8
+    pool's codes and scales too) stays rank 0's and the beams, their order and their scores are those
+    of one process."""
+    prompts = PROMPTS[:4] + PROMPTS[4:6]
+    beam = [
+        SamplingParams(use_beam_search=True, best_of=k, n=k, max_tokens=12, ignore_eos=True)
+        for k in (4, 3, 2, 4)
+    ]
+    greedy = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2
+    kv = KvCacheConfig(max_tokens=4096, tokens_per_block=TPB, dtype=kv_dtype)
+    ref_llm = LLM(models["kv2"], dtype="float32", kv_cache_config=kv)
+    try:
+        want = _beams(ref_llm, prompts, beam + greedy)
+    finally:
+        ref_llm.shutdown()
+    llm = LLM(
+        models["kv2"], dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=kv
+    )
+    try:
+        copies = []
+        model = llm.executor.model_engine.model
+        queue = model.queue_block_copies
+
+        def count(pairs) -> None:
+            copies.extend(pairs)
+            queue(pairs)
+
+        llm.executor.kv_cache_manager.on_block_copies = count
+        got = _beams(llm, prompts, beam + greedy)
+        assert copies, "no block was copied on write: the test proves nothing"
+        for w, g in zip(want, got):
+            assert [t for t, _ in g] == [t for t, _ in w]
+            assert [s for _, s in g] == pytest.approx([s for _, s in w], abs=1e-4)
+        llm.executor.kv_cache_manager.impl.check_integrity()
+    finally:
+        llm.shutdown()
+    assert not _children()

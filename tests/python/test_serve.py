@@ -857,11 +857,73 @@ def test_prompt_logprobs_on_both_endpoints(server, llm):
     assert chat.status_code == 200, chat.text
     ids = chat.json()["prompt_token_ids"]
     assert len(chat.json()["choices"][0]["prompt_logprobs"]) == len(ids)
-    # Refused by name: a negative value, one above max_logprobs, and with stream.
-    for bad, what in ((-1, "prompt_logprobs"), (10**6, "prompt_logprobs"), (1, "stream")):
+    # Refused by name: a negative value and one above max_logprobs.
+    for bad in (-1, 10**6):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": bad}
-        if what == "stream":
-            body["stream"] = True
         r = server.http.post("/v1/completions", json=body)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "prompt_logprobs"
+        assert str(bad) in r.json()["error"]["message"]
+
+
+def _streamed(server, path: str, body: dict) -> list:
+    with server.http.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def test_streamed_prompt_logprobs_come_in_the_first_chunk(server):
+    """stream=true with prompt_logprobs: each choice's first chunk carries the prompt's log-probabilities,
+    equal to those of the same request not streamed; no later chunk repeats them."""
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "seed": 3, "n": 2, "prompt_logprobs": 2}
+    whole = server.http.post(_C, json=body)
+    assert whole.status_code == 200, whole.text
+    want = {c["index"]: c["prompt_logprobs"] for c in whole.json()["choices"]}
+    assert len(want) == 4 and all(len(want[i]) == len(prompts[i // 2]) for i in want)
+    chunks = _streamed(server, _C, body)
+    got: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if "prompt_logprobs" in choice:
+                assert choice["index"] not in got, "prompt_logprobs sent twice for a choice"
+                got[choice["index"]] = choice["prompt_logprobs"]
+            else:
+                assert choice["index"] in got, "a choice's chunk came before its prompt_logprobs"
+    assert got.keys() == want.keys()
+    for i, plp in got.items():
+        assert plp[0] is None and want[i][0] is None
+        for entry, ref in zip(plp[1:], want[i][1:]):
+            assert list(entry) == list(ref)
+            for tok in entry:
+                assert entry[tok]["logprob"] == pytest.approx(ref[tok]["logprob"], abs=1e-5)
+                assert entry[tok]["decoded_token"] == ref[tok]["decoded_token"]
+    # Without prompt_logprobs no chunk has the field.
+    plain = _streamed(server, _C, {k: v for k, v in body.items() if k != "prompt_logprobs"})
+    assert not any("prompt_logprobs" in c for chunk in plain for c in chunk["choices"])
+
+
+def test_streamed_chat_prompt_logprobs(server):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "prompt_logprobs": 1,
+    }
+    whole = server.http.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    want = whole.json()["choices"][0]["prompt_logprobs"]
+    assert len(want) == len(whole.json()["prompt_token_ids"])
+    chunks = _streamed(server, "/v1/chat/completions", body)
+    with_plp = [c for chunk in chunks for c in chunk["choices"] if "prompt_logprobs" in c]
+    deltas = [c for chunk in chunks for c in chunk["choices"] if "role" not in c["delta"]]
+    assert len(with_plp) == 1 and deltas[0] is with_plp[0]  # the first chunk after the role chunk
+    got = with_plp[0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want)
+    for entry, ref in zip(got[1:], want[1:]):
+        assert list(entry) == list(ref)
+        for tok in entry:
+            assert entry[tok]["logprob"] == pytest.approx(ref[tok]["logprob"], abs=1e-5)

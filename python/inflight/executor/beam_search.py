@@ -97,6 +97,18 @@ class BeamSearch:
         # Parents of the new running beams after a step (indices into the previous ones), for the KV.
         self.parents: list[int] = []
 
+    def restarted(self) -> BeamSearch:
+        """A fresh search of the same request from its prompt (the executor's last resort when its KV
+        has to go: ``PyExecutor._restart_beams``)."""
+        return BeamSearch(
+            self.params,
+            self.seq_ids[0],
+            self.prompt,
+            self.eos_token_ids,
+            self.max_new,
+            len(self.prompt) + self.max_new,
+        )
+
     @property
     def last_tokens(self) -> list[int]:
         """The input token of each running beam's next row."""

@@ -52,6 +52,9 @@ class ParallelModel:
         self._last_sent = time.monotonic()
         self._stop = threading.Event()
         self.on_failure = None  # called once with the RankFailure (the executor's fail())
+        # KV block copies rank 0 made since the last step (beam search's copy-on-write): every rank
+        # makes them before that step (KVCacheResourceManager.on_block_copies calls queue_block_copies).
+        self._block_copies: list[tuple[int, int]] = []
         self.steps = 0
         self.heartbeats = 0
         self._interval = min(HEARTBEAT_S, cluster.spec.timeout / 4)
@@ -99,6 +102,12 @@ class ParallelModel:
                 raise self._fail(exc, "the KV allocation") from exc
             self._last_sent = time.monotonic()
 
+    def queue_block_copies(self, pairs) -> None:
+        """``(src, dst)`` KV block copies rank 0 made in its pool; sent with the next step, so that the
+        other ranks make them in theirs before running it."""
+        with self._lock:
+            self._block_copies.extend((int(s), int(d)) for s, d in pairs)
+
     def __call__(self, input_ids, positions, metadata: AttentionMetadata, kv_caches):
         return self.collect(self.launch(input_ids, positions, metadata, kv_caches))
 
@@ -108,7 +117,8 @@ class ParallelModel:
         with self._lock:
             self._check()
             try:
-                fields, payload = encode_step(input_ids, metadata)
+                fields, payload = encode_step(input_ids, metadata, self._block_copies)
+                self._block_copies = []
                 self.channel.send_step(fields, payload)
                 out = self.model(input_ids, positions, metadata, kv_caches)
                 if self.link is not None:

@@ -55,7 +55,9 @@ from inflight.executor.step_channel import (
     PipeLink,
     StepChannel,
     allocate_caches,
+    copy_pool_blocks,
     data_paths,
+    decode_block_copies,
     decode_step,
 )
 from inflight.parallel.comm import TensorParallel
@@ -495,6 +497,8 @@ def _follow(
             ids, md = decode_step(fields, payload, device)
             steps += 1
             _fault(mapping.rank, "step", steps)
+            # Beam search's copy-on-write blocks, made in this rank's pool as rank 0 made them in its.
+            copy_pool_blocks(caches, decode_block_copies(fields, payload))
             out = model(ids, md.positions, md, caches, hidden=hidden)
             if forward:
                 link.send(STEP, fields, payload, out)

@@ -142,6 +142,7 @@ class PyExecutor:
         self._queue: queue.Queue = queue.Queue()
         self._waiting: collections.deque[ExecutorRequest] = collections.deque()
         self.active = RequestList()
+        self.preemption.active = self.active  # the list it checks a beam request's swap against
         self._deferred_free: list[ExecutorRequest] = []
         self._prev: _InFlight | None = None
         # Pipeline parallelism: up to pipeline_depth micro-batches launched and not yet collected, oldest
@@ -150,6 +151,10 @@ class PyExecutor:
         if self.pipeline_depth > 1:
             disable_overlap_scheduler = True
         self._pipeline: collections.deque[_InFlight] = collections.deque()
+        # This step's scheduled list (in the order the scheduler saw it) and the beam requests chosen as
+        # victims that could not be swapped out (kept): read by _fit_beams.
+        self._order = None
+        self._kept: list[ExecutorRequest] = []
         self._stats: collections.deque[dict] = collections.deque(maxlen=stats_window)
         self._iter = 0
         # The last time an iteration finished or the loop found nothing to do (stall_seconds).
@@ -302,6 +307,7 @@ class PyExecutor:
         self._step_num_tokens = 0
         batch = self._schedule()
         self._pause(batch.paused_requests)
+        batch = self._fit_beams(batch)
         if len(batch):
             try:
                 inputs = self._prepare(batch)
@@ -322,9 +328,14 @@ class PyExecutor:
         t0 = time.perf_counter()
         self._step_num_tokens = 0
         # A beam request's next rows depend on the beams its step in flight keeps: it sits this one out.
+        # Its beams advance now (that step is done), so that its KV is current when the schedulers and
+        # the preemption look at it.
         waiting_beams = {r.request_id for r in prev.inputs.beam_requests or ()} if prev else set()
-        batch = self.scheduler.schedule_request(self.preemption.schedulable(self.active), waiting_beams)
+        for rid in waiting_beams:
+            self._process_output(prev, only=rid)
+        batch = self._schedule_batch(self.preemption.schedulable(self.active), waiting_beams)
         self._pause(batch.paused_requests, prev)
+        batch = self._fit_beams(batch, prev)
         launched = None
         if len(batch):
             try:
@@ -376,6 +387,7 @@ class PyExecutor:
                 # Room needs a request that is still in the pipe: let it land first.
                 batch = ScheduledRequests()
             self._pause(batch.paused_requests)
+            batch = self._fit_beams(batch)
             if len(batch):
                 try:
                     inputs = self._prepare(batch)
@@ -407,10 +419,121 @@ class PyExecutor:
         active = self.preemption.schedulable(self.active)  # swapped-out requests sit out
         if spec is not None:
             spec.plan(active, self.max_seq_len, in_flight)
-        batch = self.scheduler.schedule_request(active, set(in_flight) | set(held))
+        batch = self._schedule_batch(active, set(in_flight) | set(held))
         if spec is not None:
             spec.fill(batch.generation_requests)
         return batch
+
+    def _schedule_batch(self, active, skip: set[int]) -> ScheduledRequests:
+        """The scheduler's batch over ``active``. A beam request is never recomputed: if the scheduler
+        paused one that the secondary tier cannot take (:meth:`Preemption.unswappable`), it schedules
+        again with those requests at the front of the list (until no other one is paused), so that the
+        requests behind them are the victims (they hold KV: the others must make room for them, or
+        nothing could ever run). The list the batch was made from is kept for :meth:`_fit_beams`."""
+        batch = self.scheduler.schedule_request(active, skip)
+        self._order = active
+        front: set[int] = set()
+        while True:  # each pass moves at least one more beam request to the front: it ends
+            stuck = self.preemption.unswappable(batch.paused_requests, self.active) - front
+            if not stuck:
+                return batch
+            front |= stuck
+            order = RequestList(
+                [r for r in active if r.request_id in front]
+                + [r for r in active if r.request_id not in front]
+            )
+            batch = self.scheduler.schedule_request(order, skip)
+            self._order = order
+
+    def _fit_beams(self, batch: ScheduledRequests, prev: _InFlight | None = None) -> ScheduledRequests:
+        """Makes the batch fit the free KV blocks once its beam requests are counted right: the C++
+        planner does not see the copy-on-write blocks of a beam decode (``beam_copy_blocks``), and a
+        beam request kept (not swapped out, :meth:`_pause`) still holds the blocks the scheduler
+        counted as freed. While the batch's blocks exceed the free ones, the request nearest the end of
+        the scheduled list leaves it: one that holds KV is paused (swapped out or recomputed; a beam
+        request that cannot be swapped out sits this step out), a new context just waits; a kept beam
+        request reached this way, or kept when nothing at all would run (beam requests the pool cannot
+        hold together, the tier full), is restarted (:meth:`_restart_beams`). Without beam requests the
+        batch is returned as it is."""
+        kept, self._kept = self._kept, []
+        order, self._order = self._order, None
+        kv = self.kv_cache_manager
+        if kv is None or (not kept and not any(r.py_beam is not None for r in batch.generation_requests)):
+            return batch
+        impl = kv.impl
+        if not kept and not any(kv.beam_copy_blocks(r) for r in batch.generation_requests if r.py_beam):
+            return batch
+        need = {r.request_id: self._step_blocks(r) for r in batch.all_requests}
+        demand = sum(need.values())
+        kept_ids = {r.request_id for r in kept if not r.py_done}
+        walk = list(order if order is not None else batch.all_requests)
+        dropped, paused = set(), []
+        for req in reversed(walk):
+            if demand <= impl.num_free_blocks:
+                break
+            rid = req.request_id
+            if rid in kept_ids:
+                self._restart_beams(req)
+                kept_ids.discard(rid)
+            elif rid in need and rid not in dropped:
+                demand -= need[rid]
+                dropped.add(rid)
+                if impl.has_sequence(rid) and not impl.is_suspended(rid):
+                    self._pause([req], prev)
+                    paused.append(req)
+        # A beam request that could not be swapped out here just sits this step out (it is kept too).
+        kept = [r for r in [*kept, *self._kept] if r.request_id in kept_ids or r in self._kept]
+        kept_ids = {r.request_id for r in kept if not r.py_done}
+        self._kept = []
+        if len(batch) == len(dropped) and kept_ids and prev is None:
+            # Nothing would run and kept beam requests hold the pool: none of them could ever go on.
+            last = next((r for r in reversed(walk) if r.request_id in kept_ids), None)
+            self._restart_beams(
+                last if last is not None else next(r for r in kept if r.request_id in kept_ids)
+            )
+        if not dropped:
+            return batch
+        return ScheduledRequests(
+            [r for r in batch.context_requests if r.request_id not in dropped],
+            [r for r in batch.generation_requests if r.request_id not in dropped],
+            [*batch.paused_requests, *paused],
+            batch.num_fitting_requests - len(dropped),
+        )
+
+    def _restart_beams(self, req: ExecutorRequest) -> None:
+        """The last resort for a beam request that can neither run nor be swapped out while nothing
+        else can run (beam requests holding the pool between them, the tier full): its KV is freed and
+        its search starts again from its prompt — its generated tokens are dropped, never folded into
+        the prompt, so its beams are those of an uninterrupted run; only the work is lost. The latest
+        such request in the list is the one restarted, so the ones ahead of it finish."""
+        logger.warning(
+            "request %d (beam search): the KV cache is held by beam requests that cannot be swapped out "
+            "(raise KvCacheConfig.host_cache_size); its search restarts from its prompt",
+            req.request_id,
+        )
+        self.resource_manager.free_resources(req, store_for_reuse=False)
+        req.pause(req.prompt_len)  # back to the prompt: the generated tokens are dropped
+        req.py_beam = req.py_beam.restarted()
+        if req.py_prompt_logprobs is not None:
+            req.py_prompt_logprobs = [None]  # scored again with the prompt
+        req.py_num_preemptions += 1
+        self.preemption.num_beams_restarted += 1
+        self.timelines.preempted(req.request_id)
+
+    def _step_blocks(self, req: ExecutorRequest) -> int:
+        """The free blocks ``prepare_resources`` takes for ``req`` this step, from its KV sequences as
+        they are (exact also in overlap mode, where the request's last token is not appended yet): a
+        context's first chunk its prompt's blocks (prefix hits not subtracted), a decode the blocks its
+        new token (and drafts) start, a beam decode that for each beam plus its copy-on-write blocks."""
+        kv = self.kv_cache_manager
+        impl, tpb = kv.impl, kv.tokens_per_block
+        if req.is_context_init_state:
+            return impl.get_needed_blocks_one_step(req, False)
+        beam = req.py_beam
+        if beam is not None:
+            return sum(impl.get_num_tokens(s) % tpb == 0 for s in beam.seq_ids) + kv.beam_copy_blocks(req)
+        n = impl.get_num_tokens(req.request_id) if impl.has_sequence(req.request_id) else 0
+        return -(-(n + 1 + req.num_draft_tokens) // tpb) - (-(-n // tpb))
 
     def _fetch_new_requests(self, block: bool) -> bool:
         """Moves queued requests into the waiting queue and (up to the limit) into the active list.
@@ -530,18 +653,34 @@ class PyExecutor:
             if prev is not None and prev.output is not None:
                 # Its last sampled token is not appended yet: take it before folding the prompt.
                 self._process_output(prev, only=req.request_id)
+                if req.py_done and req in self._deferred_free:
+                    # It ended on that token: free it now, as the scheduler counted its blocks as freed
+                    # for this step (the step it was in is done: nothing reads its KV any more).
+                    self.resource_manager.free_resources(req, store_for_reuse=req.py_finish_reason != "error")
+                    self._deferred_free.remove(req)
+                    self.active.remove_ids({req.request_id})
             if req.py_done:
                 continue
-            if req.py_beam is not None:  # folding K beams into one prompt would change the result
+            if req.py_beam is not None and self.preemption.mode != "swap":
+                # Folding K beams into one prompt would change the result (the LLM refuses this setup).
                 self._finish(
                     req,
                     FinishReason.NOT_FINISHED,
                     "beam search: the scheduler paused this request (KV cache full) and beam requests "
-                    "cannot be recomputed; use capacity_scheduler_policy GUARANTEED_NO_EVICT",
+                    "cannot be recomputed; use capacity_scheduler_policy GUARANTEED_NO_EVICT, or "
+                    "preemption_mode='swap' with KvCacheConfig.host_cache_size",
                 )
                 self._deferred_free.append(req)
                 continue
             swapped = self.preemption.swap_out(req)  # else recomputed: its KV is freed
+            if not swapped and req.py_beam is not None:
+                # Never recomputed: it keeps its KV (and does not run this step); _fit_beams makes room.
+                logger.info(
+                    "request %d (beam search): no room in the secondary KV tier for its beams; kept",
+                    req.request_id,
+                )
+                self._kept.append(req)
+                continue
             if swapped:
                 logger.info("request %d preempted (KV cache full); swapped out", req.request_id)
             else:

@@ -3,8 +3,10 @@ pool to allocate, a heartbeat, shut down), and the data paths of each rank (:fun
 memory between ranks of one host, else the torch.distributed groups' backends).
 
 A message is a fixed-size int64 header broadcast from rank 0, plus a payload for a step (token ids,
-positions, slot mapping, lengths, logits rows and block tables, concatenated); the followers rebuild
-the :class:`~inflight.layers.attention.AttentionMetadata` from it.
+positions, slot mapping, lengths, logits rows and block tables, concatenated, then the KV block copies
+to make before the step: the copy-on-write pairs of beam search); the followers rebuild the
+:class:`~inflight.layers.attention.AttentionMetadata` from it, and copy those blocks in their own pool
+first (:func:`copy_pool_blocks`), so every rank's pool stays the same as rank 0's.
 """
 
 from __future__ import annotations
@@ -30,20 +32,25 @@ __all__ = [
     "PipeLink",
     "StepChannel",
     "allocate_caches",
+    "copy_pool_blocks",
     "data_paths",
+    "decode_block_copies",
     "decode_step",
     "encode_step",
 ]
 
 # Channel commands (header[0]).
 STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
-_HEADER = 8
+_HEADER = 9  # the command and up to 8 fields
 # A KV message's dtype field indexes this (int8: the INT8 KV cache, codes plus per-token scales).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
-def encode_step(input_ids: torch.Tensor, md: AttentionMetadata) -> tuple[list[int], torch.Tensor]:
-    """A step's plan as header fields and one int64 payload."""
+def encode_step(
+    input_ids: torch.Tensor, md: AttentionMetadata, block_copies=()
+) -> tuple[list[int], torch.Tensor]:
+    """A step's plan as header fields and one int64 payload; ``block_copies``: the ``(src, dst)`` KV
+    block copies every rank makes before the step (in order)."""
     tables = md.block_tables
     parts = [
         input_ids.reshape(-1),
@@ -54,7 +61,10 @@ def encode_step(input_ids: torch.Tensor, md: AttentionMetadata) -> tuple[list[in
         md.logits_indices,
         tables.reshape(-1),
     ]
-    payload = torch.cat([p.detach().to("cpu", torch.int64) for p in parts])
+    copies = [v for pair in block_copies for v in pair]
+    payload = torch.cat(
+        [p.detach().to("cpu", torch.int64) for p in parts] + [torch.tensor(copies, dtype=torch.int64)]
+    )
     fields = [
         md.num_tokens,
         md.batch_size,
@@ -63,6 +73,7 @@ def encode_step(input_ids: torch.Tensor, md: AttentionMetadata) -> tuple[list[in
         md.logits_indices.numel(),
         md.tokens_per_block,
         payload.numel(),
+        len(copies) // 2,
     ]
     return fields, payload
 
@@ -75,12 +86,21 @@ def num_logits(fields: list[int]) -> int:
     return fields[4]
 
 
+def decode_block_copies(fields: list[int], payload: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``(src, dst)`` block copies of a step message (the end of its payload)."""
+    n = fields[7]
+    if n == 0:
+        return []
+    flat = payload[payload.numel() - 2 * n :].tolist()
+    return list(zip(flat[0::2], flat[1::2]))
+
+
 def decode_step(
     fields: list[int], payload: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    num_tokens, batch, num_contexts, max_blocks, n_logits, tpb, _size = fields[:7]
-    sizes = [num_tokens, num_tokens, num_tokens, batch, batch, n_logits, batch * max_blocks]
-    ids, positions, slots, seq_lens, kv_lens, logits_indices, tables = torch.split(payload, sizes)
+    num_tokens, batch, num_contexts, max_blocks, n_logits, tpb, _size, n_copies = fields[:8]
+    sizes = [num_tokens, num_tokens, num_tokens, batch, batch, n_logits, batch * max_blocks, 2 * n_copies]
+    ids, positions, slots, seq_lens, kv_lens, logits_indices, tables, _copies = torch.split(payload, sizes)
     seq_lens32 = seq_lens.to(torch.int32)
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     torch.cumsum(seq_lens32, 0, out=cu[1:])
@@ -268,8 +288,19 @@ def data_paths(
 
 
 def allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: torch.dtype, device) -> list:
+    """A follower's KV pool, as its layers' caches (views into the pool and its scales, if int8)."""
     from inflight.executor.resource_manager import allocate_kv_pool, layer_caches
 
     _, _, _, num_kv_heads, head_dim = model.kv_cache_shape(num_blocks, tpb)
     pool, scales = allocate_kv_pool(model.num_layers, num_kv_heads, head_dim, num_blocks, tpb, dtype, device)
     return layer_caches(pool, scales)
+
+
+def copy_pool_blocks(caches: list, pairs) -> None:
+    """Copies KV block ``src`` into ``dst`` for each pair, in every layer's cache (K and V; an int8
+    cache's codes and scales), as rank 0's ``KVCacheResourceManager.copy_blocks`` does in its pool."""
+    for cache in caches:
+        tensors = [cache] if isinstance(cache, torch.Tensor) else [cache.kv, cache.scales]
+        for t in tensors:  # [2, num_blocks, ...]
+            for src, dst in pairs:
+                t[:, dst].copy_(t[:, src])

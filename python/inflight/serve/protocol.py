@@ -229,7 +229,7 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     # OpenAI's predicted outputs: {"type": "content", "content": str | [{"type": "text", "text": str}]}
     prediction: PredictionField = None
-    prompt_logprobs: Integer | None = None  # vLLM's: the prompt's log-probabilities (not with stream)
+    prompt_logprobs: Integer | None = None  # vLLM's: the prompt's log-probabilities (stream: 1st chunk)
     # Structured output: OpenAI's response_format, and vLLM's guided_* fields (checked by parse_guided).
     response_format: ResponseFormatField = None
     guided_json: GuidedField = None
@@ -292,8 +292,6 @@ def check_extra_fields(req: _Request) -> None:
         raise bad_request(f"unrecognized request field: {name}", param=name, code="unrecognized_parameter")
     if req.use_beam_search and req.stream:
         raise bad_request("use_beam_search is not supported with stream=true", param="use_beam_search")
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 

@@ -163,7 +163,10 @@ async def completions(models: Models, body: CompletionRequest, request: Request)
     head = header(state, "text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()))
     n = base.n
     if body.stream:
-        return SSEResponse(completion_stream(state, job, head, n, _include_usage(body)), job)
+        stream = completion_stream(
+            state, job, head, n, _include_usage(body), body.prompt_logprobs is not None
+        )
+        return SSEResponse(stream, job)
     try:
         outs = await _gather_unless_disconnected(request, job.handles)
         if outs is None:
@@ -240,7 +243,10 @@ async def chat_completions(models: Models, body: ChatCompletionRequest, request:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         head = header(state, "chat.completion.chunk", rid, created)
-        return SSEResponse(chat_stream(state, job, head, params.n, _include_usage(body), top_n), job)
+        stream = chat_stream(
+            state, job, head, params.n, _include_usage(body), top_n, body.prompt_logprobs is not None
+        )
+        return SSEResponse(stream, job)
     try:
         outs = await _gather_unless_disconnected(request, job.handles)
         if outs is None:

@@ -18,7 +18,14 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from inflight.serve.protocol import APIError
-from inflight.serve.responses import chat_logprobs, completion_logprobs, failure, new_entries, usage
+from inflight.serve.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    failure,
+    new_entries,
+    prompt_logprobs,
+    usage,
+)
 from inflight.serve.state import Job, ServerState
 
 logger = logging.getLogger("inflight.serve")
@@ -87,10 +94,24 @@ class SSEResponse(StreamingResponse):
             self._job.close()
 
 
-async def completion_stream(state: ServerState, job: Job, head: dict, n: int, include_usage: bool):
-    """The chunks of a streamed completion: choice ``i * n + k`` is prompt ``i``'s ``k``-th."""
+def _first_prompt_logprobs(state: ServerState, out, idx: int, sent: set[int] | None) -> dict:
+    """vLLM's ``prompt_logprobs`` for choice ``idx``'s chunk: in the first chunk of the choice that goes
+    out once the prompt's log-probabilities are known (they come with the first token, so in practice
+    the choice's first chunk), then never again; nothing when the request did not ask (``sent`` None)."""
+    if sent is None or idx in sent or out.prompt_logprobs is None:
+        return {}
+    sent.add(idx)
+    return {"prompt_logprobs": prompt_logprobs(state, out.prompt_logprobs)}
+
+
+async def completion_stream(
+    state: ServerState, job: Job, head: dict, n: int, include_usage: bool, with_prompt_logprobs: bool = False
+):
+    """The chunks of a streamed completion: choice ``i * n + k`` is prompt ``i``'s ``k``-th. With
+    ``with_prompt_logprobs`` a choice's first chunk also carries its prompt's ``prompt_logprobs``."""
     finished: set[int] = set()
     offsets: dict[int, int] = {}
+    prompt_sent: set[int] | None = set() if with_prompt_logprobs else None
     try:
         async for i, out in merge(job.handles):
             job.observe(i, out)
@@ -118,6 +139,7 @@ async def completion_stream(state: ServerState, job: Job, head: dict, n: int, in
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                     "token_ids": ids,
+                    **_first_prompt_logprobs(state, out, idx, prompt_sent),
                 }
                 yield sse({**head, "choices": [choice]})
         if include_usage:
@@ -135,10 +157,18 @@ async def completion_stream(state: ServerState, job: Job, head: dict, n: int, in
 
 
 async def chat_stream(
-    state: ServerState, job: Job, head: dict, n: int, include_usage: bool, top_n: int | None
+    state: ServerState,
+    job: Job,
+    head: dict,
+    n: int,
+    include_usage: bool,
+    top_n: int | None,
+    with_prompt_logprobs: bool = False,
 ):
-    """The chunks of a streamed chat completion: a role chunk per choice, then the content deltas."""
+    """The chunks of a streamed chat completion: a role chunk per choice, then the content deltas (with
+    ``with_prompt_logprobs``, a choice's first content chunk carries ``prompt_logprobs``)."""
     finished: set[int] = set()
+    prompt_sent: set[int] | None = set() if with_prompt_logprobs else None
     try:
         for k in range(n):
             role = {
@@ -171,6 +201,7 @@ async def chat_stream(
                 }
                 if top_n is not None:
                     choice["logprobs"] = chat_logprobs(state, ids, entries, top_n)
+                choice.update(_first_prompt_logprobs(state, out, comp.index, prompt_sent))
                 if comp.finish_reason is not None:
                     finished.add(comp.index)
                 yield sse({**head, "choices": [choice]})
