@@ -595,6 +595,15 @@ class LlmArgs(_Args):
     def _validate(self) -> None:
         if not isinstance(self.model, str):
             object.__setattr__(self, "model", str(self.model))  # a PathLike
+        tpb = self.kv_cache_config.tokens_per_block
+        if self.enable_chunked_prefill and self.max_num_tokens < tpb:
+            # A context chunk is a whole number of KV blocks (or a prompt's last piece): with a smaller
+            # token budget no chunk of a longer prompt could ever be scheduled.
+            raise ValueError(
+                f"max_num_tokens must be >= KvCacheConfig.tokens_per_block ({tpb}) with "
+                f"enable_chunked_prefill=True (a context chunk is a whole number of KV blocks), got "
+                f"{self.max_num_tokens}"
+            )
         if self.scheduler_config.preemption_mode == "swap" and not self.kv_cache_config.host_cache_size:
             # No default tier: it would commit host memory (or disk) nobody asked for.
             raise ValueError(

@@ -94,6 +94,24 @@ def test_scheduler_config_validation():
         SchedulerConfig(capacity_scheduler_policy="FASTEST")
 
 
+def test_chunked_prefill_needs_a_token_budget_of_a_block():
+    """A context chunk is a whole number of KV blocks: with max_num_tokens below the block size no
+    chunk of a longer prompt could ever be scheduled (the engine would wait forever), so the
+    configuration is refused up front; a budget of exactly one block is fine."""
+    with pytest.raises(
+        ValueError, match=r"max_num_tokens must be >= KvCacheConfig.tokens_per_block \(32\).*got 16"
+    ):
+        LlmArgs(model="m", max_num_tokens=16, enable_chunked_prefill=True)
+    LlmArgs(model="m", max_num_tokens=32, enable_chunked_prefill=True)
+    LlmArgs(
+        model="m",
+        max_num_tokens=16,
+        enable_chunked_prefill=True,
+        kv_cache_config=KvCacheConfig(tokens_per_block=16),
+    )
+    LlmArgs(model="m", max_num_tokens=16)  # without chunking a longer prompt is refused per request
+
+
 def test_every_field_is_a_keyword_and_an_option():
     """The command line offers every field that is not a Python object, under its flag, and reads
     back the defaults unchanged."""
