@@ -9,6 +9,9 @@ Systems:
   inflight-bf16-deq LLM("gemma3-270m", dtype="bfloat16"): every weight dequantised to bf16 (what the
                     default load did before these types ran natively)
   transformers      AutoModelForCausalLM from the same GGUF (dequantised to fp32), greedy `generate`
+  llama.cpp         the same file through llama-cpp-python's C API (as benchmarks/bench_decode_cpu.py runs
+                    it: decode, then argmax), when llama_cpp is importable (`pip install
+                    "inflight-llm[llamacpp]"`); the table's "vs llama.cpp" column is each system's ratio to it
 
 Cases (as benchmarks/bench_decode_cpu.py): "single" = one chat-templated prompt, greedy, --max-tokens new
 tokens, EOS ignored (prefill ms, decode tok/s); "batched" = case (a) of benchmarks/throughput.py (16
@@ -16,6 +19,7 @@ prompts x --max-tokens), generated tok/s over the whole call. The table gives ea
 inflight, the weight bytes one decode step reads, and the tokens' agreement with transformers.
 
     python benchmarks/bench_gguf_native.py [--repeats 3] [--max-tokens 64] [--skip-transformers]
+        [--skip-llamacpp]
         [--out FILE]   (default: docs/bench/gguf-native-gemma3-<cpu>-cpu.json)
 """
 
@@ -36,6 +40,7 @@ from bench_decode_cpu import (
     CHAT,
     INFLIGHT_VARIANTS,
     InflightRunner,
+    LlamaCppRunner,
     TransformersRunner,
     _leading_agreement,
     measure,
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.repeats < 1 or args.max_tokens < 2 or args.threads < 1:
@@ -87,6 +93,16 @@ def main() -> None:
     ]
     if not args.skip_transformers:
         factories.append(("transformers", lambda: TransformersRunner(path)))
+    llama_version = None
+    if not args.skip_llamacpp:
+        try:
+            import llama_cpp
+
+            llama_version = getattr(llama_cpp, "__version__", None) or "unknown"
+            max_len = max(len(ids) + n, max(len(q) + m for q, m in reqs)) + 16
+            factories.append(("llama.cpp", lambda: LlamaCppRunner(path, args.threads, max_len)))
+        except ImportError:
+            print("llama.cpp: skipped (llama_cpp is not importable; pip install 'inflight-llm[llamacpp]')")
     rows: list[dict] = []
     for name, make in factories:
         print(f"{name}: loading", flush=True)
@@ -104,9 +120,11 @@ def main() -> None:
     print(f"\n{path.name}, {len(ids)}-token prompt, {n} new tokens; CPU: {describe_cpu()}")
     print(
         " system            | decode tok/s | inflight/x | prefill ms | batched tok/s | inflight/x | "
-        "weights MiB/token | same tokens as transformers"
+        "weights MiB/token | same tokens as transformers | vs llama.cpp (decode / batched)"
     )
-    print("-" * 128)
+    print("-" * 160)
+    cpp_s = single.get("llama.cpp", {}).get("decode_tok_s")
+    cpp_b = batched.get("llama.cpp", {}).get("total_tok_s")
     base_s, base_b = single["inflight"]["decode_tok_s"], batched["inflight"]["total_tok_s"]
     for name, row in single.items():
         b = batched[name]
@@ -115,7 +133,12 @@ def main() -> None:
         print(
             f" {name:<17} | {row['decode_tok_s']:12.1f} | {base_s / row['decode_tok_s']:10.2f} | "
             f"{row['prefill_ms']:10.1f} | {b['total_tok_s']:13.1f} | {base_b / b['total_tok_s']:10.2f} | "
-            f"{'' if wb is None else f'{wb / 2**20:17.1f}'} | {same}"
+            f"{'' if wb is None else f'{wb / 2**20:17.1f}'} | {same:27} | "
+            + (
+                ""
+                if cpp_s is None
+                else f"{row['decode_tok_s'] / cpp_s:.2f}x / {b['total_tok_s'] / cpp_b:.2f}x"
+            )
         )
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end ({os.cpu_count()} CPUs)")
@@ -135,6 +158,7 @@ def main() -> None:
                 "new_tokens": n,
                 "threads": args.threads,
                 "repeats": args.repeats,
+                "llama_cpp_python": llama_version,
                 "load_average": {"start": load0, "end": load1},
                 "results": rows,
             },

@@ -142,8 +142,8 @@ struct MoeExpertsParams {
   int hidden = 0, intermediate = 0;
   ScalarType dtype = ScalarType::kFloat32;  // x, out and the projections' activations
   bool gelu = false;
-  void const* x = nullptr;  // [rows, hidden]
-  void* out = nullptr;      // [rows, hidden]
+  void const* x = nullptr;    // [rows, hidden]
+  void* out = nullptr;        // [rows, hidden]
   void* workspace = nullptr;  // moe_experts_workspace_size(params) bytes
   std::int64_t workspace_bytes = 0;
   int num_threads = 1;
