@@ -7,7 +7,8 @@ weights and router; --hidden / --experts / --inter / --top-k change it). The exp
 Q4_K_M file mixes them; the dense row holds the same weights dequantised, in fp32 or bf16 (--dtype).
 Each row times ``SparseMoeBlock.forward`` (routing, sorting, the experts, the weighted sum) for T tokens
 (decode: 1; a batch of decodes: 4, 16; a prefill chunk: 64), median of --repeats timed calls after a
-warm-up, the systems interleaved per repeat. The Python row is the fused row's own block with its
+warm-up, the systems interleaved per repeat in a rotating order (the routed experts' weights stay
+warm in the cache for whichever system runs right after another 4-bit one). The Python row is the fused row's own block with its
 C++ group switched off (the fallback path), so both run the same kernels on the same rows.
 
     python benchmarks/bench_moe_experts.py [--tokens 1 4 16 64] [--repeats 20] [--dtype float32]
@@ -122,9 +123,10 @@ def main() -> None:
         systems[f"dense {args.dtype}, F.grouped_mm"] = lambda x=x: dense(x)
         with torch.no_grad():
             times: dict[str, list[float]] = {k: [] for k in systems}
-            for _ in range(args.repeats):  # interleaved, so drift hits every system alike
-                for name, fn in systems.items():
-                    times[name].extend(time_call(fn, 1))
+            names = list(systems)
+            for r in range(args.repeats):  # interleaved, the order rotated: drift and warm caches alike
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    times[name].extend(time_call(systems[name], 1))
             ref = quant(x)
             assert torch.allclose(python_loop(), ref, atol=1e-5), "the two 4-bit paths disagree"
         base = statistics.median(times["4-bit, one C++ call"])
