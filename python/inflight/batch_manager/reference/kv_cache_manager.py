@@ -28,6 +28,11 @@ naming the first one violated):
   primary block's key then moves to a secondary block (offload) when the priority and the secondary
   pool allow, and a secondary block's key moves to a primary block on a hit (onboard).
 * ``_transfers`` lists the moves of KV between levels not yet taken, in the order they happened.
+* Sliding window (``attention_window`` W > 0, for the layers of one window; docs/batch-manager.md
+  §3.11): a sequence's ``block_ids`` entry is ``-1`` for a block released because no query of the
+  sequence can see it any more (every one of its tokens is before ``q - W + 1`` for the sequence's
+  next query position ``q``). Released entries form a prefix of ``block_ids``; the list keeps one
+  entry per block of the sequence, so block ``i`` still covers tokens ``[i * tpb, (i + 1) * tpb)``.
 
 Where the twin deliberately differs from the C++ in representation (never in decisions): the C++
 identifies a cached prefix by a chained 64-bit hash, checked token by token on lookup, and
@@ -88,6 +93,7 @@ class _Sequence:
     # The request's kv_retention_priority (default without a request), for blocks added later.
     retention_priority: int = DEFAULT_RETENTION_PRIORITY
     suspended: bool = False  # swapped out: its private blocks are secondary blocks
+    num_released: int = 0  # sliding window: entries block_ids[:num_released] are -1 (released)
 
 
 class KVCacheManager:
@@ -104,6 +110,7 @@ class KVCacheManager:
         enable_block_reuse: bool = False,
         num_secondary_blocks: int = 0,
         secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+        attention_window: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -119,6 +126,14 @@ class KVCacheManager:
             raise ValueError(
                 f"secondary_offload_min_priority must be in [0, 100], got {secondary_offload_min_priority}"
             )
+        if attention_window < 0:
+            raise ValueError(f"attention_window must be >= 0 (0: no window), got {attention_window}")
+        if attention_window and num_secondary_blocks:
+            raise ValueError(
+                f"attention_window {attention_window} with num_secondary_blocks {num_secondary_blocks}: "
+                "a sliding-window manager has no secondary level"
+            )
+        self._attention_window = attention_window
         self._num_blocks = num_blocks
         self._num_secondary_blocks = num_secondary_blocks
         self._secondary_offload_min_priority = secondary_offload_min_priority
@@ -169,6 +184,11 @@ class KVCacheManager:
     @property
     def enable_block_reuse(self) -> bool:
         return self._enable_block_reuse
+
+    @property
+    def attention_window(self) -> int:
+        """The window W of the layers this manager serves (0: global layers, nothing released)."""
+        return self._attention_window
 
     @property
     def num_free_blocks(self) -> int:
@@ -232,8 +252,13 @@ class KVCacheManager:
         input_length: int,
         beam_width: int = 1,
         request: LlmRequest | None = None,
+        max_reused_blocks: int = -1,
     ) -> None:
-        """Allocates ceil(input_length / tpb) blocks for the whole prompt (matched prefix first).
+        """Allocates ceil(input_length / tpb) blocks (matched prefix first): the whole prompt, or with
+        a window the first context chunk (later chunks come with ``add_tokens``).
+        ``max_reused_blocks`` >= 0 caps the prefix hits (an engine with several managers reuses the
+        blocks every one of them holds: the minimum of their ``count_reusable_blocks``). With a
+        window, the blocks no query can see are released at once (:meth:`slide_window`).
 
         Raises ValueError for a bad argument and RuntimeError (state unchanged) when the free
         blocks do not suffice.
@@ -254,6 +279,8 @@ class KVCacheManager:
             tokens = request.get_tokens()
             # Capped at what the request holds, so that hits * tpb < prompt_len always.
             hits = self._match_prefix(tokens, min(input_length, request.prompt_len, len(tokens)))
+            if max_reused_blocks >= 0:
+                hits = hits[:max_reused_blocks]
         num_new = num_blocks - len(hits)
         num_secondary_hits = sum(1 for b in hits if self._blocks[b].level == SECONDARY_LEVEL)
         # A hit block that sits in the free queue leaves it, so it counts against the free blocks; a
@@ -298,6 +325,54 @@ class KVCacheManager:
         self._alloc_new_blocks += num_new
         if hits:
             request.set_prepopulated_prompt_len(len(hits) * self._tokens_per_block)
+        if self._attention_window:
+            self._slide(self._sequences[request_id], len(hits) * self._tokens_per_block, request)
+
+    def count_reusable_blocks(self, request: LlmRequest) -> int:
+        """The prompt blocks :meth:`add_sequence` would reuse for ``request`` now (0 with reuse off)."""
+        if not self._enable_block_reuse:
+            return 0
+        tokens = request.get_tokens()
+        return len(self._match_prefix(tokens, min(request.prompt_len, len(tokens))))
+
+    def slide_window(self, request_id: int, first_query_pos: int, request: LlmRequest | None = None) -> None:
+        """Releases the blocks that no query at ``first_query_pos`` or later can see: those whose
+        tokens all precede ``first_query_pos - attention_window + 1`` (no-op without a window). With
+        reuse and ``request``, a released full block is stored for reuse first (its prefix keyed, as
+        :meth:`remove_sequence` would), if its parent is cached."""
+        sequence = self._active_sequence(request_id, "slide_window")
+        if not 0 <= first_query_pos <= sequence.num_tokens:
+            raise ValueError(
+                f"slide_window: first_query_pos must be in [0, {sequence.num_tokens}] (the tokens of "
+                f"request_id {request_id}), got {first_query_pos}"
+            )
+        self._check_request_id("slide_window", request_id, request)
+        self._slide(sequence, first_query_pos, request)
+
+    def get_num_held_blocks(self, request_id: int) -> int:
+        """The blocks the sequence holds (its released window blocks not counted)."""
+        sequence = self._sequence(request_id, "get_num_held_blocks")
+        return len(sequence.block_ids) - sequence.num_released
+
+    def _slide(self, sequence: _Sequence, first_query_pos: int, request: LlmRequest | None) -> None:
+        window = self._attention_window
+        if not window:
+            return
+        tpb = self._tokens_per_block
+        num_dead = max(0, first_query_pos - window + 1) // tpb
+        if num_dead <= sequence.num_released:
+            return
+        if self._enable_block_reuse and request is not None:
+            self._store_blocks(
+                request.get_tokens(),
+                min(num_dead * tpb, request.num_tokens),
+                sequence.block_ids,
+                request.kv_retention_priority,
+            )
+        for i in range(sequence.num_released, num_dead):  # oldest first: evicted first
+            self._release(sequence.block_ids[i])
+            sequence.block_ids[i] = -1
+        sequence.num_released = num_dead
 
     def _cow_blocks(self, sequence) -> int:
         """1 when the next token lands in a last block another sequence also holds."""
@@ -321,7 +396,8 @@ class KVCacheManager:
         if dst_id in self._sequences:
             raise ValueError(f"fork_sequence: request_id {dst_id} is already in the KV cache manager")
         dst = _Sequence(list(src.block_ids), src.num_tokens, src.retention_priority)
-        for block_id in dst.block_ids:
+        dst.num_released = src.num_released
+        for block_id in dst.block_ids[dst.num_released :]:
             self._blocks[block_id].ref_count += 1
         self._sequences[dst_id] = dst
 
@@ -340,6 +416,11 @@ class KVCacheManager:
         """Swap-out: each private block (ref_count 1) moves to a free secondary block (offload), its
         primary block freed, last first; shared blocks stay held. All or nothing."""
         sequence = self._active_sequence(request_id, "suspend_sequence")
+        if self._attention_window:
+            raise ValueError(
+                f"suspend_sequence: a sliding-window manager (attention_window {self._attention_window}) "
+                "has no secondary level"
+            )
         needed = self.get_needed_secondary_blocks_to_suspend(request_id)
         free = self._num_free(SECONDARY_LEVEL)
         if needed > free:
@@ -388,14 +469,14 @@ class KVCacheManager:
     def get_needed_blocks_to_resume(self, request_id: int) -> int:
         """Free primary blocks resume_sequence needs (the secondary blocks; 0 when not suspended)."""
         sequence = self._sequence(request_id, "get_needed_blocks_to_resume")
-        return sum(1 for b in sequence.block_ids if self._blocks[b].level == SECONDARY_LEVEL)
+        return sum(1 for b in sequence.block_ids if b >= 0 and self._blocks[b].level == SECONDARY_LEVEL)
 
     def get_needed_secondary_blocks_to_suspend(self, request_id: int) -> int:
         """Free secondary blocks suspend_sequence needs (the private blocks; 0 when suspended)."""
         sequence = self._sequence(request_id, "get_needed_secondary_blocks_to_suspend")
         if sequence.suspended:
             return 0
-        return sum(1 for b in sequence.block_ids if self._blocks[b].ref_count == 1)
+        return sum(1 for b in sequence.block_ids if b >= 0 and self._blocks[b].ref_count == 1)
 
     def add_token(self, request_id: int) -> None:
         """One more token; a new block (of the sequence's retention priority) when it starts one."""
@@ -405,6 +486,7 @@ class KVCacheManager:
                 f"add_token: request_id {request_id} already holds {sequence.num_tokens} tokens, "
                 f"max_seq_len is {self._max_seq_len}"
             )
+        self._slide(sequence, sequence.num_tokens, None)  # the new token is the next query
         if self._cow_blocks(sequence):
             if self.num_free_blocks == 0:
                 raise RuntimeError(
@@ -432,6 +514,8 @@ class KVCacheManager:
                 f"max_seq_len {self._max_seq_len}"
             )
         tpb = self._tokens_per_block
+        if n > 0:
+            self._slide(sequence, sequence.num_tokens, None)  # the first new token is the next query
         needed = -(-(sequence.num_tokens + n) // tpb) - len(sequence.block_ids)
         cow = self._cow_blocks(sequence) if n > 0 else 0
         if needed + cow > self.num_free_blocks:
@@ -455,10 +539,21 @@ class KVCacheManager:
                 f"rewind: n must be in [0, {sequence.num_tokens - 1}] (request_id {request_id} keeps at least "
                 f"one of its {sequence.num_tokens} tokens), got {n}"
             )
+        if sequence.num_released:
+            # The window cannot move back over the blocks it released.
+            keep = sequence.num_released * self._tokens_per_block + self._attention_window - 1
+            if n > sequence.num_tokens - keep:
+                raise ValueError(
+                    f"rewind: n must be in [0, {sequence.num_tokens - keep}] (request_id {request_id} released "
+                    f"{sequence.num_released} blocks to its window {self._attention_window}), got {n}"
+                )
         sequence.num_tokens -= n
         keep = -(-sequence.num_tokens // self._tokens_per_block)
         while len(sequence.block_ids) > keep:
-            self._release(sequence.block_ids.pop())
+            block_id = sequence.block_ids.pop()
+            if block_id >= 0:
+                self._release(block_id)
+        sequence.num_released = min(sequence.num_released, len(sequence.block_ids))
 
     def remove_sequence(self, request_id: int, request: LlmRequest | None = None) -> None:
         """Stores the computed full blocks (reuse on), then frees the blocks, last block first."""
@@ -474,7 +569,7 @@ class KVCacheManager:
             )
         # Last block first: the leaves of a prefix are evicted before their parents (a suspended
         # sequence's secondary blocks return to the secondary free queue).
-        for block_id in reversed(sequence.block_ids):
+        for block_id in reversed(sequence.block_ids[sequence.num_released :]):
             self._release(block_id)
         del self._sequences[request_id]
 
@@ -488,6 +583,7 @@ class KVCacheManager:
         self._store_blocks(tokens, num_stored, sequence.block_ids, request.kv_retention_priority)
 
     def get_block_ids(self, request_id: int) -> list[int]:
+        """The sequence's blocks in token order; -1 for a block released by the window."""
         return list(self._sequence(request_id, "get_block_ids").block_ids)
 
     def get_num_tokens(self, request_id: int) -> int:
@@ -495,7 +591,8 @@ class KVCacheManager:
 
     def copy_block_tables(self, request_ids: Iterable[Any], out: Any) -> None:
         """Row i of ``out`` (int32 [rows, cols], C-contiguous, numpy or CPU torch) = the blocks of
-        the i-th sequence, the rest of that row 0; other rows untouched. ``request_ids`` holds ids
+        the i-th sequence (a block released by the window as 0: the kernels never read it), the rest of
+        that row 0; other rows untouched. ``request_ids`` holds ids
         or requests (a RequestList)."""
         ids = [r.request_id if hasattr(r, "request_id") else r for r in request_ids]
         table = np.asarray(out)  # a view: a CPU torch tensor shares its memory with it
@@ -523,6 +620,7 @@ class KVCacheManager:
                 )
             table[row, :] = 0
             table[row, : len(block_ids)] = block_ids
+            table[row, : sequence.num_released] = 0
 
     def get_kv_cache_stats(self) -> KvCacheStats:
         stats = KvCacheStats()
@@ -560,7 +658,7 @@ class KVCacheManager:
             return
         self._scheduling_num_free_blocks += sum(
             1
-            for block_id in sequence.block_ids
+            for block_id in sequence.block_ids[sequence.num_released :]
             if self._blocks[block_id].ref_count == 1 and self._blocks[block_id].level == PRIMARY_LEVEL
         )
 
@@ -816,9 +914,27 @@ class KVCacheManager:
                     f"request_id {request_id} holds {len(sequence.block_ids)} blocks for "
                     f"{sequence.num_tokens} tokens, expected {expected}"
                 )
-            if len(set(sequence.block_ids)) != len(sequence.block_ids):
+            released = sequence.block_ids[: sequence.num_released]
+            held = sequence.block_ids[sequence.num_released :]
+            if released and not self._attention_window:
+                fail(f"request_id {request_id} has released blocks without an attention window")
+            if any(b != -1 for b in released) or any(b < 0 for b in held):
+                fail(
+                    f"request_id {request_id}: its first {sequence.num_released} entries must be -1 "
+                    "(released by the window) and the others blocks"
+                )
+            if (
+                self._attention_window
+                and sequence.num_released
+                > max(0, sequence.num_tokens - self._attention_window + 1) // self._tokens_per_block
+            ):
+                fail(
+                    f"request_id {request_id} released {sequence.num_released} blocks, more than its "
+                    f"window {self._attention_window} allows at {sequence.num_tokens} tokens"
+                )
+            if len(set(held)) != len(held):
                 fail(f"request_id {request_id} holds a block twice")
-            for block_id in sequence.block_ids:
+            for block_id in held:
                 if not sequence.suspended and self._blocks[block_id].level != PRIMARY_LEVEL:
                     fail(f"active request_id {request_id} holds secondary block {block_id}")
                 holders[block_id] += 1
@@ -1014,11 +1130,17 @@ class KVCacheManager:
         Every block of ours takes the request's retention priority (a block it reused too, as
         TensorRT-LLM gives a reused block the priority of the request now holding it). Where the
         cache already holds another block with the same prefix, the walk moves through it and our
-        block stays unkeyed; elsewhere our block is keyed.
+        block stays unkeyed; elsewhere our block is keyed. A block released by the window (-1) is
+        walked through where the cache holds its prefix; elsewhere the walk ends (nothing below an
+        uncached prefix can be keyed).
         """
         tpb = self._tokens_per_block
         for i in range(num_tokens // tpb):
             key = tuple(tokens[: (i + 1) * tpb])
+            if block_ids[i] < 0:
+                if key in self._cached:
+                    continue
+                return
             block = self._blocks[block_ids[i]]
             block.retention_priority = retention_priority
             if key in self._cached:
