@@ -89,17 +89,24 @@ class CapacityScheduler:
         return self._two_steps_lookahead
 
     def schedule(
-        self, active_requests: Iterable[LlmRequest], kv_cache_manager: Any
+        self,
+        active_requests: Iterable[LlmRequest],
+        kv_cache_manager: Any,
+        window_managers: Iterable[Any] = (),
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
         """(fitting, paused), ordered as the module docstring says: ``fitting`` in list order
-        (generating requests first under the no-evict policies), ``paused`` in victim order."""
+        (generating requests first under the no-evict policies), ``paused`` in victim order.
+        ``window_managers``: the KV managers of the sliding-window layers (VSWA), each with its own
+        pool; a request fits only where it fits in every pool (the duplicate-prefill marks and the
+        reuse checks are ``kv_cache_manager``'s)."""
         active = list(active_requests)
         if kv_cache_manager is None:
             return self._schedule_max_requests(active), []
+        managers = [kv_cache_manager, *window_managers]
         if self.policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
-            return self._schedule_max_utilization(active, kv_cache_manager)
+            return self._schedule_max_utilization(active, managers)
         static_batch = self.policy == CapacitySchedulerPolicy.STATIC_BATCH
-        return self._schedule_no_evict(active, kv_cache_manager, static_batch), []
+        return self._schedule_no_evict(active, managers, static_batch), []
 
     def _in_window(self, request: LlmRequest) -> bool:
         return in_window(request, self.no_schedule_until_state, self.no_schedule_after_state)
@@ -133,11 +140,14 @@ class CapacityScheduler:
             marked.add(key)
         return False
 
-    def _schedule_no_evict(self, active: list[LlmRequest], kv: Any, static_batch: bool) -> list[LlmRequest]:
+    def _schedule_no_evict(
+        self, active: list[LlmRequest], managers: list[Any], static_batch: bool
+    ) -> list[LlmRequest]:
+        kv = managers[0]
         marked = self._blocks_in_production(active, kv) if self._delays_duplicate_prefills(kv) else None
         scheduled: list[LlmRequest] = []
         pending: list[LlmRequest] = []
-        reserved_blocks = 0
+        reserved_blocks = [0] * len(managers)
         # Generating requests are always kept and reserve what they need to finish.
         for r in active:
             if not self._in_window(r):
@@ -146,12 +156,13 @@ class CapacityScheduler:
                 break
             if r.is_generation_in_progress_state:
                 scheduled.append(r)
-                reserved_blocks += kv.get_remaining_blocks_to_completion(r)
+                for j, m in enumerate(managers):
+                    reserved_blocks[j] += m.get_remaining_blocks_to_completion(r)
             else:
                 pending.append(r)
         any_generating = bool(scheduled)
 
-        available_blocks = kv.num_free_blocks - reserved_blocks
+        available_blocks = [m.num_free_blocks - reserved for m, reserved in zip(managers, reserved_blocks)]
         # The others in order, while they fit; the first that does not stops admission.
         for r in pending:
             if len(scheduled) >= self.max_num_requests:
@@ -160,11 +171,11 @@ class CapacityScheduler:
                 continue
             if static_batch and any_generating and r.is_context_init_state and r.is_first_context_chunk:
                 break
-            needed_blocks = kv.get_remaining_blocks_to_completion(r)
-            if needed_blocks > available_blocks:
+            needed_blocks = [m.get_remaining_blocks_to_completion(r) for m in managers]
+            if any(n > a for n, a in zip(needed_blocks, available_blocks)):
                 break
             scheduled.append(r)
-            available_blocks -= needed_blocks
+            available_blocks = [a - n for a, n in zip(available_blocks, needed_blocks)]
         return scheduled
 
     def _is_started(self, r: LlmRequest) -> bool:
@@ -173,13 +184,15 @@ class CapacityScheduler:
         )
 
     def _schedule_max_utilization(
-        self, active: list[LlmRequest], kv: Any
+        self, active: list[LlmRequest], managers: list[Any]
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-        kv.start_scheduling()
+        kv = managers[0]
+        for m in managers:
+            m.start_scheduling()
         marked = self._blocks_in_production(active, kv) if self._delays_duplicate_prefills(kv) else None
         scheduled: list[LlmRequest] = []
         paused: list[LlmRequest] = []
-        scheduled_blocks = 0
+        scheduled_blocks = [0] * len(managers)
         end = len(active)  # requests from `end` on were paused (the victim and all behind it)
         i = 0
         while i < end:
@@ -187,21 +200,25 @@ class CapacityScheduler:
             if not self._in_window(r) or (marked is not None and self._is_duplicate_prefill(r, kv, marked)):
                 i += 1
                 continue
-            needed_blocks = kv.get_needed_blocks_one_step(r, self.two_steps_lookahead)
+            needed_blocks = [m.get_needed_blocks_one_step(r, self.two_steps_lookahead) for m in managers]
             while not (
                 len(scheduled) < self.max_num_requests
-                and scheduled_blocks + needed_blocks <= kv.scheduling_num_free_blocks
+                and all(
+                    s + n <= m.scheduling_num_free_blocks
+                    for s, n, m in zip(scheduled_blocks, needed_blocks, managers)
+                )
             ):
                 # Pause the last started request among r and those behind it, then try r again.
                 victim = next((j for j in range(end - 1, i - 1, -1) if self._is_started(active[j])), None)
                 if victim is None:
                     return scheduled, paused
-                kv.scheduling_remove_sequence(active[victim].request_id)
+                for m in managers:
+                    m.scheduling_remove_sequence(active[victim].request_id)
                 paused.append(active[victim])
                 end = victim
                 if victim == i:
                     return scheduled, paused
             scheduled.append(r)
-            scheduled_blocks += needed_blocks
+            scheduled_blocks = [s + n for s, n in zip(scheduled_blocks, needed_blocks)]
             i += 1
         return scheduled, paused

@@ -677,11 +677,19 @@ class KVCacheManager:
             # A speculative step writes the input token and its drafts (1 + k), never past max_seq_len.
             num_new = min(num_steps * (1 + request.num_draft_tokens), self._max_seq_len - num_past)
             new_blocks = _ceil_div(num_past + num_new, tpb) - _ceil_div(num_past, tpb)
+            if self._attention_window:
+                # The step first releases what its first query no longer sees.
+                sequence = self._sequences.get(request.request_id)
+                num_released = sequence.num_released if sequence is not None else 0
+                dead = max(0, num_past - self._attention_window + 1) // tpb
+                new_blocks = max(0, new_blocks - max(0, dead - num_released))
             return new_blocks * request.beam_width
         return 0
 
     def get_remaining_blocks_to_completion(self, request: LlmRequest) -> int:
         tpb = self._tokens_per_block
+        if self._attention_window:
+            return self._remaining_blocks_in_window(request)
         num_context_blocks = request.prompt_len // tpb  # shared by the beams
         num_total_blocks = _ceil_div(request.prompt_len + request.max_new_tokens, tpb)
         sequence = self._sequences.get(request.request_id)
@@ -702,6 +710,21 @@ class KVCacheManager:
                 remaining += request.beam_width - 1
         # Negative only when tokens were added past max_new_tokens: never hand out blocks not free.
         return max(remaining, 0)
+
+    def _remaining_blocks_in_window(self, request: LlmRequest) -> int:
+        """get_remaining_blocks_to_completion with a window: the prompt is held whole when added, and
+        a decode step (1 + k tokens) sees at most ``W + k`` positions, i.e. ``ceil((W + k) / tpb) + 1``
+        blocks per beam; the most the sequence will hold minus what it holds."""
+        tpb = self._tokens_per_block
+        num_total_blocks = _ceil_div(request.prompt_len + request.max_new_tokens, tpb)
+        per_beam = min(
+            num_total_blocks, _ceil_div(self._attention_window + request.num_draft_tokens, tpb) + 1
+        )
+        peak = per_beam * request.beam_width
+        sequence = self._sequences.get(request.request_id)
+        if sequence is None:
+            return max(_ceil_div(request.prompt_len, tpb), peak)
+        return max(peak - (len(sequence.block_ids) - sequence.num_released), 0)
 
     def find_new_context_block(self, request: LlmRequest) -> Hashable | None:
         """Key of the request's first reusable prompt block not yet cached (None: all cached/none/off)."""
