@@ -139,18 +139,28 @@ bool CapacityScheduler::in_window(LlmRequest const& request) const {
 }
 
 CapacitySchedulerOutput CapacityScheduler::schedule(RequestVector const& active_requests,
-                                                    KVCacheManager* kv_cache_manager) const {
+                                                    KVCacheManager* kv_cache_manager,
+                                                    std::vector<KVCacheManager*> const& window_managers) const {
   if (kv_cache_manager == nullptr) {
     return schedule_max_requests(active_requests);
   }
+  std::vector<KVCacheManager*> managers;
+  managers.reserve(1 + window_managers.size());
+  managers.push_back(kv_cache_manager);
+  for (std::size_t j = 0; j < window_managers.size(); ++j) {
+    if (window_managers[j] == nullptr) {
+      throw std::invalid_argument("window_managers[" + std::to_string(j) + "] must be a KV cache manager, got null");
+    }
+    managers.push_back(window_managers[j]);
+  }
   switch (policy_) {
     case CapacitySchedulerPolicy::kMAX_UTILIZATION:
-      return schedule_max_utilization(active_requests, *kv_cache_manager);
+      return schedule_max_utilization(active_requests, managers);
     case CapacitySchedulerPolicy::kSTATIC_BATCH:
-      return schedule_no_evict(active_requests, *kv_cache_manager, /*static_batch=*/true);
+      return schedule_no_evict(active_requests, managers, /*static_batch=*/true);
     case CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT:
     default:
-      return schedule_no_evict(active_requests, *kv_cache_manager, /*static_batch=*/false);
+      return schedule_no_evict(active_requests, managers, /*static_batch=*/false);
   }
 }
 
@@ -170,8 +180,11 @@ CapacitySchedulerOutput CapacityScheduler::schedule_max_requests(RequestVector c
   return output;
 }
 
-CapacitySchedulerOutput CapacityScheduler::schedule_no_evict(RequestVector const& active_requests, KVCacheManager& kv,
+CapacitySchedulerOutput CapacityScheduler::schedule_no_evict(RequestVector const& active_requests,
+                                                             std::vector<KVCacheManager*> const& managers,
                                                              bool static_batch) const {
+  KVCacheManager const& kv = *managers.front();
+  std::size_t const num_managers = managers.size();
   CapacitySchedulerOutput output;
   RequestVector& fitting = output.fitting_requests;
   fitting.reserve(output_capacity(active_requests, max_num_requests_));
@@ -183,8 +196,8 @@ CapacitySchedulerOutput CapacityScheduler::schedule_no_evict(RequestVector const
 
   // Generating requests were admitted with enough blocks to finish; they keep them. The others
   // form the pending list, which is active_requests filtered again in the second walk (same
-  // order, no copy).
-  std::int64_t reserved_blocks = 0;
+  // order, no copy). Per manager: each pool reserves what the request needs there.
+  std::vector<std::int64_t> available_blocks(num_managers, 0);
   for (LlmRequest* request : active_requests) {
     if (!in_window(*request)) {
       continue;
@@ -194,12 +207,17 @@ CapacitySchedulerOutput CapacityScheduler::schedule_no_evict(RequestVector const
     }
     if (request->is_generation_in_progress_state()) {
       fitting.push_back(request);
-      reserved_blocks += kv.get_remaining_blocks_to_completion(*request);
+      for (std::size_t j = 0; j < num_managers; ++j) {
+        available_blocks[j] -= managers[j]->get_remaining_blocks_to_completion(*request);
+      }
     }
   }
   bool const any_generating = !fitting.empty();
 
-  std::int64_t available_blocks = static_cast<std::int64_t>(kv.num_free_blocks()) - reserved_blocks;
+  for (std::size_t j = 0; j < num_managers; ++j) {
+    available_blocks[j] += managers[j]->num_free_blocks();
+  }
+  std::vector<std::int64_t> needed_blocks(num_managers, 0);
   for (LlmRequest* request : active_requests) {
     if (fitting.size() >= max_requests) {
       break;
@@ -215,19 +233,27 @@ CapacitySchedulerOutput CapacityScheduler::schedule_no_evict(RequestVector const
     if (duplicates.should_skip(*request)) {
       continue;
     }
-    std::int64_t const needed_blocks = kv.get_remaining_blocks_to_completion(*request);
-    if (needed_blocks > available_blocks) {
+    bool fits = true;
+    for (std::size_t j = 0; j < num_managers; ++j) {
+      needed_blocks[j] = managers[j]->get_remaining_blocks_to_completion(*request);
+      fits = fits && needed_blocks[j] <= available_blocks[j];
+    }
+    if (!fits) {
       // No overtaking: a smaller request behind would otherwise starve this one indefinitely.
       break;
     }
     fitting.push_back(request);
-    available_blocks -= needed_blocks;
+    for (std::size_t j = 0; j < num_managers; ++j) {
+      available_blocks[j] -= needed_blocks[j];
+    }
   }
   return output;
 }
 
-CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(RequestVector const& active_requests,
-                                                                    KVCacheManager& kv) const {
+CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(
+    RequestVector const& active_requests, std::vector<KVCacheManager*> const& managers) const {
+  KVCacheManager const& kv = *managers.front();
+  std::size_t const num_managers = managers.size();
   CapacitySchedulerOutput output;
   RequestVector& fitting = output.fitting_requests;
   RequestVector& paused = output.paused_requests;
@@ -235,7 +261,9 @@ CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(RequestVecto
   auto const max_requests = static_cast<std::size_t>(max_num_requests_);
   auto const in_window_fn = [this](LlmRequest const& request) { return in_window(request); };
 
-  kv.start_scheduling();
+  for (KVCacheManager* m : managers) {
+    m->start_scheduling();
+  }
   DuplicatePrefillFilter duplicates(kv, kv.enable_block_reuse(), active_requests.size());
   duplicates.mark_executing_contexts(active_requests, in_window_fn);
 
@@ -246,7 +274,9 @@ CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(RequestVecto
                                   request.is_generation_in_progress_state());
   };
 
-  std::int64_t num_scheduled_blocks = 0;
+  // Per manager: the blocks this pass has planned for the scheduled requests' step.
+  std::vector<std::int64_t> num_scheduled_blocks(num_managers, 0);
+  std::vector<std::int64_t> needed_blocks(num_managers, 0);
   std::size_t end = active_requests.size();
   std::size_t i = 0;
   // The duplicate-prefill check runs once per request: retrying after a pause must not find the
@@ -266,10 +296,16 @@ CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(RequestVecto
       }
     }
     if (fitting.size() < max_requests) {
-      std::int64_t const needed_blocks = kv.get_needed_blocks_one_step(*request, two_steps_lookahead_);
-      if (num_scheduled_blocks + needed_blocks <= kv.scheduling_num_free_blocks()) {
+      bool fits = true;
+      for (std::size_t j = 0; j < num_managers; ++j) {
+        needed_blocks[j] = managers[j]->get_needed_blocks_one_step(*request, two_steps_lookahead_);
+        fits = fits && num_scheduled_blocks[j] + needed_blocks[j] <= managers[j]->scheduling_num_free_blocks();
+      }
+      if (fits) {
         fitting.push_back(request);
-        num_scheduled_blocks += needed_blocks;
+        for (std::size_t j = 0; j < num_managers; ++j) {
+          num_scheduled_blocks[j] += needed_blocks[j];
+        }
         ++i;
         continue;
       }
@@ -286,7 +322,9 @@ CapacitySchedulerOutput CapacityScheduler::schedule_max_utilization(RequestVecto
     if (victim == end) {
       break;
     }
-    kv.scheduling_remove_sequence(active_requests[victim]->request_id());
+    for (KVCacheManager* m : managers) {
+      m->scheduling_remove_sequence(active_requests[victim]->request_id());
+    }
     paused.push_back(active_requests[victim]);
     // The victim and everyone behind it drop out of this pass; if it was this request, the pass ends.
     end = victim;

@@ -1,5 +1,6 @@
 // KVCacheManager: block accounting, the free queue and the prefix-reuse tree (TRT-LLM semantics,
 // see docs/batch-manager.md). The secondary level and swap are in kv_cache_manager_secondary.cpp,
+// the sliding window in kv_cache_manager_window.cpp,
 // check_integrity in kv_cache_manager_integrity.cpp, the shared internals (the chained hash,
 // Block, ReuseIndex) in kv_cache_manager_internal.h.
 //
@@ -32,13 +33,14 @@ using namespace kv_detail;
 
 KVCacheManager::KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_block, SizeType32 max_seq_len,
                                bool enable_block_reuse, SizeType32 num_secondary_blocks,
-                               SizeType32 secondary_offload_min_priority)
+                               SizeType32 secondary_offload_min_priority, SizeType32 attention_window)
     : num_blocks_(num_blocks),
       tokens_per_block_(tokens_per_block),
       max_seq_len_(max_seq_len),
       enable_block_reuse_(enable_block_reuse),
       num_secondary_blocks_(num_secondary_blocks),
-      secondary_offload_min_priority_(secondary_offload_min_priority) {
+      secondary_offload_min_priority_(secondary_offload_min_priority),
+      attention_window_(attention_window) {
   if (num_blocks < 1) {
     throw std::invalid_argument(concat("num_blocks must be >= 1, got ", num_blocks));
   }
@@ -57,6 +59,13 @@ KVCacheManager::KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_bloc
       secondary_offload_min_priority > kMaxRetentionPriority) {
     throw std::invalid_argument(
         concat("secondary_offload_min_priority must be in [0, 100], got ", secondary_offload_min_priority));
+  }
+  if (attention_window < 0) {
+    throw std::invalid_argument(concat("attention_window must be >= 0 (0: no window), got ", attention_window));
+  }
+  if (attention_window > 0 && num_secondary_blocks > 0) {
+    throw std::invalid_argument(concat("attention_window ", attention_window, " with num_secondary_blocks ",
+                                       num_secondary_blocks, ": a sliding-window manager has no secondary level"));
   }
   std::size_t const total = static_cast<std::size_t>(num_blocks) + static_cast<std::size_t>(num_secondary_blocks);
   blocks_.resize(total);
@@ -261,6 +270,16 @@ void KVCacheManager::store_blocks(std::vector<TokenIdType> const& tokens, SizeTy
     std::uint64_t const hash = chain_hash(parent_hash, block_tokens, tokens_per_block_);
     BlockIdType const ours = block_ids[i];
     BlockIdType const found = find_child(parent, hash, block_tokens);
+    if (ours == kNoBlock) {
+      // Released by the window: its contents are gone, so the walk can only pass through a node that
+      // caches the same prefix; below a prefix that is not cached nothing can be keyed.
+      if (found == kNoBlock) {
+        return;
+      }
+      parent = found;
+      parent_hash = hash;
+      continue;
+    }
     if (found == kNoBlock) {
       // The tree maps a content prefix to at most one node, so a keyed block of ours would have
       // been found on this path; a key here would be stale. Dropping it keeps the tree consistent.
@@ -278,6 +297,35 @@ void KVCacheManager::store_blocks(std::vector<TokenIdType> const& tokens, SizeTy
     blocks_[static_cast<std::size_t>(ours)].retention_priority = retention_priority;
     parent_hash = hash;
   }
+}
+
+SizeType32 KVCacheManager::match_prefix(TokenIdType const* tokens, SizeType32 num_lookup,
+                                        std::vector<BlockIdType>* hits) const {
+  BlockIdType parent = kRoot;
+  std::uint64_t parent_hash = kRootHash;
+  SizeType32 num_hits = 0;
+  for (; num_hits < num_lookup; ++num_hits) {
+    TokenIdType const* block_tokens = block_start(tokens, num_hits, tokens_per_block_);
+    std::uint64_t const hash = chain_hash(parent_hash, block_tokens, tokens_per_block_);
+    BlockIdType const found = find_child(parent, hash, block_tokens);
+    if (found == kNoBlock) {
+      break;
+    }
+    if (hits != nullptr) {
+      hits->push_back(found);
+    }
+    parent = found;
+    parent_hash = hash;
+  }
+  return num_hits;
+}
+
+SizeType32 KVCacheManager::count_reusable_blocks(LlmRequest const& request) const {
+  if (!enable_block_reuse_) {
+    return 0;
+  }
+  SizeType32 const lookup_len = std::min(request.prompt_len(), request.num_tokens());
+  return match_prefix(request.tokens().data(), std::max(lookup_len - 1, 0) / tokens_per_block_, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,7 +356,7 @@ KVCacheManager::Sequence& KVCacheManager::active_sequence(RequestIdType request_
 }
 
 void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_length, SizeType32 beam_width,
-                                  LlmRequest* request) {
+                                  LlmRequest* request, SizeType32 max_reused_blocks) {
   if (sequences_.count(request_id) != 0) {
     throw std::invalid_argument(concat("add_sequence: request_id ", request_id, " is already in the KV cache manager"));
   }
@@ -334,8 +382,8 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   Sequence seq;
   seq.num_tokens = input_length;
   seq.retention_priority = retention_priority;
-  // Reserved once so that add_token never reallocates; a sequence can outgrow neither bound.
-  seq.block_ids.reserve(static_cast<std::size_t>(std::min(max_blocks_per_seq(), num_blocks_)));
+  // Reserved once so that add_token never reallocates.
+  seq.block_ids.reserve(max_block_entries());
 
   // Prefix lookup. The last prompt token is never reused (its logits must be computed), hence
   // (len - 1) / tpb. The prompt is capped at what the request really holds, so that the lookup
@@ -344,25 +392,17 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   SizeType32 num_secondary_hits = 0;
   if (enable_block_reuse_ && request != nullptr) {
     SizeType32 const lookup_len = std::min({input_length, request->prompt_len(), request->num_tokens()});
-    SizeType32 const num_lookup = (lookup_len - 1) / tokens_per_block_;
-    TokenIdType const* tokens = request->tokens().data();
-    BlockIdType parent = kRoot;
-    std::uint64_t parent_hash = kRootHash;
-    for (SizeType32 i = 0; i < num_lookup; ++i) {
-      TokenIdType const* block_tokens = block_start(tokens, i, tokens_per_block_);
-      std::uint64_t const hash = chain_hash(parent_hash, block_tokens, tokens_per_block_);
-      BlockIdType const found = find_child(parent, hash, block_tokens);
-      if (found == kNoBlock) {
-        break;
-      }
-      seq.block_ids.push_back(found);
+    SizeType32 num_lookup = (lookup_len - 1) / tokens_per_block_;
+    if (max_reused_blocks >= 0) {
+      num_lookup = std::min(num_lookup, max_reused_blocks);
+    }
+    match_prefix(request->tokens().data(), num_lookup, &seq.block_ids);
+    for (BlockIdType const found : seq.block_ids) {
       if (level_of(found) == kSecondaryLevel) {
         ++num_secondary_hits;  // onboarded into a fresh primary block
       } else {
         num_free_hits += blocks_[static_cast<std::size_t>(found)].ref_count == 0 ? 1 : 0;
       }
-      parent = found;
-      parent_hash = hash;
     }
   }
   auto const num_hits = static_cast<SizeType32>(seq.block_ids.size());
@@ -407,7 +447,7 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   for (auto id = pinned.rbegin(); id != pinned.rend(); ++id) {
     release_block(*id);
   }
-  sequences_.emplace(request_id, std::move(seq));
+  Sequence& added = sequences_.emplace(request_id, std::move(seq)).first->second;
 
   reused_blocks_ += num_hits;
   secondary_reused_blocks_ += num_secondary_hits;
@@ -417,6 +457,8 @@ void KVCacheManager::add_sequence(RequestIdType request_id, SizeType32 input_len
   if (num_hits > 0) {
     request->set_prepopulated_prompt_len(num_hits * tokens_per_block_);
   }
+  // The first query is the first token not reused: what it cannot see is released (stored first).
+  slide(added, num_hits * tokens_per_block_, request);
 }
 
 SizeType32 KVCacheManager::cow_blocks(Sequence const& seq) const {
@@ -442,9 +484,12 @@ void KVCacheManager::fork_sequence(RequestIdType src_id, RequestIdType dst_id) {
   Sequence dst;
   dst.num_tokens = src.num_tokens;
   dst.retention_priority = src.retention_priority;
-  dst.block_ids.reserve(static_cast<std::size_t>(std::min(max_blocks_per_seq(), num_blocks_)));
+  dst.num_released = src.num_released;
+  dst.block_ids.reserve(max_block_entries());
   dst.block_ids = src.block_ids;
-  for (BlockIdType b : dst.block_ids) ++blocks_[static_cast<std::size_t>(b)].ref_count;
+  for (auto b = dst.block_ids.begin() + dst.num_released; b != dst.block_ids.end(); ++b) {
+    ++blocks_[static_cast<std::size_t>(*b)].ref_count;
+  }
   sequences_.emplace(dst_id, std::move(dst));
 }
 
@@ -460,7 +505,8 @@ void KVCacheManager::add_token(RequestIdType request_id) {
     throw std::invalid_argument(concat("add_token: request_id ", request_id, " already holds ", seq.num_tokens,
                                        " tokens, max_seq_len is ", max_seq_len_));
   }
-  if (cow_blocks(seq) != 0) {  // the token lands in a last block another sequence holds
+  slide(seq, seq.num_tokens, nullptr);  // the new token is the next query
+  if (cow_blocks(seq) != 0) {           // the token lands in a last block another sequence holds
     if (num_free_[kPrimaryLevel] == 0) {
       throw std::runtime_error(
           concat("add_token: not enough free KV blocks for request_id ", request_id, ": need 1, free 0"));
@@ -487,6 +533,9 @@ void KVCacheManager::add_tokens(RequestIdType request_id, SizeType32 n) {
     throw std::invalid_argument(concat("add_tokens: request_id ", request_id, " holds ", seq.num_tokens, " tokens; ", n,
                                        " more exceed max_seq_len ", max_seq_len_));
   }
+  if (n > 0) {
+    slide(seq, seq.num_tokens, nullptr);  // the first new token is the next query
+  }
   SizeType32 const blocks_after = ceil_div(seq.num_tokens + n, tokens_per_block_);
   SizeType32 const needed = blocks_after - static_cast<SizeType32>(seq.block_ids.size());
   SizeType32 const cow = n > 0 ? cow_blocks(seq) : 0;
@@ -509,12 +558,24 @@ void KVCacheManager::rewind(RequestIdType request_id, SizeType32 n) {
     throw std::invalid_argument(concat("rewind: n must be in [0, ", seq.num_tokens - 1, "] (request_id ", request_id,
                                        " keeps at least one of its ", seq.num_tokens, " tokens), got ", n));
   }
+  if (seq.num_released > 0) {
+    // The window cannot move back over the blocks it released: the query at the new end must still
+    // see W tokens.
+    SizeType32 const max_n = seq.num_tokens - (seq.num_released * tokens_per_block_ + attention_window_ - 1);
+    if (n > max_n) {
+      throw std::invalid_argument(concat("rewind: n must be in [0, ", max_n, "] (request_id ", request_id, " released ",
+                                         seq.num_released, " blocks to its window ", attention_window_, "), got ", n));
+    }
+  }
   seq.num_tokens -= n;
   auto const keep = static_cast<std::size_t>(ceil_div(seq.num_tokens, tokens_per_block_));
   while (seq.block_ids.size() > keep) {
-    release_block(seq.block_ids.back());
+    if (seq.block_ids.back() != kNoBlock) {
+      release_block(seq.block_ids.back());
+    }
     seq.block_ids.pop_back();
   }
+  seq.num_released = std::min(seq.num_released, static_cast<SizeType32>(seq.block_ids.size()));
 }
 
 void KVCacheManager::remove_sequence(RequestIdType request_id, LlmRequest* request) {
@@ -538,7 +599,7 @@ void KVCacheManager::remove_sequence(RequestIdType request_id, LlmRequest* reque
   }
   // Last block first: the leaves of a prefix reach the free queue before their parents and are
   // therefore evicted first, keeping the cached prefixes usable for longer.
-  for (auto block = seq.block_ids.rbegin(); block != seq.block_ids.rend(); ++block) {
+  for (auto block = seq.block_ids.rbegin(); block != seq.block_ids.rend() - seq.num_released; ++block) {
     release_block(*block);
   }
   num_suspended_ -= seq.suspended ? 1 : 0;
@@ -590,6 +651,7 @@ void KVCacheManager::copy_block_tables(std::vector<RequestIdType> const& request
     BlockIdType* dst = out + row * stride;
     std::memcpy(dst, ids.data(), ids.size() * sizeof(BlockIdType));
     std::memset(dst + ids.size(), 0, (stride - ids.size()) * sizeof(BlockIdType));
+    std::memset(dst, 0, static_cast<std::size_t>(seq.num_released) * sizeof(BlockIdType));
   }
 }
 
@@ -630,8 +692,9 @@ void KVCacheManager::scheduling_remove_sequence(RequestIdType request_id) {
   }
   // A block shared with another sequence (prefix reuse) would stay in use after this one goes; the
   // secondary blocks of a suspended sequence free no primary block.
-  for (BlockIdType const id : it->second.block_ids) {
-    if (blocks_[static_cast<std::size_t>(id)].ref_count == 1 && level_of(id) == kPrimaryLevel) {
+  std::vector<BlockIdType> const& ids = it->second.block_ids;
+  for (auto id = ids.begin() + it->second.num_released; id != ids.end(); ++id) {
+    if (blocks_[static_cast<std::size_t>(*id)].ref_count == 1 && level_of(*id) == kPrimaryLevel) {
       ++scheduling_num_free_blocks_;
     }
   }
@@ -654,12 +717,23 @@ SizeType32 KVCacheManager::get_needed_blocks_one_step(LlmRequest const& request,
     // A speculative step writes the input token and its drafts: 1 + num_draft_tokens per step (TRT-LLM),
     // never past max_seq_len.
     SizeType32 const k = std::min(steps * (1 + request.num_draft_tokens()), max_seq_len_ - t);
-    return (ceil_div(t + k, tokens_per_block_) - ceil_div(t, tokens_per_block_)) * request.beam_width();
+    SizeType32 new_blocks = ceil_div(t + k, tokens_per_block_) - ceil_div(t, tokens_per_block_);
+    if (attention_window_ > 0) {
+      // The step first releases the blocks its first query (position t) no longer sees.
+      auto it = sequences_.find(request.request_id());
+      SizeType32 const num_released = it == sequences_.end() ? 0 : it->second.num_released;
+      SizeType32 const dead = std::max<SizeType32>(0, t - attention_window_ + 1) / tokens_per_block_;
+      new_blocks = std::max<SizeType32>(0, new_blocks - std::max<SizeType32>(0, dead - num_released));
+    }
+    return new_blocks * request.beam_width();
   }
   return 0;
 }
 
 SizeType32 KVCacheManager::get_remaining_blocks_to_completion(LlmRequest const& request) const {
+  if (attention_window_ > 0) {
+    return remaining_blocks_in_window(request);
+  }
   // 64-bit: prompt_len + max_new_tokens may pass INT32_MAX for a request that sets a huge
   // max_new_tokens and relies on max_seq_len / end ids to stop.
   std::int64_t const tpb = tokens_per_block_;
@@ -677,6 +751,26 @@ SizeType32 KVCacheManager::get_remaining_blocks_to_completion(LlmRequest const& 
   }
   // A sequence can hold more than T blocks only in degenerate cases (tokens added past
   // max_new_tokens); a negative count would hand other requests blocks that are not free.
+  return static_cast<SizeType32>(std::clamp<std::int64_t>(remaining, 0, std::numeric_limits<SizeType32>::max()));
+}
+
+SizeType32 KVCacheManager::remaining_blocks_in_window(LlmRequest const& request) const {
+  // The prompt is held whole when added; a decode step (1 + k tokens) sees at most W + k positions,
+  // i.e. ceil((W + k) / tpb) + 1 blocks per beam. Remaining: the most the sequence will hold at once
+  // minus what it holds (its released blocks not counted).
+  std::int64_t const tpb = tokens_per_block_;
+  std::int64_t const total = (std::int64_t{request.prompt_len()} + request.max_new_tokens() + tpb - 1) / tpb;
+  std::int64_t const per_beam =
+      std::min(total, (std::int64_t{attention_window_} + request.num_draft_tokens() + tpb - 1) / tpb + 1);
+  std::int64_t const peak = per_beam * request.beam_width();
+  auto it = sequences_.find(request.request_id());
+  std::int64_t remaining = 0;
+  if (it == sequences_.end()) {
+    remaining = std::max((std::int64_t{request.prompt_len()} + tpb - 1) / tpb, peak);
+  } else {
+    Sequence const& seq = it->second;
+    remaining = peak - (static_cast<std::int64_t>(seq.block_ids.size()) - seq.num_released);
+  }
   return static_cast<SizeType32>(std::clamp<std::int64_t>(remaining, 0, std::numeric_limits<SizeType32>::max()));
 }
 

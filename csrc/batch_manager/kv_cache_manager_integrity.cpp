@@ -1,5 +1,6 @@
 // KVCacheManager::check_integrity: every invariant of kv_cache_manager.h, recomputed from scratch
 // over both levels (docs/batch-manager.md §3.8). Tests call it after every step.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -90,7 +91,27 @@ void KVCacheManager::check_integrity() const {
       integrity_error(concat("request_id ", request_id, " holds ", seq.block_ids.size(), " blocks for ", seq.num_tokens,
                              " tokens, expected ", expected));
     }
-    for (BlockIdType const id : seq.block_ids) {
+    if (seq.num_released < 0 || static_cast<std::size_t>(seq.num_released) > seq.block_ids.size()) {
+      integrity_error(concat("request_id ", request_id, " records ", seq.num_released, " released blocks of ",
+                             seq.block_ids.size()));
+    }
+    if (seq.num_released > 0 && attention_window_ == 0) {
+      integrity_error(concat("request_id ", request_id, " has released blocks without an attention window"));
+    }
+    auto const held = seq.block_ids.begin() + seq.num_released;
+    if (std::any_of(seq.block_ids.begin(), held, [](BlockIdType id) { return id != kNoBlock; }) ||
+        std::any_of(held, seq.block_ids.end(), [](BlockIdType id) { return id < 0; })) {
+      integrity_error(concat("request_id ", request_id, ": its first ", seq.num_released,
+                             " entries must be -1 (released by the window) and the others blocks"));
+    }
+    if (attention_window_ > 0 &&
+        seq.num_released > std::max(seq.num_tokens - attention_window_ + 1, 0) / tokens_per_block_) {
+      integrity_error(concat("request_id ", request_id, " released ", seq.num_released,
+                             " blocks, more than its window ", attention_window_, " allows at ", seq.num_tokens,
+                             " tokens"));
+    }
+    for (auto it = held; it != seq.block_ids.end(); ++it) {
+      BlockIdType const id = *it;
       if (id < 0 || id >= total) {
         integrity_error(concat("request_id ", request_id, " holds invalid block id ", id));
       }

@@ -124,7 +124,7 @@ BlockIdType KVCacheManager::onboard(BlockIdType secondary) {
 
 SizeType32 KVCacheManager::get_needed_blocks_to_resume(RequestIdType request_id) const {
   Sequence const& seq = sequence(request_id, "get_needed_blocks_to_resume");
-  return static_cast<SizeType32>(std::count_if(seq.block_ids.begin(), seq.block_ids.end(),
+  return static_cast<SizeType32>(std::count_if(seq.block_ids.begin() + seq.num_released, seq.block_ids.end(),
                                                [&](BlockIdType id) { return level_of(id) == kSecondaryLevel; }));
 }
 
@@ -133,13 +133,17 @@ SizeType32 KVCacheManager::get_needed_secondary_blocks_to_suspend(RequestIdType 
   if (seq.suspended) {
     return 0;
   }
-  return static_cast<SizeType32>(std::count_if(seq.block_ids.begin(), seq.block_ids.end(), [&](BlockIdType id) {
-    return blocks_[static_cast<std::size_t>(id)].ref_count == 1;
-  }));
+  return static_cast<SizeType32>(
+      std::count_if(seq.block_ids.begin() + seq.num_released, seq.block_ids.end(),
+                    [&](BlockIdType id) { return blocks_[static_cast<std::size_t>(id)].ref_count == 1; }));
 }
 
 void KVCacheManager::suspend_sequence(RequestIdType request_id) {
   Sequence& seq = active_sequence(request_id, "suspend_sequence");
+  if (attention_window_ > 0) {
+    throw std::invalid_argument(concat("suspend_sequence: a sliding-window manager (attention_window ",
+                                       attention_window_, ") has no secondary level"));
+  }
   SizeType32 const needed = get_needed_secondary_blocks_to_suspend(request_id);
   if (needed > num_free_[kSecondaryLevel]) {
     throw std::runtime_error(concat("suspend_sequence: not enough free secondary KV blocks for request_id ", request_id,

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "inflight/batch_manager/capacity_scheduler.h"
-#include "inflight/batch_manager/kv_cache_manager.h"
 #include "inflight/batch_manager/llm_request.h"
 #include "inflight/batch_manager/micro_batch_scheduler.h"
 #include "inflight/batch_manager/sequence_slot_manager.h"
@@ -31,7 +30,7 @@ using namespace nb::literals;
 namespace inflight::bindings {
 namespace bm = inflight::batch_manager;
 
-namespace {
+void bind_kv_cache_manager(nb::module_& m);  // kv_cache_manager.cpp
 
 // A RequestList passes through as is; any other iterable of LlmRequest is converted once.
 RequestList const& as_request_list(nb::handle requests, RequestList& storage) {
@@ -71,6 +70,8 @@ RequestList to_request_list(bm::RequestVector const& result, RequestList const& 
   }
   return out;
 }
+
+namespace {
 
 bm::LlmRequest* request_ptr(nb::handle obj) {
   bm::LlmRequest* ptr = nullptr;
@@ -113,20 +114,6 @@ int request_list_clear(PyObject* self) {
 PyType_Slot request_list_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(request_list_traverse)},
                                     {Py_tp_clear, reinterpret_cast<void*>(request_list_clear)},
                                     {0, nullptr}};
-
-using BlockTableArray = nb::ndarray<std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using Int32Vector = nb::ndarray<std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-// A NumPy array that owns `values` (shape [values.size() / cols, cols], or 1-D when cols == 0).
-template <typename T>
-nb::ndarray<nb::numpy, T> owned_array(std::vector<T> values, std::size_t cols = 0) {
-  auto* heap = new std::vector<T>(std::move(values));
-  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  std::size_t const shape[2] = {cols == 0 ? heap->size() : heap->size() / cols, cols};
-  return nb::ndarray<nb::numpy, T>(heap->data(), cols == 0 ? 1 : 2, shape, owner);
-}
-
-std::vector<std::int32_t> to_vector(Int32Vector const& a) { return {a.data(), a.data() + a.shape(0)}; }
 
 }  // namespace
 
@@ -343,184 +330,7 @@ void bind_batch_manager(nb::module_& m) {
       });
 
   // ------------------------------------------------------------------ KV cache
-  nb::class_<bm::KvCacheStats>(m, "KvCacheStats")
-      .def(nb::init<>())
-      .def_rw("max_num_blocks", &bm::KvCacheStats::max_num_blocks)
-      .def_rw("free_num_blocks", &bm::KvCacheStats::free_num_blocks)
-      .def_rw("used_num_blocks", &bm::KvCacheStats::used_num_blocks)
-      .def_rw("tokens_per_block", &bm::KvCacheStats::tokens_per_block)
-      .def_rw("alloc_total_blocks", &bm::KvCacheStats::alloc_total_blocks)
-      .def_rw("alloc_new_blocks", &bm::KvCacheStats::alloc_new_blocks)
-      .def_rw("reused_blocks", &bm::KvCacheStats::reused_blocks)
-      .def_rw("missed_blocks", &bm::KvCacheStats::missed_blocks)
-      .def_rw("cache_hit_rate", &bm::KvCacheStats::cache_hit_rate)
-      .def_rw("reusable_num_blocks", &bm::KvCacheStats::reusable_num_blocks)
-      .def_rw("max_num_secondary_blocks", &bm::KvCacheStats::max_num_secondary_blocks)
-      .def_rw("free_num_secondary_blocks", &bm::KvCacheStats::free_num_secondary_blocks)
-      .def_rw("used_num_secondary_blocks", &bm::KvCacheStats::used_num_secondary_blocks)
-      .def_rw("reusable_num_secondary_blocks", &bm::KvCacheStats::reusable_num_secondary_blocks)
-      .def_rw("offloaded_blocks", &bm::KvCacheStats::offloaded_blocks)
-      .def_rw("onboarded_blocks", &bm::KvCacheStats::onboarded_blocks)
-      .def_rw("secondary_reused_blocks", &bm::KvCacheStats::secondary_reused_blocks)
-      .def_rw("secondary_hit_rate", &bm::KvCacheStats::secondary_hit_rate)
-      .def("to_dict",
-           [](bm::KvCacheStats const& s) {
-             nb::dict d;
-             d["max_num_blocks"] = s.max_num_blocks;
-             d["free_num_blocks"] = s.free_num_blocks;
-             d["used_num_blocks"] = s.used_num_blocks;
-             d["tokens_per_block"] = s.tokens_per_block;
-             d["alloc_total_blocks"] = s.alloc_total_blocks;
-             d["alloc_new_blocks"] = s.alloc_new_blocks;
-             d["reused_blocks"] = s.reused_blocks;
-             d["missed_blocks"] = s.missed_blocks;
-             d["cache_hit_rate"] = s.cache_hit_rate;
-             d["reusable_num_blocks"] = s.reusable_num_blocks;
-             d["max_num_secondary_blocks"] = s.max_num_secondary_blocks;
-             d["free_num_secondary_blocks"] = s.free_num_secondary_blocks;
-             d["used_num_secondary_blocks"] = s.used_num_secondary_blocks;
-             d["reusable_num_secondary_blocks"] = s.reusable_num_secondary_blocks;
-             d["offloaded_blocks"] = s.offloaded_blocks;
-             d["onboarded_blocks"] = s.onboarded_blocks;
-             d["secondary_reused_blocks"] = s.secondary_reused_blocks;
-             d["secondary_hit_rate"] = s.secondary_hit_rate;
-             return d;
-           })
-      .def("__repr__", [](bm::KvCacheStats const& s) {
-        std::ostringstream os;
-        os << "KvCacheStats(max_num_blocks=" << s.max_num_blocks << ", free_num_blocks=" << s.free_num_blocks
-           << ", used_num_blocks=" << s.used_num_blocks << ", tokens_per_block=" << s.tokens_per_block
-           << ", alloc_total_blocks=" << s.alloc_total_blocks << ", alloc_new_blocks=" << s.alloc_new_blocks
-           << ", reused_blocks=" << s.reused_blocks << ", missed_blocks=" << s.missed_blocks
-           << ", cache_hit_rate=" << s.cache_hit_rate << ", reusable_num_blocks=" << s.reusable_num_blocks
-           << ", max_num_secondary_blocks=" << s.max_num_secondary_blocks
-           << ", free_num_secondary_blocks=" << s.free_num_secondary_blocks
-           << ", used_num_secondary_blocks=" << s.used_num_secondary_blocks
-           << ", reusable_num_secondary_blocks=" << s.reusable_num_secondary_blocks
-           << ", offloaded_blocks=" << s.offloaded_blocks << ", onboarded_blocks=" << s.onboarded_blocks
-           << ", secondary_reused_blocks=" << s.secondary_reused_blocks
-           << ", secondary_hit_rate=" << s.secondary_hit_rate << ")";
-        return os.str();
-      });
-
-  nb::class_<bm::KVCacheManager>(m, "KVCacheManager",
-                                 "Accounting of a paged KV pool: block ids, prefix reuse, eviction. The "
-                                 "memory itself is a tensor owned by the caller.")
-      .def(nb::init<bm::SizeType32, bm::SizeType32, bm::SizeType32, bool, bm::SizeType32, bm::SizeType32>(),
-           "num_blocks"_a, "tokens_per_block"_a, "max_seq_len"_a, "enable_block_reuse"_a = false,
-           "num_secondary_blocks"_a = 0, "secondary_offload_min_priority"_a = bm::kDefaultSecondaryOffloadMinPriority)
-      .def_prop_ro("max_num_blocks", &bm::KVCacheManager::max_num_blocks)
-      .def_prop_ro("tokens_per_block", &bm::KVCacheManager::tokens_per_block)
-      .def_prop_ro("max_seq_len", &bm::KVCacheManager::max_seq_len)
-      .def_prop_ro("max_blocks_per_seq", &bm::KVCacheManager::max_blocks_per_seq)
-      .def_prop_ro("enable_block_reuse", &bm::KVCacheManager::enable_block_reuse)
-      .def_prop_ro("num_free_blocks", &bm::KVCacheManager::num_free_blocks)
-      .def_prop_ro("num_used_blocks", &bm::KVCacheManager::num_used_blocks)
-      .def_prop_ro("num_sequences", &bm::KVCacheManager::num_sequences)
-      .def_prop_ro("scheduling_num_free_blocks", &bm::KVCacheManager::scheduling_num_free_blocks)
-      .def_prop_ro("num_secondary_blocks", &bm::KVCacheManager::num_secondary_blocks)
-      .def_prop_ro("num_free_secondary_blocks", &bm::KVCacheManager::num_free_secondary_blocks)
-      .def_prop_ro("num_used_secondary_blocks", &bm::KVCacheManager::num_used_secondary_blocks)
-      .def_prop_ro("secondary_offload_min_priority", &bm::KVCacheManager::secondary_offload_min_priority)
-      .def_prop_ro("num_suspended_sequences", &bm::KVCacheManager::num_suspended_sequences)
-      .def("has_sequence", &bm::KVCacheManager::has_sequence, "request_id"_a)
-      .def("is_suspended", &bm::KVCacheManager::is_suspended, "request_id"_a,
-           "Whether the sequence is swapped out (False for an unknown id).")
-      .def("get_block_level", &bm::KVCacheManager::get_block_level, "block_id"_a,
-           "PRIMARY_LEVEL (ids below max_num_blocks) or SECONDARY_LEVEL.")
-      .def("add_sequence", &bm::KVCacheManager::add_sequence, "request_id"_a, "input_length"_a, "beam_width"_a = 1,
-           nb::arg("request").none() = nb::none())
-      .def("add_token", &bm::KVCacheManager::add_token, "request_id"_a)
-      .def("add_tokens", &bm::KVCacheManager::add_tokens, "request_id"_a, "n"_a,
-           "n more tokens at once (a speculative step's 1 + k), all or nothing.")
-      .def("rewind", &bm::KVCacheManager::rewind, "request_id"_a, "n"_a,
-           "Pops the last n tokens; blocks left empty are released, last first.")
-      .def("fork_sequence", &bm::KVCacheManager::fork_sequence, "src_id"_a, "dst_id"_a,
-           "Beam search: dst_id holds src_id's blocks (shared, ref-counted) and token count.")
-      .def("take_block_copies", &bm::KVCacheManager::take_block_copies,
-           "The (src_block, dst_block) copy-on-writes since the last call, to execute before the forward.")
-      .def(
-          "take_transfers",
-          [](bm::KVCacheManager& kv) {
-            std::vector<std::tuple<bm::KvTransferKind, bm::BlockIdType, bm::BlockIdType>> out;
-            for (bm::KvBlockTransfer const& t : kv.take_transfers()) out.emplace_back(t.kind, t.src_block, t.dst_block);
-            return out;
-          },
-          "The (kind, src_block, dst_block) moves between levels since the last call, to execute in order "
-          "before the next forward (and before take_block_copies' copies).")
-      .def("suspend_sequence", &bm::KVCacheManager::suspend_sequence, "request_id"_a,
-           "Swap-out: the sequence's private blocks move to secondary blocks (offload transfers).")
-      .def("resume_sequence", &bm::KVCacheManager::resume_sequence, "request_id"_a,
-           "Swap-in: the suspended sequence's secondary blocks move to fresh primary blocks (onboard transfers).")
-      .def("get_needed_blocks_to_resume", &bm::KVCacheManager::get_needed_blocks_to_resume, "request_id"_a)
-      .def("get_needed_secondary_blocks_to_suspend", &bm::KVCacheManager::get_needed_secondary_blocks_to_suspend,
-           "request_id"_a)
-      .def("remove_sequence", &bm::KVCacheManager::remove_sequence, "request_id"_a,
-           nb::arg("request").none() = nb::none())
-      .def("store_context_blocks", &bm::KVCacheManager::store_context_blocks, "request"_a)
-      .def("get_block_ids", &bm::KVCacheManager::get_block_ids, "request_id"_a,
-           "The sequence's block ids, in token order (a copy).")
-      .def("get_num_tokens", &bm::KVCacheManager::get_num_tokens, "request_id"_a)
-      .def(
-          "copy_block_tables",
-          [](bm::KVCacheManager const& kv, RequestList const& requests, BlockTableArray out) {
-            std::vector<bm::RequestIdType> request_ids;
-            request_ids.reserve(requests.size());
-            for (auto* p : requests.ptrs()) request_ids.push_back(p->request_id());
-            nb::gil_scoped_release release;
-            kv.copy_block_tables(request_ids, out.data(), static_cast<std::int64_t>(out.shape(0)),
-                                 static_cast<std::int64_t>(out.shape(1)));
-          },
-          "requests"_a, nb::arg("out").noconvert(),
-          "Writes the block ids of each request's sequence into row i of `out` (int32, C-contiguous, "
-          "[rows, cols]); the rest of each written row is set to 0.")
-      .def(
-          "copy_block_tables",
-          [](bm::KVCacheManager const& kv, std::vector<bm::RequestIdType> const& request_ids, BlockTableArray out) {
-            nb::gil_scoped_release release;
-            kv.copy_block_tables(request_ids, out.data(), static_cast<std::int64_t>(out.shape(0)),
-                                 static_cast<std::int64_t>(out.shape(1)));
-          },
-          "request_ids"_a, nb::arg("out").noconvert(),
-          "Writes the block ids of each sequence into row i of `out` (int32, C-contiguous, [rows, cols]); the "
-          "rest of each written row is set to 0.")
-      .def("get_kv_cache_stats", &bm::KVCacheManager::get_kv_cache_stats)
-      .def("start_scheduling", &bm::KVCacheManager::start_scheduling)
-      .def("scheduling_remove_sequence", &bm::KVCacheManager::scheduling_remove_sequence, "request_id"_a)
-      .def("get_needed_blocks_one_step", &bm::KVCacheManager::get_needed_blocks_one_step, "request"_a,
-           "two_steps_lookahead"_a = false)
-      .def("get_remaining_blocks_to_completion", &bm::KVCacheManager::get_remaining_blocks_to_completion, "request"_a)
-      .def("find_new_context_block", &bm::KVCacheManager::find_new_context_block, "request"_a)
-      .def(
-          "export_secondary_blocks",
-          [](bm::KVCacheManager const& kv) {
-            bm::KvSecondaryBlocks b = kv.export_secondary_blocks();
-            return nb::make_tuple(owned_array(std::move(b.block_ids)), owned_array(std::move(b.parents)),
-                                  owned_array(std::move(b.priorities)),
-                                  owned_array(std::move(b.tokens), static_cast<std::size_t>(kv.tokens_per_block())));
-          },
-          "The secondary level's reusable prefixes as int32 arrays (block_ids [n], parents [n] (-1: a first block), "
-          "priorities [n], tokens [n, tokens_per_block]), in free-queue order (docs/batch-manager.md 3.10).")
-      .def(
-          "import_secondary_blocks",
-          [](bm::KVCacheManager& kv, Int32Vector block_ids, Int32Vector parents, Int32Vector priorities,
-             BlockTableArray tokens) {
-            if (tokens.shape(1) != static_cast<std::size_t>(kv.tokens_per_block())) {
-              throw std::invalid_argument("import_secondary_blocks: tokens must have tokens_per_block " +
-                                          std::to_string(kv.tokens_per_block()) + " columns, got " +
-                                          std::to_string(tokens.shape(1)));
-            }
-            kv.import_secondary_blocks({to_vector(block_ids),
-                                        to_vector(parents),
-                                        to_vector(priorities),
-                                        {tokens.data(), tokens.data() + tokens.shape(0) * tokens.shape(1)}});
-          },
-          "block_ids"_a, "parents"_a, "priorities"_a, "tokens"_a,
-          "Adopts an export_secondary_blocks() list into this fresh manager; ValueError (state unchanged) naming "
-          "the entry of a malformed list.")
-      .def("offload_reusable_blocks", &bm::KVCacheManager::offload_reusable_blocks,
-           "Moves the free cached primary blocks into free uncached secondary blocks (before a shutdown).")
-      .def("check_integrity", &bm::KVCacheManager::check_integrity);
+  bind_kv_cache_manager(m);
 
   // ------------------------------------------------------------------ slots
   nb::class_<bm::SequenceSlotManager>(m, "SequenceSlotManager")
@@ -532,69 +342,7 @@ void bind_batch_manager(nb::module_& m) {
       .def_prop_ro("num_free_slots", &bm::SequenceSlotManager::num_free_slots)
       .def_prop_ro("num_used_slots", &bm::SequenceSlotManager::num_used_slots);
 
-  // ------------------------------------------------------------------ schedulers
-  nb::class_<bm::CapacityScheduler>(m, "CapacityScheduler")
-      .def(nb::init<bm::SizeType32, bm::CapacitySchedulerPolicy, bm::LlmRequestState, bm::LlmRequestState, bool>(),
-           "max_num_requests"_a, "policy"_a = bm::CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT,
-           "no_schedule_until_state"_a = bm::LlmRequestState::kCONTEXT_INIT,
-           "no_schedule_after_state"_a = bm::LlmRequestState::kGENERATION_COMPLETE, "two_steps_lookahead"_a = false)
-      .def_prop_ro("max_num_requests", &bm::CapacityScheduler::max_num_requests)
-      .def_prop_ro("policy", &bm::CapacityScheduler::policy)
-      .def_prop_ro("no_schedule_until_state", &bm::CapacityScheduler::no_schedule_until_state)
-      .def_prop_ro("no_schedule_after_state", &bm::CapacityScheduler::no_schedule_after_state)
-      .def_prop_ro("two_steps_lookahead", &bm::CapacityScheduler::two_steps_lookahead)
-      .def(
-          "schedule",
-          [](bm::CapacityScheduler const& self, nb::handle active_requests, bm::KVCacheManager* kv) {
-            RequestList storage;
-            RequestList const& active = as_request_list(active_requests, storage);
-            bm::CapacitySchedulerOutput result;
-            {
-              nb::gil_scoped_release release;
-              result = self.schedule(active.ptrs(), kv);
-            }
-            return std::make_tuple(to_request_list(result.fitting_requests, active),
-                                   to_request_list(result.paused_requests, active));
-          },
-          "active_requests"_a, nb::arg("kv_cache_manager").none(),
-          "Returns (fitting_requests, paused_requests) as RequestLists of the given request objects.");
-
-  nb::class_<bm::ContextChunkingConfig>(m, "ContextChunkingConfig")
-      .def(nb::init<bm::ContextChunkingPolicy, bm::SizeType32>(),
-           "chunking_policy"_a = bm::ContextChunkingPolicy::kFIRST_COME_FIRST_SERVED, "chunk_unit_size"_a = 64)
-      .def_rw("chunking_policy", &bm::ContextChunkingConfig::chunking_policy)
-      .def_rw("chunk_unit_size", &bm::ContextChunkingConfig::chunk_unit_size)
-      .def("__repr__", [](bm::ContextChunkingConfig const& c) {
-        return "ContextChunkingConfig(chunking_policy=" + bm::to_string(c.chunking_policy) +
-               ", chunk_unit_size=" + std::to_string(c.chunk_unit_size) + ")";
-      });
-
-  nb::class_<bm::MicroBatchScheduler>(m, "MicroBatchScheduler")
-      .def(nb::init<std::optional<bm::ContextChunkingConfig>, std::optional<bm::SizeType32>, bm::LlmRequestState,
-                    bm::LlmRequestState>(),
-           nb::arg("ctx_chunk_config").none() = nb::none(), nb::arg("max_context_length").none() = nb::none(),
-           "no_schedule_until_state"_a = bm::LlmRequestState::kCONTEXT_INIT,
-           "no_schedule_after_state"_a = bm::LlmRequestState::kGENERATION_TO_COMPLETE)
-      .def_prop_ro("ctx_chunk_config", &bm::MicroBatchScheduler::ctx_chunk_config)
-      .def_prop_ro("max_context_length", &bm::MicroBatchScheduler::max_context_length)
-      .def(
-          "schedule",
-          [](bm::MicroBatchScheduler const& self, nb::handle active_requests,
-             std::unordered_set<bm::RequestIdType> const& inflight_request_ids, bm::SizeType32 max_batch_size,
-             std::optional<bm::SizeType32> max_num_tokens) {
-            RequestList storage;
-            RequestList const& active = as_request_list(active_requests, storage);
-            bm::MicroBatchSchedulerOutput result;
-            {
-              nb::gil_scoped_release release;
-              result = self.schedule(active.ptrs(), inflight_request_ids, max_batch_size, max_num_tokens);
-            }
-            return std::make_tuple(to_request_list(result.context_requests, active),
-                                   to_request_list(result.generation_requests, active));
-          },
-          "active_requests"_a, "inflight_request_ids"_a, "max_batch_size"_a,
-          nb::arg("max_num_tokens").none() = nb::none(),
-          "Returns (context_requests, generation_requests) as RequestLists; sets the chunk sizes.");
+  bind_schedulers(m);  // batch_manager_schedulers.cpp
 }
 
 }  // namespace inflight::bindings

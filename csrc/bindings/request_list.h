@@ -48,4 +48,12 @@ class RequestList {
   std::vector<nanobind::object> objs_;
 };
 
+// Defined in batch_manager.cpp, shared by the scheduler bindings (batch_manager_schedulers.cpp).
+// A RequestList passes through as is; any other iterable of LlmRequest is converted once into storage.
+RequestList const& as_request_list(nanobind::handle requests, RequestList& storage);
+// Maps scheduler results (pointers) back to the Python objects of `source`.
+RequestList to_request_list(batch_manager::RequestVector const& result, RequestList const& source);
+// The CapacityScheduler, ContextChunkingConfig and MicroBatchScheduler classes (after the enums).
+void bind_schedulers(nanobind::module_& m);
+
 }  // namespace inflight::bindings

@@ -343,6 +343,12 @@ class LLM:
 
     def _submit_beams(self, text, ids, max_new, params, priority) -> RequestHandle:
         """One executor request for all the beams; its final response carries the n best."""
+        kv = self.executor.kv_cache_manager
+        if kv is not None and kv.window_groups:
+            raise ValueError(
+                "use_beam_search is not supported with KvCacheConfig(sliding_window_pools=True) yet; "
+                "build the LLM without sliding_window_pools for beam search"
+            )
         cfg = self.model_config
         state = SamplingState.create(params, cfg.vocab_size, ids, cfg.eos_token_ids, device=self.device)
         rid = next(self._ids)

@@ -361,6 +361,14 @@ class KvCacheConfig(_Args):
         "dtype and layout, tier size) adopts the cached blocks it finds there (docs/batch-manager.md "
         "§3.10); any other file is rebuilt, with a warning",
     )
+    sliding_window_pools: bool = arg(
+        False,
+        "VSWA: the sliding-window layers (Gemma 3's local layers) keep their KV in pools of their own "
+        "whose blocks are released as the window moves, so their memory is bounded by the window; the "
+        "budget is split for the most sequences of max_seq_len (the log shows the split). Runs the "
+        "unfused layers; no secondary tier, beam search or parallel ranks with it yet",
+        Bool(),
+    )
 
     @classmethod
     def _qualified(cls, name: str) -> str:
@@ -374,6 +382,11 @@ class KvCacheConfig(_Args):
         tpb = self.tokens_per_block
         if tpb & (tpb - 1):  # the attention kernels index blocks with shifts and masks
             raise ValueError(f"tokens_per_block must be a power of two >= 1, got {tpb!r}")
+        if self.sliding_window_pools and self.host_cache_size:
+            raise ValueError(
+                f"KvCacheConfig.sliding_window_pools=True cannot be combined with host_cache_size "
+                f"({self.host_cache_size}): the sliding-window pools have no secondary tier yet"
+            )
         path = self.host_cache_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)) or not str(path):

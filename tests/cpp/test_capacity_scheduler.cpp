@@ -458,5 +458,78 @@ TEST(CapacitySchedulerTest, NoEvictChunkedContextIsPending) {
   EXPECT_EQ(out.fitting_requests, RequestVector{&chunked});
 }
 
+// --- window managers (several KV pools) ----------------------------------------------------------
+
+// A request fits only where it fits in every pool. Window manager W = 20: a request without a
+// sequence needs max(ceil(prompt / tpb), min(T, ceil(W / tpb) + 1)) = max(ceil(prompt / 10), 3)
+// window blocks. A (prompt 30) needs 8 main blocks (3 + 5) and 3 window blocks, B (prompt 40) 9 and
+// 4. The main pool (100) holds both; a window pool of 6 holds A, then 6 - 3 = 3 < 4 stops B; one of
+// 3 blocks stops B even as the first request.
+TEST(CapacitySchedulerTest, NoEvictChecksEveryWindowPool) {
+  LlmRequest a(0, 50, std::vector<TokenIdType>(30, 1));
+  LlmRequest b(1, 50, std::vector<TokenIdType>(40, 2));
+  for (auto policy : {CapacitySchedulerPolicy::kGUARANTEED_NO_EVICT, CapacitySchedulerPolicy::kSTATIC_BATCH}) {
+    SCOPED_TRACE(to_string(policy));
+    KVCacheManager kv(100, kTokensPerBlock, kMaxSeqLen);
+    KVCacheManager window(6, kTokensPerBlock, kMaxSeqLen, false, 0, kDefaultSecondaryOffloadMinPriority, 20);
+    KVCacheManager small_window(3, kTokensPerBlock, kMaxSeqLen, false, 0, kDefaultSecondaryOffloadMinPriority, 20);
+    EXPECT_EQ(kv.get_remaining_blocks_to_completion(b), 9);
+    EXPECT_EQ(window.get_remaining_blocks_to_completion(a), 3);
+    EXPECT_EQ(window.get_remaining_blocks_to_completion(b), 4);
+    CapacityScheduler const scheduler(8, policy);
+    EXPECT_EQ(scheduler.schedule({&a, &b}, &kv).fitting_requests, (RequestVector{&a, &b}));
+    EXPECT_EQ(scheduler.schedule({&a, &b}, &kv, {&window}).fitting_requests, RequestVector{&a});
+    EXPECT_EQ(scheduler.schedule({&b, &a}, &kv, {&window}).fitting_requests, RequestVector{&b});
+    EXPECT_TRUE(scheduler.schedule({&b, &a}, &kv, {&window, &small_window}).fitting_requests.empty());
+  }
+  KVCacheManager kv(100, kTokensPerBlock, kMaxSeqLen);
+  EXPECT_THROW(CapacityScheduler(8).schedule({&a}, &kv, {nullptr}), std::invalid_argument);
+}
+
+// MAX_UTILIZATION pauses to make room in a window pool. G0 and G1 (prompt 20, one token generated:
+// t = 20) hold 2 blocks in each pool; their next step starts a third block in both (ceil(21 / 10) -
+// ceil(20 / 10) = 1; the window W = 20 releases nothing yet: (20 - 20 + 1) / 10 = 0). The main pool
+// has room for both, the window pool (4 blocks, all held) for neither: G1, the last started, is
+// paused (its 2 window blocks count as free), then G0 fits. G2 (prompt 30, t = 30) needs a block in
+// the main pool but none in the window one: its step first releases block 0 ((30 - 20 + 1) / 10 = 1).
+TEST(CapacitySchedulerTest, MaxUtilizationPausesForAWindowPool) {
+  std::vector<std::unique_ptr<LlmRequest>> requests;
+  KVCacheManager kv(100, kTokensPerBlock, kMaxSeqLen);
+  KVCacheManager window(4, kTokensPerBlock, kMaxSeqLen, false, 0, kDefaultSecondaryOffloadMinPriority, 20);
+  KVCacheManager wide_window(7, kTokensPerBlock, kMaxSeqLen, false, 0, kDefaultSecondaryOffloadMinPriority, 20);
+  for (RequestIdType id = 0; id < 2; ++id) {
+    requests.push_back(std::make_unique<LlmRequest>(id, 10, std::vector<TokenIdType>(20, 1)));
+    requests.back()->set_state(LlmRequestState::kGENERATION_IN_PROGRESS);
+    requests.back()->add_new_token(3);
+    kv.add_sequence(id, 20, 1);
+    window.add_sequence(id, 20, 1);
+  }
+  LlmRequest& g0 = *requests[0];
+  LlmRequest& g1 = *requests[1];
+  EXPECT_EQ(window.get_needed_blocks_one_step(g0, false), 1);
+  EXPECT_EQ(window.num_free_blocks(), 0);
+
+  CapacityScheduler const scheduler(8, CapacitySchedulerPolicy::kMAX_UTILIZATION);
+  auto out = scheduler.schedule({&g0, &g1}, &kv);
+  EXPECT_EQ(out.fitting_requests, (RequestVector{&g0, &g1}));
+  EXPECT_TRUE(out.paused_requests.empty());
+  out = scheduler.schedule({&g0, &g1}, &kv, {&window});
+  EXPECT_EQ(out.fitting_requests, RequestVector{&g0});
+  EXPECT_EQ(out.paused_requests, RequestVector{&g1});
+  EXPECT_EQ(kv.scheduling_num_free_blocks(), 96 + 2);  // the victim was removed from every manager
+  EXPECT_EQ(window.scheduling_num_free_blocks(), 2);
+
+  LlmRequest g2(2, 10, std::vector<TokenIdType>(30, 1));
+  g2.set_state(LlmRequestState::kGENERATION_IN_PROGRESS);
+  g2.add_new_token(3);
+  wide_window.add_sequence(2, 30, 1);  // 4 of 7 blocks free
+  EXPECT_EQ(kv.get_needed_blocks_one_step(g2, false), 1);
+  EXPECT_EQ(wide_window.get_needed_blocks_one_step(g2, false), 0);
+  // Two steps (t + 2 = 32 tokens): still one new block, less the released one.
+  EXPECT_EQ(wide_window.get_needed_blocks_one_step(g2, true), 0);
+  out = scheduler.schedule({&g2}, &kv, {&wide_window});
+  EXPECT_EQ(out.fitting_requests, RequestVector{&g2});
+}
+
 }  // namespace
 }  // namespace inflight::batch_manager

@@ -1001,6 +1001,218 @@ TEST(KVCacheManager, CopyBlockTablesRejectsBadShapes) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Sliding window (attention_window W): blocks no query can see any more are released; their
+// entries stay as -1 (docs/batch-manager.md §3.11).
+
+constexpr SizeType32 kOffloadMin = kDefaultSecondaryOffloadMinPriority;  // (no secondary level here)
+
+TEST(KVCacheManagerWindow, ConstructionAndErrors) {
+  KVCacheManager kv(8, 2, 32, true, 0, kOffloadMin, 3);
+  EXPECT_EQ(kv.attention_window(), 3);
+  EXPECT_EQ(KVCacheManager(8, 2, 32).attention_window(), 0);
+  expect_error<std::invalid_argument>([] { KVCacheManager bad(4, 2, 16, false, 0, kOffloadMin, -1); },
+                                      "attention_window must be >= 0 (0: no window), got -1");
+  expect_error<std::invalid_argument>(
+      [] { KVCacheManager bad(4, 2, 16, false, 2, kOffloadMin, 4); },
+      "attention_window 4 with num_secondary_blocks 2: a sliding-window manager has no secondary level");
+  kv.add_sequence(1, 9, 1);
+  expect_error<std::invalid_argument>(
+      [&] { kv.slide_window(1, 10); },
+      "slide_window: first_query_pos must be in [0, 9] (the tokens of request_id 1), got 10");
+  expect_error<std::invalid_argument>([&] { kv.slide_window(1, -1); }, "got -1");
+  expect_error<std::invalid_argument>([&] { kv.slide_window(7, 0); },
+                                      "slide_window: request_id 7 is not in the KV cache manager");
+  LlmRequest other = make_request(2, iota_tokens(9));
+  expect_error<std::invalid_argument>([&] { kv.slide_window(1, 9, &other); },
+                                      "slide_window: request->request_id() 2 does not match request_id 1");
+  expect_error<std::invalid_argument>(
+      [&] { kv.suspend_sequence(1); },
+      "suspend_sequence: a sliding-window manager (attention_window 3) has no secondary level");
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2, 3, 4}));  // nothing changed
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, SlidesReleaseTheOldestBlocksAndKeepTheirEntries) {
+  KVCacheManager kv(8, 4, 64, false, 0, kOffloadMin, 6);
+  kv.add_sequence(1, 10, 1);  // blocks 0, 1, 2; no hit: the first query (0) sees everything
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{0, 1, 2}));
+  kv.slide_window(1, 9);  // the query at 9 sees tokens 4..9: block 0 (tokens 0..3) is dead
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, 1, 2}));
+  EXPECT_EQ(kv.get_num_held_blocks(1), 2);
+  EXPECT_EQ(kv.num_free_blocks(), 6);
+  kv.slide_window(1, 8);   // never back
+  kv.slide_window(1, 10);  // (10 - 5) / 4 = 1: no change
+  kv.add_token(1);         // slides at 10 first (no change); token 11 lands in block 2
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, 1, 2}));
+  kv.add_tokens(1, 2);  // slides at 11 (no change), tokens 12..13: block 3
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, 1, 2, 3}));
+  kv.add_token(1);  // slides at 13: (13 - 5) / 4 = 2, block 1 (tokens 4..7) released
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, 2, 3}));
+  EXPECT_EQ(kv.get_num_tokens(1), 14);
+  EXPECT_EQ(kv.get_num_held_blocks(1), 2);
+  EXPECT_EQ(kv.num_free_blocks(), 6);
+  std::array<BlockIdType, 6> row{};
+  row.fill(9);
+  kv.copy_block_tables({1}, row.data(), 1, 6);
+  EXPECT_EQ(row, (std::array<BlockIdType, 6>{0, 0, 2, 3, 0, 0}));  // released entries read as 0
+  KvCacheStats const stats = kv.get_kv_cache_stats();
+  EXPECT_EQ(stats.used_num_blocks, 2);
+  EXPECT_EQ(stats.alloc_total_blocks, 4);  // releasing allocates nothing
+  kv.check_integrity();
+  // Released in token order: the free queue is 4..7, then 0, then 1.
+  kv.add_sequence(2, 8, 1);
+  kv.add_sequence(3, 12, 1);
+  kv.add_sequence(4, 1, 1);
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{4, 5}));
+  EXPECT_EQ(kv.get_block_ids(3), (Ids{6, 7, 0}));
+  EXPECT_EQ(kv.get_block_ids(4), (Ids{1}));
+  kv.remove_sequence(1);  // frees the two blocks it holds
+  EXPECT_EQ(kv.num_free_blocks(), 2);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, AddTokenSlidesBeforeAllocatingSoASequenceOutrunsThePool) {
+  KVCacheManager kv(2, 2, 64, false, 0, kOffloadMin, 2);
+  kv.add_sequence(1, 4, 1);  // both blocks
+  EXPECT_EQ(kv.num_free_blocks(), 0);
+  kv.add_token(1);  // slides at 4: (4 - 1) / 2 = 1 (block 0 freed), then token 5 takes it
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, 1, 0}));
+  kv.add_token(1);  // slides at 5: block 1 released; token 6 fits block 0
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, 0}));
+  kv.add_token(1);
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, 0, 1}));
+  while (kv.get_num_tokens(1) < 64) {
+    kv.add_token(1);
+    kv.check_integrity();
+  }
+  Ids const ids = kv.get_block_ids(1);
+  ASSERT_EQ(ids.size(), 32U);  // more entries than the pool has blocks
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), -1), 31);
+  EXPECT_EQ(ids.back(), 1);
+  EXPECT_EQ(kv.get_num_held_blocks(1), 1);
+  EXPECT_EQ(kv.get_kv_cache_stats().alloc_total_blocks, 32);
+  // The window bounds a rewind: 64 - (31 * 2 + 2 - 1) = 1 token at most.
+  kv.rewind(1, 1);
+  EXPECT_EQ(kv.get_block_ids(1).size(), 32U);
+  expect_error<std::invalid_argument>([&] { kv.rewind(1, 1); }, "n must be in [0, 0]");
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, APrefixLongerThanTheWindowIsReusedFromTheSlides) {
+  KVCacheManager kv(12, 2, 64, true, 0, kOffloadMin, 3);
+  LlmRequest a = make_request(1, iota_tokens(10));
+  kv.add_sequence(1, 10, 1, &a);  // blocks 0..4
+  finish_context(a);
+  kv.slide_window(1, 10, &a);  // (10 - 2) / 2 = 4 dead: tokens 0..7 stored, then released
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, -1, 4}));
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 4);
+  EXPECT_EQ(kv.num_free_blocks(), 11);
+
+  // The same 10 tokens and two more: 5 blocks looked up, the 4 stored by the slide hit (block 4
+  // was never stored: its tokens 8, 9 were still visible).
+  LlmRequest b = make_request(2, join(iota_tokens(10), {100, 101}));
+  EXPECT_EQ(kv.count_reusable_blocks(b), 4);
+  kv.add_sequence(2, 12, 1, &b);  // hits 0..3, new 5 and 6; then slides at 8: 0..2 released again
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{-1, -1, -1, 3, 5, 6}));
+  EXPECT_EQ(b.prepopulated_prompt_len(), 8);
+  EXPECT_EQ(kv.get_num_held_blocks(2), 3);
+  KvCacheStats stats = kv.get_kv_cache_stats();
+  EXPECT_EQ(stats.reused_blocks, 4);
+  EXPECT_EQ(stats.missed_blocks, 7);
+  EXPECT_EQ(stats.reusable_num_blocks, 3);
+  EXPECT_EQ(kv.num_free_blocks(), 8);
+  finish_context(b);
+
+  // Capped at 2 hits (another manager holds only those): the query at 4 cannot see block 0.
+  LlmRequest c = make_request(3, join(iota_tokens(10), {100, 101}));
+  EXPECT_EQ(kv.count_reusable_blocks(c), 4);
+  kv.add_sequence(3, 12, 1, &c, 2);
+  EXPECT_EQ(kv.get_block_ids(3), (Ids{-1, 1, 7, 8, 9, 10}));
+  EXPECT_EQ(c.prepopulated_prompt_len(), 4);
+  kv.check_integrity();
+
+  // Storing walks through the released entries whose prefix is cached: a's block 4 (tokens 8, 9)
+  // is keyed under block 3, then b's block 6 (100, 101) under it; c's blocks duplicate them.
+  kv.remove_sequence(1, &a);
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 3);  // 0, 2, 4
+  kv.remove_sequence(2, &b);
+  kv.remove_sequence(3, &c);  // still in context: stores up to its position 4 (cached already)
+  EXPECT_EQ(kv.num_free_blocks(), 12);
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 6);
+  LlmRequest d = make_request(4, join(iota_tokens(10), {100, 101, 7}));
+  EXPECT_EQ(kv.count_reusable_blocks(d), 6);
+  kv.add_sequence(4, 13, 1, &d);  // 6 hits; the query at 12 sees tokens 10..12
+  EXPECT_EQ(kv.get_block_ids(4), (Ids{-1, -1, -1, -1, -1, 6, 11}));
+  EXPECT_EQ(d.prepopulated_prompt_len(), 12);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, StoringStopsAtAReleasedBlockWhosePrefixIsNotCached) {
+  KVCacheManager kv(8, 2, 64, true, 0, kOffloadMin, 1);
+  LlmRequest a = make_request(1, iota_tokens(6));
+  kv.add_sequence(1, 6, 1, &a);
+  finish_context(a);
+  kv.slide_window(1, 6);  // without a request: blocks 0..2 released unstored
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1}));
+  EXPECT_EQ(kv.get_num_held_blocks(1), 0);
+  a.add_new_token(6);
+  kv.add_tokens(1, 2);  // block 3 for tokens 6, 7
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, 3}));
+  a.add_new_token(7);
+  kv.remove_sequence(1, &a);  // the prefix of block 3 is gone: nothing can be keyed
+  EXPECT_EQ(kv.get_kv_cache_stats().reusable_num_blocks, 0);
+  EXPECT_EQ(kv.num_free_blocks(), 8);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, ForkSharesOnlyTheHeldBlocksAndCopiesOnWrite) {
+  KVCacheManager kv(8, 2, 64, false, 0, kOffloadMin, 3);
+  kv.add_sequence(1, 5, 1);  // blocks 0, 1, 2
+  kv.slide_window(1, 5);     // (5 - 2) / 2 = 1
+  kv.fork_sequence(1, 2);
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{-1, 1, 2}));
+  EXPECT_EQ(kv.num_free_blocks(), 6);
+  kv.add_token(2);  // lands in block 2, shared: copied into block 3
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{-1, 1, 3}));
+  using Copies = std::vector<std::pair<BlockIdType, BlockIdType>>;
+  EXPECT_EQ(kv.take_block_copies(), (Copies{{2, 3}}));
+  kv.add_token(2);  // slides at 6: 2's reference to block 1 goes (1 still holds it); block 4
+  EXPECT_EQ(kv.get_block_ids(2), (Ids{-1, -1, 3, 4}));
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, 1, 2}));
+  EXPECT_EQ(kv.num_free_blocks(), 4);
+  kv.check_integrity();
+  kv.start_scheduling();
+  kv.scheduling_remove_sequence(1);  // blocks 1 and 2 are 1's alone now
+  EXPECT_EQ(kv.scheduling_num_free_blocks(), 6);
+  kv.remove_sequence(1);
+  EXPECT_EQ(kv.num_free_blocks(), 6);
+  EXPECT_EQ(kv.get_num_held_blocks(2), 2);
+  kv.check_integrity();
+}
+
+TEST(KVCacheManagerWindow, RewindCannotMoveTheWindowBackOverReleasedBlocks) {
+  KVCacheManager kv(8, 2, 64, false, 0, kOffloadMin, 3);
+  kv.add_sequence(1, 9, 1);  // blocks 0..4
+  kv.slide_window(1, 9);     // (9 - 2) / 2 = 3 released
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, 3, 4}));
+  // The query at the new end must still see W tokens: 9 - (3 * 2 + 3 - 1) = 1 at most.
+  expect_error<std::invalid_argument>(
+      [&] { kv.rewind(1, 2); }, "rewind: n must be in [0, 1] (request_id 1 released 3 blocks to its window 3), got 2");
+  kv.rewind(1, 1);  // 8 tokens: block 4 released
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, 3}));
+  EXPECT_EQ(kv.num_free_blocks(), 7);
+  expect_error<std::invalid_argument>([&] { kv.rewind(1, 1); }, "n must be in [0, 0]");
+  kv.rewind(1, 0);
+  kv.add_tokens(1, 3);  // a step with two drafts: blocks 5, 6
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, 3, 5, 6}));
+  kv.rewind(1, 3);  // the drafts rejected
+  EXPECT_EQ(kv.get_block_ids(1), (Ids{-1, -1, -1, 3}));
+  EXPECT_EQ(kv.get_num_tokens(1), 8);
+  EXPECT_EQ(kv.num_free_blocks(), 7);
+  kv.check_integrity();
+}
+
+// ----------------------------------------------------------------------------------------------
 // Randomized traces.
 
 // Reference model of the free queue without reuse: one FIFO per priority, allocation from the

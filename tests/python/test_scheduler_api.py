@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import inflight.batch_manager as bm
 from inflight.batch_manager import (
     CapacitySchedulerPolicy,
     ContextChunkingConfig,
@@ -15,6 +16,7 @@ from inflight.batch_manager import (
     KVCacheManager,
     LlmRequest,
 )
+from inflight.batch_manager import reference as reference_impl
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
     BindMicroBatchScheduler,
@@ -82,6 +84,26 @@ def test_policy_names_as_strings_and_bad_names():
         SimpleScheduler(object(), BindMicroBatchScheduler(4))
     with pytest.raises(TypeError):
         CapacityScheduler()  # abstract
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_bind_capacity_scheduler_passes_window_managers(reference):
+    """window_managers reach impl.schedule: a prompt of 40 needs 4 blocks of a window pool (W 20,
+    tpb 10), so a pool of 3 keeps it out although the main pool has room; C++ and twin alike."""
+    module = reference_impl if reference else bm
+    kv = module.KVCacheManager(100, 10, 400)
+    window = module.KVCacheManager(3, 10, 400, attention_window=20)
+    request = LlmRequest(1, 50, [1] * 40)
+    alone = BindCapacityScheduler(4, kv, reference=reference)
+    both = BindCapacityScheduler(4, kv, reference=reference, window_managers=[window])
+    assert alone.window_managers == [] and both.window_managers == [window]
+    assert [r.request_id for r in alone.schedule_request([request])[0]] == [1]
+    assert list(both.schedule_request([request])[0]) == []
+    if not reference:
+        fitting, _ = both.impl.schedule([request], kv, window_managers=[])  # the keyword of the binding
+        assert [r.request_id for r in fitting] == [1]
+        with pytest.raises(TypeError):
+            both.impl.schedule([request], kv, [reference_impl.KVCacheManager(3, 10, 400)])
 
 
 def test_user_written_capacity_scheduler_example():

@@ -627,20 +627,62 @@ def _kv_op_trace(seed: int, steps: int = 400) -> list[tuple]:
     return ops
 
 
-def _run_kv_ops(module, ops: list[tuple]) -> list:
-    kv = module.KVCacheManager(10, 2, 24, True)
+def _window_op_trace(seed: int, window: int, steps: int = 400) -> list[tuple]:
+    """The operations of _kv_op_trace for a sliding-window manager: adds with or without a request
+    and with a cap on the reused blocks, explicit slides (with or without a request; a position
+    counted back from the sequence's end, sometimes past it), and suspends (refused with a window)."""
+    rng = random.Random(1000 * window + seed)
+    ops: list[tuple] = []
+    live: list[int] = []
+    for op in _kv_op_trace(seed, steps):
+        if op[0] in ("add", "fork") and op[1] not in live:
+            live.append(op[1])
+        elif op[0] == "remove" and op[1] in live:
+            live.remove(op[1])
+        if op[0] == "add":
+            op = (*op, rng.random() < 0.8, rng.choice((-1, -1, 0, 1, 2)))
+            if len(live) > 6:  # the oldest goes (storing its blocks, or not): the pool never stays full
+                ops.append(("remove", live.pop(0), rng.random() < 0.7))
+        ops.append(op)
+        if rng.random() < 0.3:
+            ops.append(("slide", op[1], rng.randint(-1, 2 * window), rng.random() < 0.6))
+        if rng.random() < 0.02:
+            ops.append(("suspend", op[1]))
+    return ops
+
+
+def _run_kv_ops(
+    module,
+    ops: list[tuple],
+    num_blocks: int = 10,
+    max_seq_len: int = 24,
+    reuse: bool = True,
+    attention_window: int = 0,
+) -> list:
+    kv = module.KVCacheManager(num_blocks, 2, max_seq_len, reuse, attention_window=attention_window)
+    table = np.zeros((1, kv.max_blocks_per_seq), np.int32)
     requests: dict[int, LlmRequest] = {}
     seen = []
     for op in ops:
         kind, rid = op[0], op[1]
         try:
             if kind == "add":
-                req = LlmRequest(rid, 8, op[2])
-                requests[rid] = req
-                kv.add_sequence(rid, len(op[2]), 1, req)
-                req.move_to_next_context_chunk()
-                req.state = LlmRequestState.GENERATION_IN_PROGRESS
-                kv.store_context_blocks(req)
+                # ("add", id, prompt[, with a request, max_reused_blocks]): a request runs its whole
+                # context at once and stores its prompt.
+                with_request, max_reused = op[3:] if len(op) > 3 else (True, -1)
+                req = LlmRequest(rid, 8, op[2]) if with_request else None
+                if req is not None:
+                    requests[rid] = req
+                kv.add_sequence(rid, len(op[2]), 1, req, max_reused)
+                if req is not None:
+                    req.move_to_next_context_chunk()
+                    req.state = LlmRequestState.GENERATION_IN_PROGRESS
+                    kv.store_context_blocks(req)
+            elif kind == "slide":
+                pos = kv.get_num_tokens(rid) - op[2] if kv.has_sequence(rid) else 0
+                kv.slide_window(rid, pos, requests.get(rid) if op[3] else None)
+            elif kind == "suspend":
+                kv.suspend_sequence(rid)
             elif kind == "add_token":
                 kv.add_token(rid)
             elif kind == "add_tokens":
@@ -656,12 +698,18 @@ def _run_kv_ops(module, ops: list[tuple]) -> list:
             result = f"{type(exc).__name__}: {exc}"
         kv.check_integrity()
         stats = kv.get_kv_cache_stats()
+        held = kv.has_sequence(rid)
+        if held:
+            kv.copy_block_tables([rid], table)
         seen.append(
             (
                 op,
                 result,
-                kv.get_block_ids(rid) if kv.has_sequence(rid) else None,
-                kv.get_num_tokens(rid) if kv.has_sequence(rid) else None,
+                kv.get_block_ids(rid) if held else None,
+                kv.get_num_tokens(rid) if held else None,
+                kv.get_num_held_blocks(rid) if held else None,
+                table.tolist() if held else None,
+                kv.count_reusable_blocks(requests[rid]) if rid in requests else None,
                 kv.num_free_blocks,
                 {name: getattr(stats, name) for name in STAT_NAMES},
                 kv.take_block_copies(),
@@ -680,6 +728,63 @@ def test_add_tokens_and_rewind_traces_agree(seed: int) -> None:
         assert a == b, f"C++ {a} != twin {b}"
     kinds = {row[0][0] for row in cpp if row[1] == "ok"}
     assert {"add_tokens", "rewind", "fork"} <= kinds and any(row[1] != "ok" for row in cpp)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("window", [1, 3, 5])
+@pytest.mark.parametrize("seed", range(2))
+def test_sliding_window_traces_agree(seed: int, window: int, reuse: bool) -> None:
+    """A sliding-window manager (docs/batch-manager.md §3.11), C++ vs twin, on the traces above plus
+    slides, capped reuse and refused suspends: the same block ids (-1 where released), block-table
+    rows, held and reusable counts, free blocks, stats and errors after every operation, both
+    check_integrity holding (16 blocks of 2 tokens, max_seq_len 40)."""
+    ops = _window_op_trace(seed, window)
+    cpp = _run_kv_ops(bm, ops, 16, 40, reuse, window)
+    twin = _run_kv_ops(ref, ops, 16, 40, reuse, window)
+    for a, b in zip(cpp, twin):
+        assert a == b, f"C++ {a} != twin {b}"
+    ok = [row for row in cpp if row[1] == "ok"]
+    assert {"slide", "add_tokens", "rewind", "fork"} <= {row[0][0] for row in ok}
+    assert any(row[2] and row[2][0] == -1 for row in ok)  # the window released blocks
+    assert any("released" in row[1] for row in cpp if row[0][0] == "rewind")  # and bounded a rewind
+    if reuse:
+        assert cpp[-1][-2]["reused_blocks"] > 0
+
+
+def _window_errors(module) -> list[str]:
+    """The messages of bad calls on sliding-window managers (one manager per call: a failure may
+    leave a change, as add_tokens' slide)."""
+
+    def windowed() -> Any:
+        kv = module.KVCacheManager(8, 2, 32, True, attention_window=3)
+        kv.add_sequence(1, 9)
+        kv.slide_window(1, 9)  # blocks 0..2 released: (9 - 3 + 1) // 2 = 3
+        return kv
+
+    calls = [
+        lambda: module.KVCacheManager(4, 2, 16, attention_window=-1),
+        lambda: module.KVCacheManager(4, 2, 16, False, 2, attention_window=4),
+        lambda: windowed().slide_window(1, 10),
+        lambda: windowed().slide_window(1, -1),
+        lambda: windowed().slide_window(2, 0),
+        lambda: windowed().slide_window(1, 9, LlmRequest(2, 1, [1, 2])),
+        lambda: windowed().rewind(1, 2),  # 9 - (3 * 2 + 3 - 1) = 1 at most
+        lambda: windowed().suspend_sequence(1),
+        lambda: windowed().get_num_held_blocks(5),
+    ]
+    messages = []
+    for call in calls:
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            call()
+        messages.append(f"{type(info.value).__name__}: {info.value}")
+    return messages
+
+
+def test_sliding_window_errors_agree() -> None:
+    """Each bad call on a window manager is the same exception with the same message in both."""
+    cpp, twin = _window_errors(bm), _window_errors(ref)
+    assert cpp == twin
+    assert "rewind: n must be in [0, 1] (request_id 1 released 3 blocks to its window 3), got 2" in cpp[6]
 
 
 def test_the_traces_copy_shared_blocks_on_write() -> None:
@@ -877,6 +982,206 @@ def test_capacity_and_planning_snapshots(
 
 
 # ---------------------------------------------------------------------------------------------
+# Sliding-window managers: the planner per window, and the capacity scheduler over several pools
+# ---------------------------------------------------------------------------------------------
+
+# With the sliding-window state in the C++ manager (slide_window), the traces below also grow the
+# sequences (add_tokens slides them), so that released blocks enter the planning; without it they
+# only add sequences, which releases nothing on either side.
+CPP_SLIDES = hasattr(bm.KVCacheManager, "slide_window")
+DEFAULT_OFFLOAD = bm.DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY
+
+
+def _random_snapshot(rng: random.Random, request_id: int, max_prompt: int = 40) -> SnapshotRequest:
+    """A request in a random state (as snapshot_requests draws them), for the seeded traces."""
+    prompt_len = rng.randint(1, max_prompt)
+    state = rng.choice([10, 10, 13, 13, 13, 14, 20])
+    max_new_tokens = rng.randint(1, 30)
+    prepopulated = position = num_generated = 0
+    if state == 10 and rng.random() < 0.5:
+        position = rng.randint(1, prompt_len - 1) if prompt_len > 1 else 0
+    elif state in (13, 14, 20):
+        position = prompt_len
+        num_generated = rng.randint(1, max_new_tokens)
+    return SnapshotRequest(
+        request_id=request_id,
+        tokens=tuple(rng.randrange(VOCAB) for _ in range(prompt_len)),
+        max_new_tokens=max_new_tokens,
+        beam_width=rng.choice([1, 1, 1, 2, 4]),
+        state=state,
+        prepopulated=prepopulated,
+        position=position,
+        num_generated=num_generated,
+        num_draft=rng.choice([0, 0, 1, 2, 5]),
+    )
+
+
+def _held_tokens(r: LlmRequest) -> int:
+    """The tokens a started request's sequence holds: the prompt in context, t in generation."""
+    return r.prompt_len + r.num_generated_tokens - 1 if r.num_generated_tokens else r.prompt_len
+
+
+def _planning_rows(kv: Any, requests: list[LlmRequest]) -> list[tuple]:
+    return [
+        (
+            r.request_id,
+            kv.get_needed_blocks_one_step(r, False),
+            kv.get_needed_blocks_one_step(r, True),
+            kv.get_remaining_blocks_to_completion(r),
+        )
+        for r in requests
+    ]
+
+
+def _window_planner_trace(module: Any, window: int, tpb: int, seed: int, slides: bool) -> list:
+    rng = random.Random(seed)
+    specs = [_random_snapshot(rng, 100 + i) for i in range(24)]
+    ops = [(rng.random() < 0.6, rng.randint(0, 6)) for _ in specs]
+    kv = module.KVCacheManager(512, tpb, 64, False, 0, DEFAULT_OFFLOAD, window)
+    built = [s.build() for s in specs]
+    rows: list = [kv.attention_window, _planning_rows(kv, built)]  # no sequence yet
+    for r, (add, grow) in zip(built, ops):
+        if not add:
+            continue
+        n = _held_tokens(r)
+        if slides and r.num_generated_tokens:  # the prompt, then the generated tokens one step at a time
+            n = r.prompt_len
+        if n > kv.max_seq_len or n > kv.num_free_blocks * tpb:
+            continue
+        kv.add_sequence(r.request_id, n, 1)
+        grown = []
+        for _ in range(grow if slides else 0):
+            if kv.get_num_tokens(r.request_id) < min(_held_tokens(r), kv.max_seq_len):
+                try:
+                    kv.add_tokens(r.request_id, 1)
+                    grown.append("ok")
+                except RuntimeError as exc:  # the pool is full
+                    grown.append(str(exc))
+        rows.append((r.request_id, grown, kv.get_block_ids(r.request_id), kv.num_free_blocks))
+    kv.check_integrity()
+    rows.append(_planning_rows(kv, built))  # with sequences (held, and released when they slide)
+    return rows
+
+
+@pytest.mark.parametrize("window", [0, 3, 8, 33])
+@pytest.mark.parametrize("tpb", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_window_planner_matches_twin(window: int, tpb: int, seed: int) -> None:
+    """get_needed_blocks_one_step (one and two steps) and get_remaining_blocks_to_completion of a
+    manager with attention_window W: random requests in context and generation, drafts and beams,
+    without and with a sequence; C++ = twin."""
+    cpp = _window_planner_trace(bm, window, tpb, seed, CPP_SLIDES)
+    twin = _window_planner_trace(ref, window, tpb, seed, CPP_SLIDES)
+    assert cpp == twin
+
+
+def test_window_planner_counts_the_window() -> None:
+    """The window bounds the planning: a generating request at t = 40 (tpb 4, W 8) whose step would
+    start a block needs none, the slide releasing (40 - 8 + 1) // 4 = 8 blocks first; to completion
+    it needs at most ceil((W + k) / tpb) + 1 blocks per beam, less those it holds."""
+    for module in (bm, ref):
+        kv = module.KVCacheManager(64, 4, 128, attention_window=8)
+        assert kv.attention_window == 8
+        r = LlmRequest(1, 50, [1] * 40, beam_width=2)
+        r.move_to_next_context_chunk()
+        r.state = LlmRequestState.GENERATION_IN_PROGRESS
+        r.add_new_token(2)
+        assert kv.get_needed_blocks_one_step(r, False) == 0
+        r.draft_tokens = [1, 1, 1]  # min(1 + 3, ...) = 4 tokens: ceil(44 / 4) - 10 = 1, less 8
+        assert kv.get_needed_blocks_one_step(r, False) == 0
+        assert kv.get_remaining_blocks_to_completion(r) == max(10, (-(-11 // 4) + 1) * 2)
+        kv.add_sequence(1, 40, 1)
+        assert kv.get_remaining_blocks_to_completion(r) == 0  # holds 10 >= (3 + 1) * 2
+        assert module.KVCacheManager(64, 4, 128).get_needed_blocks_one_step(r, False) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((4, 4, 16, False, 0, 30, -1), r"attention_window must be >= 0 \(0: no window\), got -1"),
+        (
+            (4, 4, 16, True, 2, 30, 8),
+            r"attention_window 8 with num_secondary_blocks 2: a sliding-window manager has no secondary level",
+        ),
+    ],
+)
+def test_attention_window_is_validated_alike(args: tuple, message: str) -> None:
+    for module in (bm, ref):
+        with pytest.raises(ValueError, match=message):
+            module.KVCacheManager(*args)
+    assert bm.KVCacheManager(4, 4, 16).attention_window == 0
+
+
+def _window_schedule_trace(module: Any, seed: int) -> list:
+    """One random active set against a main manager (reuse on, a cache pre-filled by finished
+    prompts) and one or two window managers of other sizes and windows, every started request
+    holding a sequence in every manager where all have room; then schedule() under every policy,
+    with and without two_steps_lookahead and window managers."""
+    rng = random.Random(seed)
+    tpb = rng.choice([1, 2, 4])
+    max_seq_len = 64
+    main = module.KVCacheManager(rng.randint(8, 40), tpb, max_seq_len, True)
+    windows = [
+        module.KVCacheManager(rng.randint(2, 24), tpb, max_seq_len, False, 0, DEFAULT_OFFLOAD, w)
+        for w in rng.sample([3, 8, 33], rng.randint(1, 2))
+    ]
+    managers = [main, *windows]
+    for i in range(rng.randint(0, 4)):  # finished requests leave their prompt blocks cached
+        done = LlmRequest(i, 1, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3 * tpb + 1))])
+        if main.num_free_blocks * tpb >= done.prompt_len:
+            main.add_sequence(i, done.prompt_len, 1, done)
+            done.move_to_next_context_chunk()
+            main.remove_sequence(i, done)
+    built = [_random_snapshot(rng, 100 + i, max_prompt=24).build() for i in range(rng.randint(0, 14))]
+    held = []
+    for r in built:
+        started = r.num_generated_tokens or (r.is_context_init_state and not r.is_first_context_chunk)
+        n = _held_tokens(r)
+        if not started or n > max_seq_len or rng.random() < 0.2:
+            continue
+        if all(m.num_free_blocks * tpb >= n for m in managers):
+            for m in managers:
+                m.add_sequence(r.request_id, n, 1)
+            held.append(r.request_id)
+    rows: list = [held, [m.num_free_blocks for m in managers]]
+    for policy in POLICIES:
+        for two_steps in (False, True):
+            scheduler = module.CapacityScheduler(rng.randint(1, 10), policy, two_steps_lookahead=two_steps)
+            for window_managers in ([], windows, windows[::-1]):
+                fitting, paused = scheduler.schedule(built, main, window_managers)
+                rows.append(
+                    (
+                        [r.request_id for r in fitting],
+                        [r.request_id for r in paused],
+                        [m.scheduling_num_free_blocks for m in managers],
+                    )
+                )
+    for m in managers:
+        m.check_integrity()
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_schedule_with_window_managers_matches_twin(seed: int) -> None:
+    """schedule(active, kv, window_managers): the C++ scheduler over C++ managers and the twin over
+    twin managers, the same operations mirrored on both: identical (fitting, paused) ids and planning
+    counts under all three policies, with and without two_steps_lookahead."""
+    assert _window_schedule_trace(bm, seed) == _window_schedule_trace(ref, seed)
+
+
+def test_window_managers_make_a_difference() -> None:
+    """Across the traces above, a window pool changed some decision (a request left out or paused
+    that fits the main pool alone), so the parity covers the per-manager checks."""
+    changed = 0
+    for seed in range(40):
+        rows = _window_schedule_trace(bm, seed)[2:]
+        for i in range(0, len(rows), 3):
+            changed += rows[i][:2] != rows[i + 1][:2]
+            assert rows[i + 1][:2] == rows[i + 2][:2]  # the order of the window managers does not matter
+    assert changed >= 5
+
+
+# ---------------------------------------------------------------------------------------------
 # Twin interface and error messages
 # ---------------------------------------------------------------------------------------------
 
@@ -990,6 +1295,9 @@ def test_twin_scheduler_errors() -> None:
         lambda m: m.CapacityScheduler(1, no_schedule_until_state=LlmRequestState.GENERATION_COMPLETE),
         lambda m: m.MicroBatchScheduler(no_schedule_after_state=LlmRequestState.CONTEXT_INIT),
         lambda m: m.KVCacheManager(1, 4, 16).add_sequence(1, 5),
+        lambda m: m.KVCacheManager(4, 4, 16, attention_window=-1),
+        lambda m: m.KVCacheManager(4, 4, 16, False, 1, attention_window=2),
+        lambda m: m.KVCacheManager(4, 4, 16, attention_window=2).slide_window(1, 0),
     ],
 )
 def test_cpp_and_twin_raise_the_same_exception_type(make: Any) -> None:

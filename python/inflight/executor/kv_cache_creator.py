@@ -175,3 +175,78 @@ def _budget(kv_config, tokens: int, bytes_per_token: int, max_seq_len: int, sour
             f"tokens_per_block={tpb}; raise KvCacheConfig.max_tokens or free_memory_fraction"
         )
     return KvBudget(num_blocks, tpb, bytes_per_token, max_seq_len, source)
+
+
+@dataclass(frozen=True)
+class WindowPoolPlan:
+    """How VSWA splits one KV budget (``KvCacheConfig(sliding_window_pools=True)``): the global layers'
+    pool of ``num_global_blocks`` and, per window, a pool of ``window_blocks[w]`` blocks for its
+    ``window_layers[w]`` layers. ``sequences``: the sequences of max_seq_len tokens that fit at once
+    (every one decoding, one more prompt being admitted), against ``sequences_without`` in one pool."""
+
+    num_global_blocks: int
+    window_blocks: dict[int, int]
+    window_layers: dict[int, tuple[int, ...]]
+    global_layers: tuple[int, ...]
+    sequences: float
+    sequences_without: float
+
+    def describe(self, tokens_per_block: int) -> str:
+        parts = ", ".join(
+            f"window {w} ({len(self.window_layers[w])} layers): {n} blocks"
+            for w, n in self.window_blocks.items()
+        )
+        return (
+            f"KV cache, sliding-window pools (VSWA): {len(self.global_layers)} global layers: "
+            f"{self.num_global_blocks} blocks x {tokens_per_block} tokens; {parts}; max concurrency at "
+            f"max_seq_len: {self.sequences:.2f} sequences (one pool: {self.sequences_without:.2f})"
+        )
+
+
+def plan_window_pools(
+    layer_windows: tuple[int, ...],
+    num_blocks: int,
+    tokens_per_block: int,
+    max_seq_len: int,
+    max_draft_len: int = 0,
+) -> WindowPoolPlan | None:
+    """Splits the bytes of ``num_blocks`` blocks of every layer between a global pool and one pool per
+    window, for as many sequences of ``max_seq_len`` as fit: a global layer holds a whole sequence
+    (``G = ceil(max_seq_len / tpb)`` blocks), a window-``W`` layer ``c = ceil((W + max_draft_len) /
+    tpb) + 1`` blocks once it decodes (what its window and a step's drafts can see), and a prompt is
+    allocated whole when admitted (so each window pool also keeps ``G - c`` blocks for one). With
+    ``S`` sequences: ``l0 S G + sum_w lw (G + (S - 1) c_w) = L num_blocks`` (layer-blocks). None when no
+    layer has a window below max_seq_len, none is global, or the split would not gain."""
+    tpb = tokens_per_block
+    g = -(-max_seq_len // tpb)
+    windows: dict[int, list[int]] = {}
+    global_layers = []
+    for i, w in enumerate(layer_windows):
+        if 0 < w < max_seq_len:
+            windows.setdefault(w, []).append(i)
+        else:
+            global_layers.append(i)
+    if not windows or not global_layers:
+        return None
+    caps = {w: min(g, -(-(w + max_draft_len) // tpb) + 1) for w in windows}
+    total = len(layer_windows) * num_blocks
+    l0 = len(global_layers)
+    s = (total - sum(len(ls) * (g - caps[w]) for w, ls in windows.items())) / (
+        l0 * g + sum(len(ls) * caps[w] for w, ls in windows.items())
+    )
+    num_global = int(s * g)
+    if s < 1 or num_global <= num_blocks:
+        return None
+    window_blocks = {w: int(g + (s - 1) * caps[w]) + 1 for w in windows}
+    # Rounding up the window pools may overshoot the budget by a few blocks: take them from the global pool.
+    over = sum(len(windows[w]) * n for w, n in window_blocks.items()) + l0 * num_global - total
+    if over > 0:
+        num_global -= -(-over // l0)
+    return WindowPoolPlan(
+        num_global,
+        window_blocks,
+        {w: tuple(ls) for w, ls in windows.items()},
+        tuple(global_layers),
+        s,
+        num_blocks / g,
+    )

@@ -16,6 +16,7 @@ when the host has not appended it yet (it was sampled by the step still in fligh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,10 +73,9 @@ def build_metadata(
     n = len(seq_lens)
     tpb = kv.tokens_per_block
     rows = tables[:n]
-    if requests and isinstance(requests[0], int):  # KV sequence ids (beam search)
-        kv.copy_block_tables(requests, rows)
-    else:
-        kv.copy_block_tables(requests if isinstance(requests, RequestList) else RequestList(requests), rows)
+    if requests and not isinstance(requests[0], int) and not isinstance(requests, RequestList):
+        requests = RequestList(requests)  # else KV sequence ids (beam search), or a RequestList
+    kv.copy_block_tables(requests, rows)
     block_tables = torch.from_numpy(rows)
     positions_t = torch.tensor(positions, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
@@ -83,7 +83,7 @@ def build_metadata(
     slot_mapping = block_tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
     cu = torch.zeros(n + 1, dtype=torch.int32)
     torch.cumsum(seq_lens_t, 0, out=cu[1:])
-    return AttentionMetadata(
+    metadata = AttentionMetadata(
         num_contexts=num_contexts,
         num_tokens=len(positions),
         tokens_per_block=tpb,
@@ -97,6 +97,19 @@ def build_metadata(
         seq_lens_host=tuple(seq_lens),
         kv_lens_host=tuple(kv_lens),
     )
+    if not kv.window_groups:
+        return metadata
+    # VSWA: the layers of each window read their own pool through their own block tables.
+    by_window = {}
+    for g in kv.window_groups:
+        g_rows = np.zeros_like(rows)
+        g.kv.copy_block_tables(requests, g_rows)
+        g_tables = torch.from_numpy(g_rows)
+        g_slots = g_tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
+        by_window[g.window] = dataclasses.replace(
+            metadata, block_tables=g_tables.to(device, copy=True), slot_mapping=g_slots.to(device)
+        )
+    return dataclasses.replace(metadata, window_metadata=by_window)
 
 
 class ModelEngine:

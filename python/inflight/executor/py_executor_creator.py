@@ -32,6 +32,7 @@ from inflight.executor.kv_cache_creator import (
     cpu_kv_budget,
     gpu_kv_budget,
     kv_bytes_per_token,
+    plan_window_pools,
     secondary_kv_blocks,
 )
 from inflight.executor.kv_secondary_pool import SecondaryKvPool
@@ -47,7 +48,12 @@ from inflight.executor.parallel_runtime import (
 )
 from inflight.executor.preemption import Preemption
 from inflight.executor.py_executor import PyExecutor
-from inflight.executor.resource_manager import KVCacheResourceManager, ResourceManager, SeqSlotManager
+from inflight.executor.resource_manager import (
+    KVCacheResourceManager,
+    ResourceManager,
+    SeqSlotManager,
+    WindowKvGroup,
+)
 from inflight.executor.sampler import Sampler
 from inflight.executor.scheduler import (
     BindCapacityScheduler,
@@ -235,11 +241,12 @@ def _create(
     identity = None
     if num_secondary and kv_config.host_cache_path is not None and kv_config.enable_block_reuse:
         identity = model_identity(args.model, loaded.dtype, args.quantization, parallel)
+    windows = _plan_window_pools(args, cfg, cluster, budget, max_seq_len)
     kv_manager = KVCacheResourceManager.allocate(
-        num_layers,
+        len(windows.global_layers) if windows is not None else num_layers,
         kv_heads,
         cfg.head_dim,
-        budget.num_blocks,
+        windows.num_global_blocks if windows is not None else budget.num_blocks,
         kv_config.tokens_per_block,
         max_seq_len,
         kv_dtype,
@@ -249,6 +256,22 @@ def _create(
         kv_config.host_cache_path,
         identity,
     )
+    if windows is not None:
+        logger.info("%s", windows.describe(kv_config.tokens_per_block))
+        for w, n in windows.window_blocks.items():
+            group_kv = KVCacheResourceManager.allocate(
+                len(windows.window_layers[w]),
+                kv_heads,
+                cfg.head_dim,
+                n,
+                kv_config.tokens_per_block,
+                max_seq_len,
+                kv_dtype,
+                device,
+                kv_config.enable_block_reuse,
+                attention_window=w,
+            )
+            kv_manager.add_window_group(WindowKvGroup(w, windows.window_layers[w], group_kv), num_layers)
     if isinstance(model, ParallelModel):  # the same pool on every rank
         model.allocate_kv(budget.num_blocks, kv_config.tokens_per_block, kv_dtype)
         kv_manager.on_block_copies = model.queue_block_copies  # beam search's copies, on every rank
@@ -410,6 +433,34 @@ def _make_speculator(args: LlmArgs, cfg: ModelConfig, loaded, device, budget, ma
     return Speculator(drafter, sc.max_draft_len, DRAFT_COSTS.get(device.type, DRAFT_COSTS["cuda"]))
 
 
+def _plan_window_pools(args: LlmArgs, cfg: ModelConfig, cluster, budget, max_seq_len: int):
+    """The VSWA split of the KV budget (kv_cache_creator.plan_window_pools), or None: not asked for,
+    or no gain for this model and max_seq_len (logged)."""
+    if not args.kv_cache_config.sliding_window_pools:
+        return None
+    if cluster is not None:
+        raise ValueError(
+            "KvCacheConfig.sliding_window_pools=True is not supported with tensor or pipeline parallelism yet"
+        )
+    if cfg.layer_windows is None:
+        logger.info(
+            "KvCacheConfig.sliding_window_pools: %s has no sliding-window layers; one pool", args.model
+        )
+        return None
+    sc = args.speculative_config
+    drafts = sc.max_draft_len if sc is not None and sc.method is not None else 0
+    plan = plan_window_pools(
+        cfg.layer_windows, budget.num_blocks, args.kv_cache_config.tokens_per_block, max_seq_len, drafts
+    )
+    if plan is None:
+        logger.info(
+            "KvCacheConfig.sliding_window_pools: no gain at max_seq_len=%d (windows %s); one pool",
+            max_seq_len,
+            sorted(set(cfg.layer_windows)),
+        )
+    return plan
+
+
 def _make_scheduler(
     args: LlmArgs, kv_manager: KVCacheResourceManager, two_steps_lookahead: bool
 ) -> RequestScheduler:
@@ -428,6 +479,7 @@ def _make_scheduler(
                 kv_manager.impl,
                 args.scheduler_config.capacity_scheduler_policy,
                 two_steps_lookahead=two_steps_lookahead,
+                window_managers=[g.kv.impl for g in kv_manager.window_groups],
             ),
             BindMicroBatchScheduler(args.max_batch_size, args.max_num_tokens, chunking),
         )

@@ -14,6 +14,7 @@ import math
 import mmap
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,18 @@ def layer_caches(pool: torch.Tensor, scales: torch.Tensor | None) -> list[KvCach
     return [Int8KvCache(kv, s) for kv, s in zip(pool.unbind(0), scales.unbind(0))]
 
 
+@dataclass
+class WindowKvGroup:
+    """The sliding-window layers of one window (VSWA, ``KvCacheConfig(sliding_window_pools=True)``):
+    their own KV manager (``attention_window`` = the window) and pool, holding ``layers`` (model layer
+    indices, in order) only. Its blocks are released as the window moves, so its pool is bounded by
+    the window, not by the sequences' lengths."""
+
+    window: int
+    layers: tuple[int, ...]
+    kv: KVCacheResourceManager
+
+
 class KVCacheResourceManager(BaseResourceManager):
     """Owns the KV pool (torch tensors, one per layer) and drives the block accounting of a
     KVCacheManager (the C++ one, or its twin; ``impl``).
@@ -178,6 +191,35 @@ class KVCacheResourceManager(BaseResourceManager):
         # Beam search: the KV sequences of beams other than a request's first get ids from here (far
         # above any request id).
         self._beam_ids = itertools.count(1 << 62)
+        # VSWA (add_window_group): the sliding-window layers' managers and pools. This manager then
+        # holds the global layers only; kv_caches still lists every layer's cache in model order.
+        self.window_groups: list[WindowKvGroup] = []
+        self._global_layers: tuple[int, ...] | None = None
+
+    def add_window_group(self, group: WindowKvGroup, num_layers: int) -> None:
+        """Registers the KV of ``group``'s layers (``num_layers``: the model's layers; this manager's
+        pool holds the ones no group claims, in order). Every sequence operation is then applied to
+        each group's manager too, with the same prefix hits (the fewest any manager has)."""
+        if group.kv.tokens_per_block != self.tokens_per_block:
+            raise ValueError(
+                f"window group tokens_per_block {group.kv.tokens_per_block} != {self.tokens_per_block}"
+            )
+        self.window_groups.append(group)
+        claimed = {i for g in self.window_groups for i in g.layers}
+        self._global_layers = tuple(i for i in range(num_layers) if i not in claimed)
+        if self.pool is not None:
+            caches: list[Any] = [None] * num_layers
+            for i, cache in zip(self._global_layers, layer_caches(self.pool, self.scales)):
+                caches[i] = cache
+            for g in self.window_groups:
+                for i, cache in zip(g.layers, g.kv.kv_caches):
+                    caches[i] = cache
+            if any(c is None for c in caches):
+                raise ValueError("the global pool and the window groups do not cover every layer")
+            self.kv_caches = caches
+
+    def _impls(self) -> list[Any]:
+        return [self.impl, *(g.kv.impl for g in self.window_groups)]
 
     @classmethod
     def allocate(
@@ -194,15 +236,26 @@ class KVCacheResourceManager(BaseResourceManager):
         num_secondary_blocks: int = 0,
         host_cache_path: str | None = None,
         identity: dict[str, Any] | None = None,
+        attention_window: int = 0,
     ) -> KVCacheResourceManager:
         """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index; with
         ``num_secondary_blocks``, its secondary level and that tier's memory (a file at
         ``host_cache_path``, else host memory). With the file, block reuse and the model's
         ``identity``, the tier is persistent: the cached prefixes a previous engine left in the file
-        are adopted (docs/batch-manager.md §3.10) and the index is written again at shutdown."""
-        impl = KVCacheManager(
-            num_blocks, tokens_per_block, max_seq_len, enable_block_reuse, num_secondary_blocks
-        )
+        are adopted (docs/batch-manager.md §3.10) and the index is written again at shutdown.
+        ``attention_window``: the manager of the layers of one sliding window (VSWA, §3.11)."""
+        if attention_window:
+            impl = KVCacheManager(
+                num_blocks,
+                tokens_per_block,
+                max_seq_len,
+                enable_block_reuse,
+                attention_window=attention_window,
+            )
+        else:
+            impl = KVCacheManager(
+                num_blocks, tokens_per_block, max_seq_len, enable_block_reuse, num_secondary_blocks
+            )
         pool, scales = allocate_kv_pool(
             num_layers, num_kv_heads, head_dim, num_blocks, tokens_per_block, dtype, device
         )
@@ -260,30 +313,63 @@ class KVCacheResourceManager(BaseResourceManager):
         if self.pool is None:
             return 0
         extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        extra += sum(g.kv.bytes for g in self.window_groups)
         return self.pool.numel() * self.pool.element_size() + extra
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of this manager's own pool: its layers' K and V (an int8 pool's scales
+        included), a window group's not."""
+        if self.pool is None:
+            return 0
+        own = self.pool[:, :, 0].numel() * self.pool.element_size()
+        if self.scales is not None:
+            own += self.scales[:, :, 0].numel() * self.scales.element_size()
+        return own
 
     def get_kv_cache_stats(self) -> dict[str, Any]:
         """The KV stats of docs/batch-manager.md as a dict (used/free blocks, hit rate, ...)."""
-        return self.impl.get_kv_cache_stats().to_dict()
+        stats = self.impl.get_kv_cache_stats().to_dict()
+        if self.window_groups:
+            stats["window_pools"] = [
+                {"window": g.window, "layers": len(g.layers), **g.kv.impl.get_kv_cache_stats().to_dict()}
+                for g in self.window_groups
+            ]
+        return stats
 
     def prepare_resources(self, batch: ScheduledRequests) -> None:
         kv = self.impl
+        groups = self.window_groups
         for req in batch.context_requests:
             if not kv.has_sequence(req.request_id):
                 # With reuse this may move the request's context position past cached blocks; a
                 # request that wants its prompt's log-probabilities computes every position (no
                 # lookup), as vLLM does.
                 lookup = req if getattr(req, "py_prompt_logprobs", None) is None else None
-                kv.add_sequence(req.request_id, req.prompt_len, 1, lookup)
+                if not groups:
+                    kv.add_sequence(req.request_id, req.prompt_len, 1, lookup)
+                    continue
+                # Every pool reuses the same prefix: the blocks all of them still hold.
+                hits = -1
+                if lookup is not None and kv.enable_block_reuse:
+                    hits = min(impl.count_reusable_blocks(req) for impl in self._impls())
+                for impl in self._impls():
+                    impl.add_sequence(req.request_id, req.prompt_len, 1, lookup, hits)
+            elif groups:
+                # A later chunk: the window layers no longer need what its first query cannot see.
+                for g in groups:
+                    g.kv.impl.slide_window(req.request_id, req.context_current_position, req)
         for req in batch.generation_requests:
             beam = getattr(req, "py_beam", None)
             if beam is not None:
-                for sid in beam.seq_ids:  # one token per beam; a shared last block is copied first
-                    kv.add_token(sid)
+                for impl in self._impls():
+                    for sid in beam.seq_ids:  # one token per beam; a shared last block is copied first
+                        impl.add_token(sid)
                 continue
             k = req.num_draft_tokens
             if k == 0:
-                kv.add_token(req.request_id)
+                for impl in self._impls():
+                    impl.add_token(req.request_id)
                 continue
             try:
                 kv.add_tokens(req.request_id, 1 + k)  # the newest token and its drafts
@@ -295,10 +381,14 @@ class KVCacheResourceManager(BaseResourceManager):
                 )
                 req.draft_tokens = []
                 kv.add_token(req.request_id)
+            for g in groups:
+                g.kv.impl.add_tokens(req.request_id, 1 + req.num_draft_tokens)
 
         # The moves between the levels first (their order is the manager's), then the copy-on-writes.
         self.execute_transfers(kv.take_transfers())
         self.copy_blocks(kv.take_block_copies())
+        for g in groups:
+            g.kv.copy_blocks(g.kv.impl.take_block_copies())
 
     def execute_transfers(self, transfers) -> None:
         """Executes the KV manager's ``(kind, src_block, dst_block)`` moves between its levels **in
@@ -407,50 +497,56 @@ class KVCacheResourceManager(BaseResourceManager):
         """After a beam step: running beam i continues the beam ``parents[i]`` of the step before. Each
         new beam's sequence is a fork of its parent's (all blocks shared); the old sequences are then
         removed (a block no new beam holds is freed). Beam 0 keeps the request's id."""
-        kv = self.impl
         beam = request.py_beam
         old = beam.seq_ids
         if len(old) == 1:
             parents = [0] * len(parents)  # the first step: every beam descends from the prompt
         new = [next(self._beam_ids) for _ in parents]
-        for sid, p in zip(new, parents):
-            kv.fork_sequence(old[p], sid)
-        for sid in old:
-            kv.remove_sequence(sid)
-        kv.fork_sequence(new[0], request.request_id)
-        kv.remove_sequence(new[0])
+        for kv in self._impls():  # the same sequence ids in every pool
+            for sid, p in zip(new, parents):
+                kv.fork_sequence(old[p], sid)
+            for sid in old:
+                kv.remove_sequence(sid)
+            kv.fork_sequence(new[0], request.request_id)
+            kv.remove_sequence(new[0])
         new[0] = request.request_id
         beam.seq_ids = new
 
     def rewind(self, request, n: int) -> None:
         """Drops the request's last ``n`` KV tokens (draft tokens that were not kept)."""
         if n > 0 and self.impl.has_sequence(request.request_id):
-            self.impl.rewind(request.request_id, n)
+            for kv in self._impls():
+                kv.rewind(request.request_id, n)
 
     def update_resources(self, batch: ScheduledRequests, finished_contexts: Sequence) -> None:
         if self.impl.enable_block_reuse:
             for req in finished_contexts:
                 if self.impl.has_sequence(req.request_id):
-                    self.impl.store_context_blocks(req)
+                    for kv in self._impls():
+                        kv.store_context_blocks(req)
 
     def free_resources(self, request, store_for_reuse: bool = True) -> None:
         beam = getattr(request, "py_beam", None)
         if beam is not None:
             # The beams' tokens are not the request's (which counts tokens only): nothing is stored
             # here. The prompt's blocks were published when its context finished.
-            for sid in beam.seq_ids:
-                if self.impl.has_sequence(sid):
-                    self.impl.remove_sequence(sid)
+            for kv in self._impls():
+                for sid in beam.seq_ids:
+                    if kv.has_sequence(sid):
+                        kv.remove_sequence(sid)
             beam.seq_ids = [request.request_id]
             return
-        if self.impl.has_sequence(request.request_id):
-            # Blocks of a request that failed mid-step may hold half-written KV: never publish them.
-            self.impl.remove_sequence(request.request_id, request if store_for_reuse else None)
+        for kv in self._impls():
+            if kv.has_sequence(request.request_id):
+                # Blocks of a request that failed mid-step may hold half-written KV: never publish them.
+                kv.remove_sequence(request.request_id, request if store_for_reuse else None)
 
     def copy_block_tables(self, requests: RequestList, out) -> None:
         self.impl.copy_block_tables(requests, out)
 
     def shutdown(self) -> None:
+        for g in self.window_groups:
+            g.kv.shutdown()
         if self.secondary is not None and self.secondary.persistent and self.pool is not None:
             try:
                 self.save_secondary(flush=True)

@@ -129,7 +129,9 @@ class BindCapacityScheduler(CapacityScheduler):
     """The C++ :class:`inflight.batch_manager.CapacityScheduler` (or its twin with ``reference=True``).
 
     ``kv_cache_manager`` is the accounting :class:`inflight.batch_manager.KVCacheManager` (or None:
-    then only ``max_num_requests`` limits).
+    then only ``max_num_requests`` limits). ``window_managers``: the KV managers of the sliding-window
+    layers, each with its own pool (C++ managers for the C++ scheduler, twins for the twin); a request
+    fits only where it fits in every pool (docs/batch-manager.md §5.6).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class BindCapacityScheduler(CapacityScheduler):
         no_schedule_until_state: LlmRequestState = LlmRequestState.CONTEXT_INIT,
         no_schedule_after_state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
         reference: bool = False,
+        window_managers: Sequence[Any] = (),
     ):
         cls = reference_impl.CapacityScheduler if reference else bm.CapacityScheduler
         self.impl = cls(
@@ -151,9 +154,11 @@ class BindCapacityScheduler(CapacityScheduler):
             two_steps_lookahead,
         )
         self.kv_cache_manager = kv_cache_manager
+        # VSWA: the sliding-window layers' managers; a request fits where it fits in every pool.
+        self.window_managers = list(window_managers)
 
     def schedule_request(self, active_requests: RequestSeq) -> tuple[RequestSeq, RequestSeq]:
-        return self.impl.schedule(active_requests, self.kv_cache_manager)
+        return self.impl.schedule(active_requests, self.kv_cache_manager, self.window_managers)
 
 
 class BindMicroBatchScheduler(MicroBatchScheduler):

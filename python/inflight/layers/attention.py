@@ -78,6 +78,15 @@ class AttentionMetadata:
     # Host copies (Python ints), so backends need no device->host sync to plan their work.
     seq_lens_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
+    # VSWA (KvCacheConfig.sliding_window_pools): window -> this metadata with the block tables and
+    # slot mapping of that window's own pool, for its layers (for_window). None: one pool.
+    window_metadata: dict[int, AttentionMetadata] | None = None
+
+    def for_window(self, window: int) -> AttentionMetadata:
+        """The metadata of the layers of ``window`` (0: global layers): this one, or that window's pool's."""
+        if self.window_metadata is None:
+            return self
+        return self.window_metadata.get(window, self)
 
     @property
     def batch_size(self) -> int:

@@ -398,7 +398,12 @@ class LlamaForCausalLM(nn.Module):
             if self.config.is_gemma:  # scaled by sqrt(hidden), the scale rounded to the model dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         fused = self.fused_layers()
-        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
+        # The fused stack reads one block table for every layer: not the per-window pools of VSWA.
+        run_fused = (
+            fused is not None
+            and metadata.window_metadata is None
+            and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
+        )
         if run_fused:
             local = self.rotary_local.cos_sin.index_select(0, positions) if fused.local_rope else None
             hidden = fused.forward(
@@ -408,7 +413,8 @@ class LlamaForCausalLM(nn.Module):
             rope = self.rotary.lookup(positions)
             local = self.rotary_local.lookup(positions) if self.rotary_local is not None else rope
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden = layer(hidden, *(local if layer.window else rope), kv_cache, metadata)
+                md = metadata.for_window(layer.window)
+                hidden = layer(hidden, *(local if layer.window else rope), kv_cache, md)
         if not self.stage.last:
             return hidden
         # The final norm is per token: apply it (and the LM head) only to the rows whose logits are wanted.

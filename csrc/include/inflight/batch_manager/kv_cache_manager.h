@@ -21,6 +21,11 @@
 //     a primary block on a prefix hit (onboard) or is dropped when the secondary block is reused.
 //   * the manager copies nothing: every move of KV between levels is queued as a KvBlockTransfer,
 //     in the order the engine must execute them (take_transfers).
+//   * sliding window (attention_window W > 0, the layers of one window; docs/batch-manager.md
+//     §3.11): a sequence keeps one block_ids entry per block, so entry i always covers tokens
+//     [i * tpb, (i + 1) * tpb); an entry is -1 once its block is released because no later query
+//     can see it. Released entries are a prefix (num_released of them), at most
+//     max(0, num_tokens - W + 1) / tpb, and hold no reference. Such a manager has no secondary level.
 #pragma once
 
 #include <cstddef>
@@ -93,11 +98,14 @@ struct KvCacheStats {
 class KVCacheManager {
  public:
   // Throws std::invalid_argument naming the argument for num_blocks < 1, tokens_per_block < 1,
-  // max_seq_len < 1, num_secondary_blocks < 0, secondary_offload_min_priority outside [0, 100].
-  // num_secondary_blocks = 0 is the one-level manager exactly.
+  // max_seq_len < 1, num_secondary_blocks < 0, secondary_offload_min_priority outside [0, 100],
+  // attention_window < 0, or attention_window > 0 with num_secondary_blocks > 0.
+  // num_secondary_blocks = 0 is the one-level manager exactly; attention_window = 0 releases nothing
+  // (global attention).
   KVCacheManager(SizeType32 num_blocks, SizeType32 tokens_per_block, SizeType32 max_seq_len,
                  bool enable_block_reuse = false, SizeType32 num_secondary_blocks = 0,
-                 SizeType32 secondary_offload_min_priority = kDefaultSecondaryOffloadMinPriority);
+                 SizeType32 secondary_offload_min_priority = kDefaultSecondaryOffloadMinPriority,
+                 SizeType32 attention_window = 0);
   ~KVCacheManager();
   KVCacheManager(KVCacheManager const&) = delete;
   KVCacheManager& operator=(KVCacheManager const&) = delete;
@@ -107,6 +115,8 @@ class KVCacheManager {
   SizeType32 max_seq_len() const { return max_seq_len_; }
   SizeType32 max_blocks_per_seq() const { return (max_seq_len_ + tokens_per_block_ - 1) / tokens_per_block_; }
   bool enable_block_reuse() const { return enable_block_reuse_; }
+  // The window W of the layers this manager serves (0: global layers, nothing released).
+  SizeType32 attention_window() const { return attention_window_; }
   // Primary level: the blocks the kernels read, that sequences are allocated from.
   SizeType32 num_free_blocks() const;
   SizeType32 num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
@@ -122,10 +132,14 @@ class KVCacheManager {
   // kPrimaryLevel or kSecondaryLevel; std::invalid_argument outside [0, num_blocks + num_secondary_blocks).
   SizeType32 get_block_level(BlockIdType block_id) const;
 
-  // Allocates ceil(input_length / tpb) blocks for the whole prompt. With reuse and a request, the
-  // first (prompt_len - 1) / tpb full blocks are looked up in the reuse tree first; a hit of k
-  // blocks calls request->set_prepopulated_prompt_len(k * tpb). A hit on a secondary block is
-  // onboarded: it costs a free primary block, which takes the key over (an onboard transfer).
+  // Allocates ceil(input_length / tpb) blocks for the whole prompt (with a window: the first context
+  // chunk; later chunks come with add_tokens). With reuse and a request, the first
+  // (prompt_len - 1) / tpb full blocks are looked up in the reuse tree first, at most
+  // max_reused_blocks of them when it is >= 0 (an engine with several managers reuses what all of
+  // them hold: the minimum of their count_reusable_blocks); a hit of k blocks calls
+  // request->set_prepopulated_prompt_len(k * tpb). A hit on a secondary block is onboarded: it costs
+  // a free primary block, which takes the key over (an onboard transfer). With a window, the blocks
+  // no query from k * tpb on can see are then released (slide_window).
   // Throws (state unchanged) when the id is already present, input_length is not in
   // [1, max_seq_len], beam_width != 1, or there are not enough free blocks (message names needed
   // and free).
@@ -133,17 +147,33 @@ class KVCacheManager {
   // A suspended sequence (suspend_sequence) is rejected with std::invalid_argument by add_token,
   // add_tokens, rewind, fork_sequence (as src_id), store_context_blocks and copy_block_tables.
   void add_sequence(RequestIdType request_id, SizeType32 input_length, SizeType32 beam_width,
-                    LlmRequest* request = nullptr);
-  // One more token; a new block when it starts one. Throws for an unknown id, past max_seq_len,
-  // or with no free block.
+                    LlmRequest* request = nullptr, SizeType32 max_reused_blocks = -1);
+  // The prompt blocks add_sequence would reuse for the request now (0 with reuse off).
+  SizeType32 count_reusable_blocks(LlmRequest const& request) const;
+  // Sliding window: releases the blocks no query at first_query_pos or later can see, those whose
+  // tokens all precede first_query_pos - W + 1, oldest first (no-op without a window). With reuse and
+  // a request, the full blocks released are first stored for reuse as remove_sequence would store
+  // them (the walk passes released blocks whose prefix is cached and stops at one that is not).
+  // Throws std::invalid_argument for an unknown or suspended id, first_query_pos outside
+  // [0, num_tokens], or a request of another id.
+  void slide_window(RequestIdType request_id, SizeType32 first_query_pos, LlmRequest const* request = nullptr);
+  // The blocks the sequence holds (those released by the window not counted).
+  SizeType32 get_num_held_blocks(RequestIdType request_id) const;
+  // One more token; a new block when it starts one. With a window, first slides it to the new token
+  // (slide_window at num_tokens, storing nothing). Throws for an unknown id, past max_seq_len, or with
+  // no free block.
   void add_token(RequestIdType request_id);
   // n more tokens at once (a speculative step's 1 + k), all or nothing: the blocks they start are
-  // allocated in order. Throws std::invalid_argument for an unknown id, n < 0 or past max_seq_len, and
-  // std::runtime_error (state unchanged; message names needed and free) without enough free blocks.
+  // allocated in order. With a window and n > 0, first slides it to the first new token (kept even
+  // when the allocation then fails). Throws std::invalid_argument for an unknown id, n < 0 or past
+  // max_seq_len, and std::runtime_error (no block allocated; message names needed and free) without
+  // enough free blocks.
   void add_tokens(RequestIdType request_id, SizeType32 n);
   // Pops the last n tokens (rejected drafts): every block left empty is released, last block first.
   // Rewound tokens are never stored for reuse (remove_sequence publishes only the tokens held). Throws
-  // std::invalid_argument for an unknown id or n outside [0, num_tokens - 1] (a sequence keeps a token).
+  // std::invalid_argument for an unknown id or n outside [0, num_tokens - 1] (a sequence keeps a token),
+  // and, once the window released blocks, for n > num_tokens - (num_released * tpb + W - 1): the
+  // window cannot move back over what it released.
   void rewind(RequestIdType request_id, SizeType32 n);
   // Beam search: dst_id (new) holds the very blocks of src_id, each one's ref_count + 1, and its token
   // count and retention priority. Nothing is copied now: a later write into a shared, partly filled last
@@ -166,7 +196,8 @@ class KVCacheManager {
   // cached blocks for room) and its primary block is freed, last first. Blocks shared with another
   // sequence stay held in primary. The sequence keeps its tokens and is suspended: only resume,
   // remove and the getters accept it. All or nothing: std::runtime_error (state unchanged) naming
-  // needed and free secondary blocks; std::invalid_argument for an unknown or suspended id.
+  // needed and free secondary blocks; std::invalid_argument for an unknown or suspended id, or on a
+  // sliding-window manager.
   void suspend_sequence(RequestIdType request_id);
   // Swap-in: each secondary block of a suspended sequence gets a fresh primary block (an onboard
   // transfer each, its key moving back), restoring the block table; the secondary blocks are freed.
@@ -177,7 +208,8 @@ class KVCacheManager {
   SizeType32 get_needed_blocks_to_resume(RequestIdType request_id) const;
   // Free secondary blocks suspend_sequence needs (its private blocks; 0 when already suspended).
   SizeType32 get_needed_secondary_blocks_to_suspend(RequestIdType request_id) const;
-  // Frees the blocks, last block first. With reuse and a request, first stores the full blocks of
+  // Frees the blocks held (not those the window released), last block first. With reuse and a
+  // request, first stores the full blocks of
   // the tokens the sequence holds (capped, for a request still in context, at the tokens already
   // computed: context_current_position). Throws for an unknown id. A suspended sequence is accepted
   // (its secondary blocks return to the secondary free queue).
@@ -185,11 +217,13 @@ class KVCacheManager {
   // Publishes the full prompt blocks of a request whose context finished (no-op without reuse).
   void store_context_blocks(LlmRequest const& request);
 
-  // Both accept a suspended sequence (its block ids then mix the levels).
+  // Both accept a suspended sequence (its block ids then mix the levels). An entry released by the
+  // window is -1.
   std::vector<BlockIdType> const& get_block_ids(RequestIdType request_id) const;
   SizeType32 get_num_tokens(RequestIdType request_id) const;
   // Writes the block ids of each sequence into row i of out[num_rows][row_stride]; unused entries
-  // of those rows are set to 0. Throws if a sequence has more blocks than row_stride or
+  // of those rows are set to 0, and so are the entries released by the window (the kernels never
+  // read them). Throws if a sequence has more blocks than row_stride or
   // request_ids.size() > num_rows.
   void copy_block_tables(std::vector<RequestIdType> const& request_ids, BlockIdType* out, std::int64_t num_rows,
                          std::int64_t row_stride) const;
@@ -201,7 +235,9 @@ class KVCacheManager {
   SizeType32 scheduling_num_free_blocks() const { return scheduling_num_free_blocks_; }
   // Adds back to the simulated free count the primary blocks of that sequence no other sequence holds.
   void scheduling_remove_sequence(RequestIdType request_id);
+  // With a window, less what the step's slide releases first (the blocks its first query no longer sees).
   SizeType32 get_needed_blocks_one_step(LlmRequest const& request, bool two_steps_lookahead) const;
+  // With a window, bounded by it: the most blocks the sequence will hold at once minus those it holds.
   SizeType32 get_remaining_blocks_to_completion(LlmRequest const& request) const;
   // Chained key (64-bit) of the first of the request's first (prompt_len - 1) / tpb full prompt
   // blocks that is not in the reuse tree; nullopt when all are cached, there are none, or reuse
@@ -240,7 +276,8 @@ class KVCacheManager {
     SizeType32 num_tokens = 0;
     // Blocks allocated later by add_token get the priority of the request that added the sequence.
     SizeType32 retention_priority = kDefaultRetentionPriority;
-    bool suspended = false;  // swapped out: private blocks in the secondary level
+    bool suspended = false;       // swapped out: private blocks in the secondary level
+    SizeType32 num_released = 0;  // sliding window: block_ids[0, num_released) are -1 (released)
   };
   // An intrusive FIFO threaded through Block::prev_free / next_free, so that releasing and taking a
   // block is O(1) and allocation-free (a std::list would allocate a node on every release).
@@ -271,6 +308,15 @@ class KVCacheManager {
   void set_key(BlockIdType block_id, BlockIdType parent, std::uint64_t hash, TokenIdType const* tokens);
   void store_blocks(std::vector<TokenIdType> const& tokens, SizeType32 num_tokens,
                     std::vector<BlockIdType> const& block_ids, SizeType32 retention_priority);
+  // Walks the reuse tree from the root along the first num_lookup full blocks of tokens, stopping at
+  // the first one not cached; appends each cached block to *hits (when not null); returns the count.
+  SizeType32 match_prefix(TokenIdType const* tokens, SizeType32 num_lookup, std::vector<BlockIdType>* hits) const;
+  // Sliding window (kv_cache_manager_window.cpp): releases the blocks dead at first_query_pos,
+  // stored for reuse first with reuse on and a request (see slide_window).
+  void slide(Sequence& seq, SizeType32 first_query_pos, LlmRequest const* request);
+  // Capacity of a sequence's block_ids: a window sequence keeps entries for released blocks, so it can
+  // have more entries than the pool has blocks.
+  std::size_t max_block_entries() const;
   // Secondary level (kv_cache_manager_secondary.cpp). offload: moves the key of a primary block
   // being reused to a free secondary block, if its priority and the pool allow; false otherwise.
   bool offload(BlockIdType block_id);
@@ -287,6 +333,8 @@ class KVCacheManager {
   Sequence const& sequence(RequestIdType request_id, char const* caller) const;
   // As sequence(), and rejects a suspended sequence (std::invalid_argument).
   Sequence& active_sequence(RequestIdType request_id, char const* caller);
+  // get_remaining_blocks_to_completion with a window (attention_window_ > 0).
+  SizeType32 remaining_blocks_in_window(LlmRequest const& request) const;
 
   SizeType32 num_blocks_;
   SizeType32 tokens_per_block_;
@@ -294,6 +342,7 @@ class KVCacheManager {
   bool enable_block_reuse_;
   SizeType32 num_secondary_blocks_;
   SizeType32 secondary_offload_min_priority_;
+  SizeType32 attention_window_;
   // Indexed by block id, primary then secondary; Block is complete in the .cpp (a vector of an
   // incomplete type is allowed since C++17 as long as its members are only used there).
   std::vector<Block> blocks_;
