@@ -1,15 +1,17 @@
-"""INT8 KV cache vs bf16 KV cache on the CPU: decode attention time and concurrency, in one process.
+"""INT8 and FP8 (E4M3) KV caches vs a bf16 KV cache on the CPU: decode attention time and concurrency,
+in one process.
 
 1. **Decode attention**: ``paged_attention`` for a batch of ``--batch`` sequences of ``--context``
    keys each, at SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, 32-token
-   blocks, shuffled), bf16 queries, over a bf16 cache and over an int8 cache (codes + one fp32 scale
-   per token and KV head). A decode step reads every layer's cache once, and 30 layers' caches do not
-   fit in any cache level, so each timed step runs the op over ``--layers`` distinct caches (more
-   bytes than the L3 holds) and the time is reported per layer; the two dtypes alternate round by
-   round, and the medians are compared (ratio = bf16 / int8: > 1 means int8 is faster).
+   blocks, shuffled), bf16 queries, over a bf16 cache, an int8 cache (codes + one fp32 scale per token
+   and KV head) and an fp8 cache (E4M3 bytes, per-tensor scales). A decode step reads every layer's
+   cache once, and 30 layers' caches do not fit in any cache level, so each timed step runs the op over
+   ``--layers`` distinct caches (more bytes than the L3 holds) and the time is reported per layer; the
+   dtypes take turns round by round (the order rotated), and the medians are compared (ratio = bf16 /
+   int8 or bf16 / fp8: > 1 means the quantised cache is faster).
 2. **Concurrency**: how many requests of ``--request-tokens`` tokens the KV pool of a fixed byte
    budget (``--budget-mib``) holds at once, the pool sized as the engine sizes it (bytes per token
-   including the int8 scales) and filled through the C++ KVCacheManager until it refuses one.
+   including the int8 scales; fp8 has none) and filled through the C++ KVCacheManager until it refuses one.
 
     python benchmarks/bench_kv_int8.py [--context 4096] [--batch 16] [--layers 8] [--rounds 7]
                                        [--budget-mib 1024] [--request-tokens 2048] [--json out.json]
@@ -31,8 +33,11 @@ from inflight.batch_manager import KVCacheManager
 from inflight.executor.kv_cache_creator import kv_bytes_per_token
 from inflight.ops import attention as ops
 from inflight.ops import cpu_info
+from inflight.ops.reference.attention import quantize_kv_fp8
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, TPB = 30, 9, 3, 64, 32  # SmolLM2-135M
+KINDS = ("bf16", "int8", "fp8")
+DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def _tables(batch: int, context: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -45,13 +50,15 @@ def _tables(batch: int, context: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _caches(kind: str, layers: int, num_blocks: int, gen: torch.Generator):
-    """``layers`` caches of ``kind`` (bf16 / int8), as (cache, scales or None) pairs."""
+    """``layers`` caches of ``kind`` (bf16 / int8 / fp8), as (cache, scales or None) pairs."""
     shape = (2, num_blocks, TPB, NUM_KV_HEADS, HEAD_DIM)
     out = []
     for _ in range(layers):
         if kind == "int8":
             codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
             out.append((codes, 0.01 * torch.rand(shape[:4], generator=gen) + 1e-3))
+        elif kind == "fp8":  # E4M3 bytes (uint8) of normal-sized values, unit scales
+            out.append((quantize_kv_fp8(torch.randn(shape, generator=gen)), None))
         else:
             out.append((torch.randn(shape, generator=gen).to(torch.bfloat16), None))
     return out
@@ -63,7 +70,7 @@ def bench_decode(args) -> dict:
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, generator=gen).bfloat16()
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
-    caches = {kind: _caches(kind, args.layers, num_blocks, gen) for kind in ("bf16", "int8")}
+    caches = {kind: _caches(kind, args.layers, num_blocks, gen) for kind in KINDS}
 
     def step(kind: str) -> None:
         for cache, scales in caches[kind]:
@@ -73,7 +80,7 @@ def bench_decode(args) -> dict:
         step(kind)
     samples: dict[str, list[float]] = {k: [] for k in caches}
     for r in range(args.rounds):
-        for kind in ("bf16", "int8") if r % 2 == 0 else ("int8", "bf16"):
+        for kind in KINDS[r % 3 :] + KINDS[: r % 3]:
             times = []
             for _ in range(args.iters):
                 t0 = time.perf_counter_ns()
@@ -82,8 +89,7 @@ def bench_decode(args) -> dict:
             samples[kind].append(statistics.median(times))
     med = {k: statistics.median(v) for k, v in samples.items()}
     kv_bytes = {
-        "bf16": args.batch * args.context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16),
-        "int8": args.batch * args.context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_DIM, torch.int8),
+        k: args.batch * args.context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_DIM, DTYPES[k]) for k in KINDS
     }
     return {
         "us_per_layer": med,
@@ -91,13 +97,14 @@ def bench_decode(args) -> dict:
         "kv_bytes_per_layer": kv_bytes,
         "read_gb_s": {k: kv_bytes[k] / (med[k] * 1e3) for k in med},
         "ratio_bf16_over_int8": med["bf16"] / med["int8"],
+        "ratio_bf16_over_fp8": med["bf16"] / med["fp8"],
     }
 
 
 def bench_concurrency(args) -> dict:
     budget = args.budget_mib << 20
     rows = {}
-    for kind, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+    for kind, dtype in DTYPES.items():
         bpt = kv_bytes_per_token(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype)
         num_blocks = budget // (bpt * TPB)
         kv = KVCacheManager(num_blocks, TPB, args.request_tokens, False)
@@ -115,6 +122,7 @@ def bench_concurrency(args) -> dict:
             "requests": served,
         }
     rows["ratio_int8_over_bf16"] = rows["int8"]["requests"] / max(rows["bf16"]["requests"], 1)
+    rows["ratio_fp8_over_bf16"] = rows["fp8"]["requests"] / max(rows["bf16"]["requests"], 1)
     return rows
 
 
@@ -149,7 +157,7 @@ def main() -> None:
     print(
         "| KV cache | us per layer (median) | KV MiB per layer | GB/s read | vs bf16 |\n|---|---:|---:|---:|---:|"
     )
-    for kind in ("bf16", "int8"):
+    for kind in KINDS:
         us = dec["us_per_layer"][kind]
         print(
             f"| {kind} | {us:.0f} | {dec['kv_bytes_per_layer'][kind] / 2**20:.1f} | "
@@ -160,7 +168,7 @@ def main() -> None:
         f"(SmolLM2: {NUM_LAYERS} layers, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, {TPB}-token blocks)"
     )
     print("| KV cache | B/token | blocks | requests at once | vs bf16 |\n|---|---:|---:|---:|---:|")
-    for kind in ("bf16", "int8"):
+    for kind in KINDS:
         r = conc[kind]
         print(
             f"| {kind} | {r['bytes_per_token']} | {r['num_blocks']} | {r['requests']} | "

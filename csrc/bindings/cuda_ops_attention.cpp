@@ -57,9 +57,9 @@ void run(cudaError_t (*launch)(Params const&, cudaStream_t), Params const& p, in
 Tensor const* optional_tensor(std::optional<Tensor> const& t) { return t ? &*t : nullptr; }
 
 void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
-              std::uintptr_t stream, std::optional<Tensor> const& kv_scales) {
+              std::uintptr_t stream, std::optional<Tensor> const& kv_scales, double k_scale, double v_scale) {
   Tensor const* scales = optional_tensor(kv_scales);
-  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales);
+  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales, k_scale, v_scale);
   require_contiguous(k, "k", 1);
   require_contiguous(v, "v", 1);
   check_cuda_cache(kv_cache, a.cache);
@@ -74,10 +74,11 @@ void store_kv(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor c
 ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                       Tensor const& kv_lens, double scale, Tensor const& out,
                                       std::optional<Tensor> const& workspace, int window,
-                                      std::optional<Tensor> const& kv_scales, int* device) {
+                                      std::optional<Tensor> const& kv_scales, double k_scale, double v_scale,
+                                      int* device) {
   require_at_least(window, 0, "window");
   Tensor const* scales = optional_tensor(kv_scales);
-  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales);
+  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales, k_scale, v_scale);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
   require_aligned(out, "out", 16);
@@ -106,17 +107,19 @@ ck::PagedAttentionParams paged_params(Tensor const& q, Tensor const& kv_cache, T
 
 void paged_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
                      double scale, Tensor const& out, std::optional<Tensor> const& workspace, std::uintptr_t stream,
-                     int window, std::optional<Tensor> const& kv_scales) {
+                     int window, std::optional<Tensor> const& kv_scales, double k_scale, double v_scale) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, window, kv_scales, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, workspace, window, kv_scales, k_scale,
+                              v_scale, &device);
   run(ck::launch_paged_attention, p, device, stream, "paged_attention");
 }
 
 void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& kv_lens,
                           double scale, Tensor const& out, std::uintptr_t stream, int window,
-                          std::optional<Tensor> const& kv_scales) {
+                          std::optional<Tensor> const& kv_scales, double k_scale, double v_scale) {
   int device = 0;
-  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, window, kv_scales, &device);
+  auto const p = paged_params(q, kv_cache, block_tables, kv_lens, scale, out, std::nullopt, window, kv_scales, k_scale,
+                              v_scale, &device);
   run(ck::launch_paged_attention_simt, p, device, stream, "paged_attention_simt");
 }
 
@@ -124,10 +127,11 @@ void paged_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const&
 ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                           Tensor const& cu_seqlens, Tensor const& kv_lens, double scale,
                                           Tensor const& out, int window, std::optional<Tensor> const& kv_scales,
-                                          int* device) {
+                                          double k_scale, double v_scale, int* device) {
   require_at_least(window, 0, "window");
   Tensor const* scales = optional_tensor(kv_scales);
-  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales);
+  AttentionArgs const a =
+      check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales, k_scale, v_scale);
   check_cuda_cache(kv_cache, a.cache);
   check_cuda_query(q, a.cache.head_dim);
   require_aligned(out, "out", 16);
@@ -151,17 +155,20 @@ ck::ContextAttentionParams context_params(Tensor const& q, Tensor const& kv_cach
 
 void context_attention(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables, Tensor const& cu_seqlens,
                        Tensor const& kv_lens, double scale, Tensor const& out, std::uintptr_t stream, int window,
-                       std::optional<Tensor> const& kv_scales) {
+                       std::optional<Tensor> const& kv_scales, double k_scale, double v_scale) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, k_scale,
+                                v_scale, &device);
   run(ck::launch_context_attention, p, device, stream, "context_attention");
 }
 
 void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                             Tensor const& cu_seqlens, Tensor const& kv_lens, double scale, Tensor const& out,
-                            std::uintptr_t stream, int window, std::optional<Tensor> const& kv_scales) {
+                            std::uintptr_t stream, int window, std::optional<Tensor> const& kv_scales, double k_scale,
+                            double v_scale) {
   int device = 0;
-  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, &device);
+  auto const p = context_params(q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, window, kv_scales, k_scale,
+                                v_scale, &device);
   run(ck::launch_context_attention_simt, p, device, stream, "context_attention_simt");
 }
 
@@ -169,22 +176,25 @@ void context_attention_simt(Tensor const& q, Tensor const& kv_cache, Tensor cons
 
 INFLIGHT_REGISTER_OPS(cuda_attention) {
   m.def("store_kv", &store_kv, nb::arg("k"), nb::arg("v"), nb::arg("kv_cache"), nb::arg("slot_mapping"),
-        nb::arg("stream"), nb::arg("kv_scales").none() = nb::none(),
+        nb::arg("stream"), nb::arg("kv_scales").none() = nb::none(), nb::arg("k_scale") = 1.0, nb::arg("v_scale") = 1.0,
         "Writes k[t] and v[t] [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks, tokens_per_block, "
         "num_kv_heads, head_dim] at flat slot slot_mapping[t] (int64; negative: skipped) on `stream`. An int8 "
         "kv_cache stores each (token, KV head) row quantised, its scale (max |x| / 127) into kv_scales [2, "
-        "num_blocks, tokens_per_block, num_kv_heads] float32.");
+        "num_blocks, tokens_per_block, num_kv_heads] float32. A uint8 kv_cache holds FP8 E4M3 bytes: x / k_scale "
+        "(x / v_scale), nearest even, saturated to +-448.");
   m.def("paged_attention", &paged_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream"),
-        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(), nb::arg("k_scale") = 1.0,
+        nb::arg("v_scale") = 1.0,
         "Decode attention: q [batch, num_heads, head_dim] against keys 0..kv_lens[b]-1 of the paged cache (window "
         "> 0: only the last `window` of them), into out. workspace (any contiguous CUDA tensor of "
         "paged_attention_workspace_size() bytes, or None) lets long contexts split over several CTAs; without it "
         "each sequence is one pass. float16/bfloat16 on tensor cores, float32 on CUDA cores; head_dim 64 or 128. "
-        "An int8 kv_cache is read with its kv_scales (see store_kv).");
+        "An int8 kv_cache is read with its kv_scales, a uint8 (fp8 e4m3) one with k_scale and v_scale (see "
+        "store_kv).");
   m.def("paged_attention_simt", &paged_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"), nb::arg("window") = 0,
-        nb::arg("kv_scales").none() = nb::none(),
+        nb::arg("kv_scales").none() = nb::none(), nb::arg("k_scale") = 1.0, nb::arg("v_scale") = 1.0,
         "paged_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
   m.def("paged_attention_workspace_size", &ck::paged_attention_workspace_size, nb::arg("batch_size"),
         nb::arg("num_heads"), nb::arg("max_kv_len"), nb::arg("head_dim"),
@@ -192,13 +202,16 @@ INFLIGHT_REGISTER_OPS(cuda_attention) {
         "needed).");
   m.def("context_attention", &context_attention, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
-        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(), nb::arg("k_scale") = 1.0,
+        nb::arg("v_scale") = 1.0,
         "Causal prefill attention over the paged cache: sequence i's queries q[cu_seqlens[i]:cu_seqlens[i+1]] "
         "(int32 offsets) sit at positions kv_lens[i] - q_len + r (window > 0: a query at p sees keys p - window "
         "+ 1 .. p only). float16/bfloat16 on tensor cores, float32 on "
-        "CUDA cores; head_dim 64 or 128. An int8 kv_cache is read with its kv_scales.");
+        "CUDA cores; head_dim 64 or 128. An int8 kv_cache is read with its kv_scales, a uint8 (fp8 e4m3) one "
+        "with k_scale and v_scale.");
   m.def("context_attention_simt", &context_attention_simt, nb::arg("q"), nb::arg("kv_cache"), nb::arg("block_tables"),
         nb::arg("cu_seqlens"), nb::arg("kv_lens"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"),
-        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(),
+        nb::arg("window") = 0, nb::arg("kv_scales").none() = nb::none(), nb::arg("k_scale") = 1.0,
+        nb::arg("v_scale") = 1.0,
         "context_attention on the simple CUDA-core kernel for every dtype (slow; for tests and as a fallback).");
 }

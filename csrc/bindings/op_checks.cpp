@@ -1,6 +1,10 @@
 // The argument checks an op's CPU and CUDA bindings share (see op_checks.h).
 #include "op_checks.h"
 
+#include <cmath>
+#include <string>
+#include <utility>
+
 namespace inflight::bindings {
 namespace {
 
@@ -16,9 +20,10 @@ T const* typed_data(Tensor const& a) {
 // The dtype rule first (a TypeError before any shape error, as for a float cache), then the shape.
 KvCacheShape check_kv_cache(Tensor const& kv_cache, Tensor const& ref, char const* ref_name) {
   ScalarType t;
-  if (kv_cache.dtype() != ref.dtype() && !(scalar_type_of(kv_cache, &t) && t == ScalarType::kInt8)) {
+  if (kv_cache.dtype() != ref.dtype() &&
+      !(scalar_type_of(kv_cache, &t) && (t == ScalarType::kInt8 || t == ScalarType::kUInt8))) {
     throw_type_error(std::string("kv_cache must have the dtype of ") + ref_name + " (" + dtype_str(ref) + "), got " +
-                     dtype_str(kv_cache) + " (or be int8, with kv_scales)");
+                     dtype_str(kv_cache) + " (or be int8, with kv_scales, or uint8 holding fp8 e4m3 bytes)");
   }
   require_ndim(kv_cache, "kv_cache", 5, kCacheLayout);
   require_dim(kv_cache, "kv_cache", 0, 2, "2 (keys, values)");
@@ -32,12 +37,32 @@ KvCacheShape check_kv_cache(Tensor const& kv_cache, Tensor const& ref, char cons
   return c;
 }
 
-// The cache's element type (check_kv_cache passed it): `dtype` (q's, or k's), or int8 with kv_scales
-// of the cache's [2, num_blocks, tokens_per_block, num_kv_heads], float32, contiguous.
+// The cache's element type (check_kv_cache passed it): `dtype` (q's, or k's), int8 with kv_scales
+// of the cache's [2, num_blocks, tokens_per_block, num_kv_heads], float32, contiguous, or uint8 (fp8
+// E4M3 bytes) with k_scale and v_scale.
 KvCacheType check_kv_cache_type(Tensor const& kv_cache, ScalarType dtype, Tensor const* kv_scales,
-                                KvCacheShape const& c) {
+                                KvCacheShape const& c, double k_scale, double v_scale) {
   constexpr char const* kScalesLayout = "[2, num_blocks, tokens_per_block, num_kv_heads]";
   ScalarType t;
+  bool const fp8 = scalar_type_of(kv_cache, &t) && t == ScalarType::kUInt8;
+  if (fp8) {
+    if (kv_scales != nullptr) {
+      throw_value_error(
+          "kv_scales is only for an int8 kv_cache; a uint8 (fp8 e4m3) kv_cache has k_scale and "
+          "v_scale instead (pass kv_scales=None)");
+    }
+    for (auto [value, name] : {std::pair{k_scale, "k_scale"}, std::pair{v_scale, "v_scale"}}) {
+      if (!(std::isfinite(value) && value > 0.0 && std::isfinite(static_cast<float>(value)) &&
+            static_cast<float>(value) > 0.0f)) {
+        throw_value_error(std::string(name) + " must be a finite float32 > 0, got " + std::to_string(value));
+      }
+    }
+    return {ScalarType::kFloat8E4M3, nullptr, static_cast<float>(k_scale), static_cast<float>(v_scale)};
+  }
+  if (k_scale != 1.0 || v_scale != 1.0) {
+    throw_value_error("k_scale and v_scale are only for a uint8 (fp8 e4m3) kv_cache; this kv_cache is " +
+                      dtype_str(kv_cache) + " (leave them at 1.0)");
+  }
   if (!scalar_type_of(kv_cache, &t) || t != ScalarType::kInt8) {
     if (kv_scales != nullptr) {
       throw_value_error("kv_scales is only for an int8 kv_cache; this kv_cache is " + dtype_str(kv_cache) +
@@ -91,11 +116,11 @@ AttentionArgs attention_args(Tensor const& q, KvCacheShape const& cache, KvCache
 }  // namespace
 
 StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
-                                Tensor const* kv_scales) {
+                                Tensor const* kv_scales, double k_scale, double v_scale) {
   ScalarType const dtype = float_type(k, "k");
   require_same_dtype(v, "v", k, "k");
   KvCacheShape const c = check_kv_cache(kv_cache, k, "k");
-  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c, k_scale, v_scale);
   require_ndim(k, "k", 3, "[num_tokens, num_kv_heads, head_dim]");
   require_dim(k, "k", 1, c.num_kv_heads, "kv_cache.shape[3] (num_kv_heads)");
   require_dim(k, "k", 2, c.head_dim, "kv_cache.shape[4] (head_dim)");
@@ -106,11 +131,12 @@ StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& 
 }
 
 AttentionArgs check_paged_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales) {
+                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales,
+                                         double k_scale, double v_scale) {
   constexpr char const* kLayout = "[batch_size, num_heads, head_dim]";
   ScalarType const dtype = float_type(q, "q");
   KvCacheShape const c = check_kv_cache(kv_cache, q, "q");
-  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c, k_scale, v_scale);
   int const num_heads = check_query(q, kLayout, c);
   std::int64_t const batch_size = static_cast<std::int64_t>(q.shape(0));
   check_block_tables(block_tables, kv_lens, batch_size, "q.shape[0] (batch_size)");
@@ -120,11 +146,11 @@ AttentionArgs check_paged_attention_args(Tensor const& q, Tensor const& kv_cache
 
 AttentionArgs check_context_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                            Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out,
-                                           Tensor const* kv_scales) {
+                                           Tensor const* kv_scales, double k_scale, double v_scale) {
   constexpr char const* kLayout = "[num_tokens, num_heads, head_dim]";
   ScalarType const dtype = float_type(q, "q");
   KvCacheShape const c = check_kv_cache(kv_cache, q, "q");
-  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c);
+  KvCacheType const kv = check_kv_cache_type(kv_cache, dtype, kv_scales, c, k_scale, v_scale);
   int const num_heads = check_query(q, kLayout, c);
   require_ndim(kv_lens, "kv_lens", 1, "[batch_size]");
   std::int64_t const batch_size = static_cast<std::int64_t>(kv_lens.shape(0));
@@ -155,6 +181,8 @@ void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor 
   p.dtype = args.dtype;
   p.kv_dtype = args.kv.kv_dtype;
   p.kv_scales = args.kv.kv_scales;
+  p.k_scale = args.kv.k_scale;
+  p.v_scale = args.kv.v_scale;
 }
 
 void check_block_tables(Tensor const& block_tables, Tensor const& kv_lens, std::int64_t batch_size,

@@ -24,11 +24,14 @@ struct KvCacheShape {
   std::int64_t num_slots() const { return num_blocks * tokens_per_block; }
 };
 
-// The cache's element type: q's (k's), or int8 with kv_scales [2, num_blocks, tokens_per_block,
-// num_kv_heads] float32, contiguous (attention_params.h); kv_scales is refused beside a float cache.
+// The cache's element type: q's (k's), int8 with kv_scales [2, num_blocks, tokens_per_block,
+// num_kv_heads] float32, contiguous, or uint8 holding FP8 E4M3 bytes (kFloat8E4M3) with the per-tensor
+// k_scale, v_scale (finite, > 0; attention_params.h). kv_scales is refused beside a float or fp8 cache,
+// a k_scale / v_scale other than 1 beside any but an fp8 cache.
 struct KvCacheType {
   ScalarType kv_dtype;
   float* kv_scales;  // null unless kv_dtype is kInt8
+  float k_scale = 1.0f, v_scale = 1.0f;
 };
 
 // store_kv(k, v, kv_cache, slot_mapping, kv_scales): k, v [num_tokens, num_kv_heads, head_dim] of one
@@ -41,7 +44,7 @@ struct StoreKvArgs {
   KvCacheType kv;
 };
 StoreKvArgs check_store_kv_args(Tensor const& k, Tensor const& v, Tensor const& kv_cache, Tensor const& slot_mapping,
-                                Tensor const* kv_scales);
+                                Tensor const* kv_scales, double k_scale = 1.0, double v_scale = 1.0);
 
 // paged_attention(q [batch_size, num_heads, head_dim], kv_cache, block_tables [batch_size, max_blocks]
 // int32, kv_lens [batch_size] int32, out like q) and context_attention(q [num_tokens, ...], ...,
@@ -58,10 +61,11 @@ struct AttentionArgs {
   std::int64_t block_table_stride;
 };
 AttentionArgs check_paged_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
-                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales);
+                                         Tensor const& kv_lens, Tensor const& out, Tensor const* kv_scales,
+                                         double k_scale = 1.0, double v_scale = 1.0);
 AttentionArgs check_context_attention_args(Tensor const& q, Tensor const& kv_cache, Tensor const& block_tables,
                                            Tensor const& cu_seqlens, Tensor const& kv_lens, Tensor const& out,
-                                           Tensor const* kv_scales);
+                                           Tensor const* kv_scales, double k_scale = 1.0, double v_scale = 1.0);
 
 // The AttentionParams fields (shared by paged and context attention on both devices) from checked tensors.
 void fill_attention_params(kernels::AttentionParams& p, Tensor const& q, Tensor const& kv_cache,
@@ -153,6 +157,8 @@ void fill_store_kv_params(P& p, Tensor const& k, Tensor const& v, Tensor const& 
   p.dtype = a.dtype;
   p.kv_dtype = a.kv.kv_dtype;
   p.kv_scales = a.kv.kv_scales;
+  p.k_scale = a.kv.k_scale;
+  p.v_scale = a.kv.v_scale;
 }
 
 template <class P>

@@ -42,10 +42,10 @@ void check_cpu_query(Tensor const& q, AttentionArgs const& a) {
 Tensor const* optional_tensor(std::optional<Tensor> const& t) { return t ? &*t : nullptr; }
 
 void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_threads,
-              std::optional<Tensor> kv_scales) {
+              std::optional<Tensor> kv_scales, double k_scale, double v_scale) {
   require_at_least(num_threads, 1, "num_threads");
   Tensor const* scales = optional_tensor(kv_scales);
-  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales);
+  StoreKvArgs const a = check_store_kv_args(k, v, kv_cache, slot_mapping, scales, k_scale, v_scale);
   require_contiguous(k, "k", 2);
   require_contiguous(v, "v", 2);
   require_cpu({{&k, "k"}, {&v, "v"}, {&kv_cache, "kv_cache"}, {&slot_mapping, "slot_mapping"}, {scales, "kv_scales"}});
@@ -60,11 +60,11 @@ void store_kv(Tensor k, Tensor v, Tensor kv_cache, Tensor slot_mapping, int num_
 }
 
 void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_lens, float scale, Tensor out,
-                     int num_threads, int window, std::optional<Tensor> kv_scales) {
+                     int num_threads, int window, std::optional<Tensor> kv_scales, double k_scale, double v_scale) {
   require_at_least(num_threads, 1, "num_threads");
   require_at_least(window, 0, "window");
   Tensor const* scales = optional_tensor(kv_scales);
-  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales);
+  AttentionArgs const a = check_paged_attention_args(q, kv_cache, block_tables, kv_lens, out, scales, k_scale, v_scale);
   check_cpu_query(q, a);
   require_cpu({{&q, "q"},
                {&kv_cache, "kv_cache"},
@@ -88,11 +88,13 @@ void paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor kv_l
 }
 
 void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu_seqlens, Tensor kv_lens, float scale,
-                       Tensor out, int num_threads, int window, std::optional<Tensor> kv_scales) {
+                       Tensor out, int num_threads, int window, std::optional<Tensor> kv_scales, double k_scale,
+                       double v_scale) {
   require_at_least(num_threads, 1, "num_threads");
   require_at_least(window, 0, "window");
   Tensor const* scales = optional_tensor(kv_scales);
-  AttentionArgs const a = check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales);
+  AttentionArgs const a =
+      check_context_attention_args(q, kv_cache, block_tables, cu_seqlens, kv_lens, out, scales, k_scale, v_scale);
   check_cpu_query(q, a);
   require_cpu({{&q, "q"},
                {&kv_cache, "kv_cache"},
@@ -118,21 +120,26 @@ void context_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor cu
 
 INFLIGHT_REGISTER_OPS(attention) {
   m.def("store_kv", &store_kv, "k"_a, "v"_a, "kv_cache"_a.noconvert(), "slot_mapping"_a, "num_threads"_a,
-        "kv_scales"_a.noconvert().none() = nb::none(),
+        "kv_scales"_a.noconvert().none() = nb::none(), "k_scale"_a = 1.0, "v_scale"_a = 1.0,
         "Writes k, v [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks, tokens_per_block, "
         "num_kv_heads, head_dim] at slot_mapping [num_tokens] int64 (slot = block * tokens_per_block + offset; "
         "negative = skip). In place. An int8 kv_cache stores each (token, KV head) row quantised, its scale "
-        "(max |x| / 127) into kv_scales [2, num_blocks, tokens_per_block, num_kv_heads] float32.");
+        "(max |x| / 127) into kv_scales [2, num_blocks, tokens_per_block, num_kv_heads] float32. A uint8 kv_cache "
+        "holds FP8 E4M3 bytes: x / k_scale (x / v_scale) rounded to nearest even, saturated to +-448.");
   m.def("paged_attention", &paged_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "kv_lens"_a, "scale"_a,
-        "out"_a.noconvert(), "num_threads"_a, "window"_a = 0, "kv_scales"_a.none() = nb::none(),
+        "out"_a.noconvert(), "num_threads"_a, "window"_a = 0, "kv_scales"_a.none() = nb::none(), "k_scale"_a = 1.0,
+        "v_scale"_a = 1.0,
         "Decode attention: q [batch, num_heads, head_dim], one query per sequence, against keys 0 .. kv_lens[i]-1 "
         "of its blocks (block_tables [batch, max_blocks] int32, kv_lens [batch] int32); window > 0: only the "
         "last `window` of them (sliding-window attention), 0: all. Writes out [batch, num_heads, head_dim] "
-        "(contiguous, q's dtype). An int8 kv_cache is read with its kv_scales (see store_kv).");
+        "(contiguous, q's dtype). An int8 kv_cache is read with its kv_scales, a uint8 (fp8 e4m3) one with k_scale "
+        "and v_scale (see store_kv).");
   m.def("context_attention", &context_attention, "q"_a, "kv_cache"_a, "block_tables"_a, "cu_seqlens"_a, "kv_lens"_a,
         "scale"_a, "out"_a.noconvert(), "num_threads"_a, "window"_a = 0, "kv_scales"_a.none() = nb::none(),
+        "k_scale"_a = 1.0, "v_scale"_a = 1.0,
         "Prefill / chunked-prefill attention: sequence i's queries are q rows cu_seqlens[i] .. cu_seqlens[i+1]-1 "
         "at positions kv_lens[i] - q_len + r, causal over the sequence's cached keys; window > 0: a query at "
         "position p sees only keys p - window + 1 .. p (sliding-window attention), 0: all. Writes out "
-        "[num_tokens, num_heads, head_dim] (contiguous, q's dtype). An int8 kv_cache is read with its kv_scales.");
+        "[num_tokens, num_heads, head_dim] (contiguous, q's dtype). An int8 kv_cache is read with its kv_scales, a "
+        "uint8 (fp8 e4m3) one with k_scale and v_scale.");
 }

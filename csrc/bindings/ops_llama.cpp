@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -161,8 +162,10 @@ class LlamaLayerStack {
   }
 
   // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in the model dtype, or
-  // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer.
-  void set_kv_caches(std::vector<Tensor> caches, std::optional<std::vector<Tensor>> kv_scales) {
+  // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer, or
+  // uint8 holding FP8 E4M3 bytes with fp8_scales (k_scale, v_scale of each layer in turn; all 1 when None).
+  void set_kv_caches(std::vector<Tensor> caches, std::optional<std::vector<Tensor>> kv_scales,
+                     std::optional<std::vector<float>> fp8_scales) {
     if (caches.size() != layers_.size()) {
       throw_value_error("kv_caches must hold one tensor per layer (" + std::to_string(layers_.size()) + "), got " +
                         std::to_string(caches.size()));
@@ -171,11 +174,25 @@ class LlamaLayerStack {
       throw_value_error("kv_scales must hold one tensor per layer (" + std::to_string(layers_.size()) + "), got " +
                         std::to_string(kv_scales->size()));
     }
-    ScalarType const kv_dtype = kv_scales ? ScalarType::kInt8 : shape_.dtype;
+    ScalarType first = shape_.dtype;
+    bool const fp8 = !kv_scales && !caches.empty() && scalar_type_of(caches[0], &first) && first == ScalarType::kUInt8;
+    if (fp8_scales && !fp8) throw_value_error("fp8_scales is only for uint8 (fp8 e4m3) kv_caches");
+    if (fp8_scales && fp8_scales->size() != 2 * caches.size()) {
+      throw_value_error("fp8_scales must hold two floats per layer (k_scale, v_scale: " +
+                        std::to_string(2 * layers_.size()) + "), got " + std::to_string(fp8_scales->size()));
+    }
+    if (fp8_scales) {
+      for (float f : *fp8_scales) {
+        if (!(std::isfinite(f) && f > 0.0f)) throw_value_error("fp8_scales must be finite and > 0");
+      }
+    }
+    ScalarType const kv_dtype = kv_scales ? ScalarType::kInt8 : (fp8 ? ScalarType::kUInt8 : shape_.dtype);
     for (std::size_t i = 0; i < caches.size(); ++i) {
       Tensor const& c = caches[i];
       std::string const name = "kv_caches[" + std::to_string(i) + "]";
-      require_dtype_of(c, name.c_str(), kv_dtype, kv_scales ? "the dtype of a cache with kv_scales" : kModelDtype);
+      require_dtype_of(c, name.c_str(), kv_dtype,
+                       kv_scales ? "the dtype of a cache with kv_scales"
+                                 : (fp8 ? "the dtype of kv_caches[0] (uint8: fp8 e4m3)" : kModelDtype));
       require_ndim(c, name.c_str(), 5, kCacheLayout);
       std::int64_t const nb = std::int64_t(c.shape(1)), tpb = std::int64_t(c.shape(2));
       require_shape(c, name.c_str(), {2, nb, tpb, shape_.num_kv_heads, shape_.head_dim}, kCacheLayout);
@@ -189,6 +206,8 @@ class LlamaLayerStack {
       }
       layers_[i].kv_cache = c.data();
       layers_[i].kv_scales = nullptr;
+      layers_[i].k_scale = fp8_scales ? (*fp8_scales)[2 * i] : 1.0f;
+      layers_[i].v_scale = fp8_scales ? (*fp8_scales)[2 * i + 1] : 1.0f;
       if (kv_scales) {
         Tensor const& sc = (*kv_scales)[i];
         std::string const sname = "kv_scales[" + std::to_string(i) + "]";
@@ -199,7 +218,7 @@ class LlamaLayerStack {
         layers_[i].kv_scales = static_cast<float*>(sc.data());
       }
     }
-    shape_.kv_dtype = kv_dtype;
+    shape_.kv_dtype = fp8 ? ScalarType::kFloat8E4M3 : kv_dtype;
     caches_ = std::move(caches);
     scales_ = kv_scales ? std::move(*kv_scales) : std::vector<Tensor>{};
     caches_set_ = true;
@@ -399,8 +418,10 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "window: the layer's attention window (keys p-window+1 .. p; 0: global). local_rope: the layer "
            "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a, "kv_scales"_a.none() = nb::none(),
+           "fp8_scales"_a.none() = nb::none(),
            "One cache per layer, in the model dtype; or int8 with kv_scales, one float32 [2, num_blocks, "
-           "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache).")
+           "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache); or uint8 "
+           "holding FP8 E4M3 bytes, with fp8_scales [k_scale_0, v_scale_0, k_scale_1, ...] (None: all 1).")
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),

@@ -194,7 +194,7 @@ class DType(Rule):
 
 @dataclass(frozen=True)
 class KvDType(Rule):
-    """A KV cache dtype, stored as its canonical name: DType's names and "int8"."""
+    """A KV cache dtype, stored as its canonical name: DType's names, "int8" and "fp8"."""
 
     cli_type: ClassVar = str
     metavar: ClassVar = "DTYPE"
@@ -313,7 +313,10 @@ class KvCacheConfig(_Args):
     way. ``dtype="auto"`` stores KV in the model's dtype; ``dtype="int8"`` stores int8 codes with one
     fp32 scale per token and KV head (symmetric, max |x| / 127, computed when the token is written, no
     calibration), dequantised inside the attention kernels: about 3.8x the tokens of fp32 KV (1.9x of
-    bf16) in the same bytes at head_dim 64.
+    bf16) in the same bytes at head_dim 64. ``dtype="fp8"`` (or ``"fp8_e4m3"``) stores OCP FP8 E4M3
+    values, one byte per element and no per-token scales (one scale per tensor for K and V, 1.0:
+    values saturate at +-448), read exactly by the attention kernels: 4x the tokens of fp32 KV (2x of
+    bf16).
     """
 
     _cli_prefix: ClassVar[str] = "kv-cache-"
@@ -336,8 +339,8 @@ class KvCacheConfig(_Args):
     )
     dtype: str | torch.dtype = arg(
         "auto",
-        "KV cache dtype: auto (the model's), float32, bfloat16, float16, or int8 (one fp32 scale per token "
-        "and KV head, computed on write)",
+        "KV cache dtype: auto (the model's), float32, bfloat16, float16, int8 (one fp32 scale per token "
+        "and KV head, computed on write), or fp8 (E4M3, also fp8_e4m3; one byte per element, no scales)",
         KvDType(),
     )
     memory_share: float = arg(

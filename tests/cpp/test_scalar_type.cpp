@@ -1,7 +1,7 @@
 // The element-type vocabulary (inflight/kernels/scalar_type.h): names, sizes, the dispatch, and the
 // scalar conversions against independent references: the compiler's _Float16 for fp16, exact double
-// arithmetic for bf16. Every 16-bit pattern is decoded; fp32 inputs are swept with a stride that
-// visits every exponent and the rounding boundaries.
+// arithmetic for bf16 and FP8 E4M3. Every 16-bit pattern and every E4M3 byte is decoded; fp32 inputs
+// are swept with a stride that visits every exponent and the rounding boundaries.
 #include "inflight/kernels/scalar_type.h"
 
 #include <gtest/gtest.h>
@@ -70,6 +70,9 @@ TEST(ScalarType, NamesSizesAndFloatTypes) {
   EXPECT_STREQ(ik::scalar_type_name(ik::ScalarType::kBFloat16), "bfloat16");
   EXPECT_STREQ(ik::scalar_type_name(ik::ScalarType::kFloat16), "float16");
   EXPECT_STREQ(ik::scalar_type_name(ik::ScalarType::kUInt64), "uint64");
+  EXPECT_STREQ(ik::scalar_type_name(ik::ScalarType::kFloat8E4M3), "float8_e4m3fn");
+  EXPECT_EQ(ik::scalar_type_size(ik::ScalarType::kFloat8E4M3), 1u);
+  EXPECT_FALSE(ik::is_float_type(ik::ScalarType::kFloat8E4M3));
   EXPECT_STREQ(ik::scalar_type_name(static_cast<ik::ScalarType>(99)), "unknown");
   EXPECT_EQ(ik::scalar_type_size(ik::ScalarType::kFloat32), 4u);
   EXPECT_EQ(ik::scalar_type_size(ik::ScalarType::kBFloat16), 2u);
@@ -157,6 +160,65 @@ TEST(ScalarType, EdgeValues) {
   EXPECT_EQ(ik::to_float(ik::Float16{0x3c00}), 1.0f);
   EXPECT_EQ(ik::float_to_bf16(as_float(0x7fa12345u)), 0x7fe1);  // as VCVTNEPS2BF16
   EXPECT_EQ(ik::float_to_f16(as_float(0x7fa12345u)), 0x7f09);   // as VCVTPS2PH
+}
+
+// The value of an E4M3 byte from its fields (exact in double): (8 + m) 2^(e - 10), m 2^-9 when e = 0.
+double reference_e4m3(std::uint8_t b) {
+  int const e = (b >> 3) & 0xf, m = b & 7;
+  double const v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return (b & 0x80) ? -v : v;
+}
+
+// fp32 -> E4M3 by exact arithmetic: the nearest of the 127 non-negative finite values (ties to the even
+// code), saturated at 448, a NaN stored as 0.
+std::uint8_t reference_to_e4m3(float f) {
+  if (std::isnan(f)) return 0;
+  std::uint8_t const sign = std::signbit(f) ? 0x80 : 0;
+  double const v = std::fabs(static_cast<double>(f));
+  if (v >= 448.0) return sign | 0x7e;
+  std::uint8_t lo = 0;
+  while (lo < 0x7e && reference_e4m3(static_cast<std::uint8_t>(lo + 1)) <= v) ++lo;
+  if (reference_e4m3(lo) == v) return sign | lo;
+  std::uint8_t const hi = static_cast<std::uint8_t>(lo + 1);
+  double const d_lo = v - reference_e4m3(lo), d_hi = reference_e4m3(hi) - v;
+  if (d_lo < d_hi) return sign | lo;
+  if (d_hi < d_lo) return sign | hi;
+  return sign | ((lo & 1) ? hi : lo);
+}
+
+TEST(ScalarType, E4m3DecodeIsExactThroughFp16) {
+  for (int b = 0; b < 256; ++b) {
+    std::uint8_t const byte = static_cast<std::uint8_t>(b);
+    if ((b & 0x7f) == 0x7f) {
+      ASSERT_TRUE(std::isnan(ik::e4m3_to_float(byte))) << b;
+      continue;
+    }
+    double const want = reference_e4m3(byte);
+    ASSERT_EQ(static_cast<double>(ik::e4m3_to_float(byte)), want) << b;
+    // The fp16 pattern the vector kernels widen is the value times 2^-8, exactly.
+    ASSERT_EQ(static_cast<double>(ik::f16_to_float(ik::e4m3_to_f16_bits(byte))), std::ldexp(want, -8)) << b;
+    ASSERT_EQ(std::signbit(ik::e4m3_to_float(byte)), (b & 0x80) != 0) << b;
+    ASSERT_EQ(ik::float_to_e4m3(ik::e4m3_to_float(byte)), byte) << b;  // every value round-trips
+  }
+}
+
+TEST(ScalarType, E4m3EncodeRoundsToNearestEvenAndSaturates) {
+  for (std::uint32_t u : fp32_sweep()) {
+    float const f = as_float(u);
+    ASSERT_EQ(ik::float_to_e4m3(f), reference_to_e4m3(f)) << std::hex << u;
+  }
+  float const inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(ik::float_to_e4m3(inf), 0x7e);
+  EXPECT_EQ(ik::float_to_e4m3(-inf), 0xfe);
+  EXPECT_EQ(ik::float_to_e4m3(464.0f), 0x7e);       // past the largest finite value: saturated
+  EXPECT_EQ(ik::float_to_e4m3(0x1.0p-10f), 0x00);   // half the smallest subnormal ties to zero
+  EXPECT_EQ(ik::float_to_e4m3(0x1.8p-9f), 0x02);    // 1.5 subnormal steps tie to 2 (even)
+  EXPECT_EQ(ik::float_to_e4m3(-0x1.1p-10f), 0x81);  // above the half rounds up, sign kept
+  EXPECT_EQ(ik::float_to_e4m3(0x1.fp-7f), 0x08);    // the top subnormal range rounds to the min normal
+  EXPECT_EQ(ik::float_to_e4m3(1.0625f), 0x38);      // 1 + 1/16 ties to 1.0 (even)
+  EXPECT_EQ(ik::float_to_e4m3(1.1875f), 0x3a);      // 1 + 3/16 ties to 1.25 (even)
+  EXPECT_EQ(ik::float_to_e4m3(-0.0f), 0x80);
+  EXPECT_EQ(ik::float_to_e4m3(std::numeric_limits<float>::quiet_NaN()), 0x00);
 }
 
 }  // namespace

@@ -329,7 +329,8 @@ def make_attention_metadata(
 
 class PagedKV:
     """Test-only block allocator + per-layer KV tensors for driving a model step by step
-    (``dtype=torch.int8``: :class:`~inflight.layers.attention.Int8KvCache` per layer).
+    (``dtype=torch.int8``: :class:`~inflight.layers.attention.Int8KvCache` per layer;
+    ``dtype=torch.float8_e4m3fn``: :class:`~inflight.layers.attention.Fp8KvCache`).
 
     Blocks are handed out from a shuffled free list, so a sequence's blocks are non-contiguous and
     out of order. The cache starts filled with random garbage (finite: masked-out NaNs would still
@@ -357,6 +358,13 @@ class PagedKV:
                     0.02 * torch.rand(shape[:4], generator=gen) + 1e-3,
                 )
                 for _ in range(num_layers)
+            ]
+        elif dtype == torch.float8_e4m3fn:  # an FP8 cache: E4M3 bytes of garbage (finite), unit scales
+            from inflight.layers.attention import Fp8KvCache
+            from inflight.ops.reference.attention import quantize_kv_fp8
+
+            self.kv_caches = [
+                Fp8KvCache(quantize_kv_fp8(torch.randn(shape, generator=gen))) for _ in range(num_layers)
             ]
         else:
             self.kv_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]

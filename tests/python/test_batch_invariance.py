@@ -33,13 +33,20 @@ def _cache(cache_dtype: torch.dtype, num_blocks: int, gen: torch.Generator):
         cache = torch.zeros(shape, dtype=torch.int8)
         scales = torch.zeros(2, num_blocks, TPB, NUM_KV_HEADS, dtype=torch.float32)
         return cache, scales
+    if cache_dtype == torch.float8_e4m3fn:  # an FP8 cache: E4M3 bytes, unit per-tensor scales
+        return torch.zeros(shape, dtype=torch.uint8), None
     return torch.zeros(shape, dtype=cache_dtype), None
 
 
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize(
     "dtype,cache_dtype",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8)],
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.int8),
+        (torch.bfloat16, torch.float8_e4m3fn),
+    ],
 )
 def test_attention_row_is_independent_of_batch_and_chunking(isa, invariant, dtype, cache_dtype, window):
     gen = torch.Generator().manual_seed(11 + int(window))

@@ -34,10 +34,10 @@ def test_kv_cache_config_accepts_int8_and_names_the_rest():
     assert KvCacheConfig(dtype=torch.int8).dtype == "int8"
     assert KvCacheConfig(dtype=" INT8 ").dtype == "int8"
     assert KvCacheConfig(dtype="bf16").dtype == "bfloat16"
-    for bad in ("fp8", "int4", torch.uint8, 8):
+    for bad in ("fp4", "int4", torch.uint8, 8):
         with pytest.raises(
             ValueError,
-            match=r"KvCacheConfig.dtype must be 'auto', 'float32', 'bfloat16', 'float16' or 'int8'",
+            match=r"KvCacheConfig.dtype must be 'auto', 'float32', 'bfloat16', 'float16', 'int8' or 'fp8'",
         ):
             KvCacheConfig(dtype=bad)
     p = argparse.ArgumentParser()

@@ -317,7 +317,7 @@ def _fill_pool_with_noise(rm, seed: int) -> None:
         t.copy_((100 * torch.rand(t.shape, generator=gen)).to(t.dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn], ids=str)
 def test_saved_blocks_come_back_bit_for_bit(tmp_path, dtype):
     path = tmp_path / "tier.bin"
     rm = _manager(path, dtype=dtype)
@@ -427,6 +427,7 @@ def test_identity_and_layout_mismatches_at_the_pool(tmp_path, caplog):
         ({"identity": {**IDENTITY, "weights_sha256": "1" * 64}}, "another model (weights_sha256: file '000"),
         ({"num_secondary": 5}, "another layout ("),
         ({"dtype": torch.bfloat16}, "another layout (file_bytes"),
+        ({"dtype": torch.float8_e4m3fn}, "another layout ("),  # the KV dtype is in the layout's tensors
     ):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="inflight"):

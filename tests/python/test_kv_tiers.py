@@ -27,11 +27,11 @@ from inflight.llm_args import KvCacheConfig, LlmArgs, SchedulerConfig
 # ---- the transfers, on the resource manager alone ----------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "file"])
 def test_suspend_resume_moves_every_tensor_of_a_block(tmp_path, dtype, on_disk):
     """Swap out a 17-token sequence (5 blocks of 4) and back in: the tier's rows hold exactly its blocks
-    (an int8 pool's scales too), and after the primary blocks were overwritten the resumed blocks hold
+    (an int8 pool's scales too; an fp8 pool is one uint8 tensor of E4M3 bytes), and after the primary blocks were overwritten the resumed blocks hold
     the original bytes again."""
     path = str(tmp_path / "tier.bin") if on_disk else None
     rm = KVCacheResourceManager.allocate(
@@ -127,7 +127,8 @@ def _block_bytes(model_dir, dtype: str) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_head = head_dim + 4 if dtype == "int8" else 4 * head_dim  # int8: codes + one fp32 scale
+    # int8: codes + one fp32 scale; fp8: one byte per element
+    per_head = {"int8": head_dim + 4, "fp8": head_dim}.get(dtype, 4 * head_dim)
     return PREFIX_TPB * 2 * cfg["num_hidden_layers"] * heads * per_head
 
 
@@ -153,7 +154,7 @@ def _run_sequentially(make_llm, model_dir, prompts, **kv_kwargs):
     return [o.outputs[0].token_ids for o in outs], prefilled, llm
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "file"])
 def test_evicted_prefix_is_onboarded_from_the_tier(make_llm, long_model, tmp_path, kv_dtype, on_disk):
     prompts = _prefix_prompts()
@@ -275,14 +276,15 @@ def test_swap_mid_context(make_llm, hf_greedy_refs):
     assert_kv_idle(llm)
 
 
-def test_swap_preemption_with_int8_kv(make_llm):
-    """An int8 pool's blocks (codes and scales) swapped out and in: the tokens of the same int8 engine
-    with a pool that needs no preemption."""
-    big = make_llm(kv_cache_config=KvCacheConfig(max_tokens=4096, tokens_per_block=LLM_TPB, dtype="int8"))
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_swap_preemption_with_quantised_kv(make_llm, kv_dtype):
+    """An int8 pool's blocks (codes and scales) or an fp8 pool's (E4M3 bytes) swapped out and in: the
+    tokens of the same engine with a pool that needs no preemption."""
+    big = make_llm(kv_cache_config=KvCacheConfig(max_tokens=4096, tokens_per_block=LLM_TPB, dtype=kv_dtype))
     want = [o.outputs[0].token_ids for o in big.generate(LLM_PROMPTS, greedy(), use_tqdm=False)]
     llm = make_llm(
         kv_cache_config=KvCacheConfig(
-            max_tokens=24 * LLM_TPB, tokens_per_block=LLM_TPB, dtype="int8", host_cache_size=1 << 20
+            max_tokens=24 * LLM_TPB, tokens_per_block=LLM_TPB, dtype=kv_dtype, host_cache_size=1 << 20
         ),
         scheduler_config=SchedulerConfig(capacity_scheduler_policy="MAX_UTILIZATION", preemption_mode="swap"),
     )

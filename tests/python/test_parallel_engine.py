@@ -486,13 +486,13 @@ def _beams(llm: LLM, prompts: list, params: list) -> list[list[tuple[list[int], 
 
 @pytest.mark.parametrize(
     "tp,pp,kv_dtype",
-    [(2, 1, "auto"), (1, 2, "auto"), (2, 2, "auto"), (2, 1, "int8")],
-    ids=["tp2", "pp2", "tp2xpp2", "tp2-int8kv"],
+    [(2, 1, "auto"), (1, 2, "auto"), (2, 2, "auto"), (2, 1, "int8"), (2, 1, "fp8")],
+    ids=["tp2", "pp2", "tp2xpp2", "tp2-int8kv", "tp2-fp8kv"],
 )
 def test_beam_search_across_ranks_gives_the_single_process_beams(models, tp, pp, kv_dtype):
     """Beam requests (their beams forked KV sequences, the partly filled last blocks copied on write)
     beside greedy ones: each step's block copies travel with the step, so every rank's pool (an int8
-    pool's codes and scales too) stays rank 0's and the beams, their order and their scores are those
+    pool's codes and scales too, an fp8 pool's bytes) stays rank 0's and the beams, their order and their scores are those
     of one process."""
     prompts = PROMPTS[:4] + PROMPTS[4:6]
     beam = [

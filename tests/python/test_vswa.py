@@ -157,3 +157,17 @@ def test_unsupported_combinations_are_clear_errors(make_llm):
         )
     # Other requests are untouched by the refusal.
     assert len(_ids(llm.generate([LLM_PROMPTS[1]], greedy(LLM_MAX_NEW), use_tqdm=False))[0]) == LLM_MAX_NEW
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantized_kv_in_window_pools(make_llm, dtype):
+    """The window pools hold the KV dtype of the engine: int8 codes with scales, E4M3 bytes; tokens as
+    with one pool of that dtype."""
+    prompts = LLM_PROMPTS[:6]
+    one = make_llm(
+        "gemma3", kv_cache_config=KvCacheConfig(max_tokens=4096, tokens_per_block=LLM_TPB, dtype=dtype)
+    )
+    ref = _ids(one.generate(prompts, greedy(), use_tqdm=False))
+    llm = make_llm("gemma3", kv_cache_config=_vswa(dtype=dtype))
+    assert _ids(llm.generate(prompts, greedy(), use_tqdm=False)) == ref
+    _assert_clean(llm)

@@ -45,6 +45,7 @@ struct Vec1 {
     return to_float(*p);
   }
   static Reg load_cvt(std::int8_t const* p) { return float(*p); }
+  static Reg load_cvt(Float8E4M3 const* p) { return f16_to_float(e4m3_to_f16_bits(p->bits)); }  // e4m3 * 2^-8
   template <class T>
   static void store_cvt(T* p, Reg v) {
     *p = from_float<T>(v);
@@ -139,16 +140,51 @@ void store_kv_int8(StoreKvParams const& p, ThreadPool& pool) {
   });
 }
 
+// store_kv into an fp8 cache: each element divided by its tensor's scale (IEEE division, as the
+// reference's x / scale), then encoded to E4M3 (nearest even, saturating; float_to_e4m3).
+template <class T>
+void encode_row_e4m3(T const* x, int n, float scale, std::uint8_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = float_to_e4m3(to_float(x[i]) / scale);
+}
+
+template <class T>
+void store_kv_fp8(StoreKvParams const& p, ThreadPool& pool) {
+  int64_t const row = p.head_dim;
+  auto* const k_cache = static_cast<std::uint8_t*>(p.kv_cache);
+  std::uint8_t* const v_cache = k_cache + p.num_slots * p.num_kv_heads * row;
+  T const* const k = static_cast<T const*>(p.k);
+  T const* const v = static_cast<T const*>(p.v);
+  int const threads = p.num_tokens * p.num_kv_heads * row >= (int64_t(1) << 16) ? p.num_threads : 1;
+  pool_detail::parallel_for(pool, p.num_tokens, threads, false, [&](int64_t t, int) {
+    int64_t const slot = p.slot_mapping[t];
+    if (slot < 0) return;
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      int64_t const dst = (slot * p.num_kv_heads + h) * row;
+      encode_row_e4m3(k + t * p.k_token_stride + h * p.k_head_stride, p.head_dim, p.k_scale, k_cache + dst);
+      encode_row_e4m3(v + t * p.v_token_stride + h * p.v_head_stride, p.head_dim, p.v_scale, v_cache + dst);
+    }
+  });
+}
+
 }  // namespace
 
 void launch_store_kv(StoreKvParams const& p, ThreadPool& pool) {
-  if (p.kv_dtype == ScalarType::kInt8) {
-    if (!dispatch_float_type(p.dtype, [&](auto t) { store_kv_int8<decltype(t)>(p, pool); })) {
+  if (p.kv_dtype == ScalarType::kInt8 || p.kv_dtype == ScalarType::kFloat8E4M3) {
+    bool const int8 = p.kv_dtype == ScalarType::kInt8;
+    if (!dispatch_float_type(p.dtype, [&](auto t) {
+          if (int8) {
+            store_kv_int8<decltype(t)>(p, pool);
+          } else {
+            store_kv_fp8<decltype(t)>(p, pool);
+          }
+        })) {
       throw std::invalid_argument("store_kv: k and v must be a float type");
     }
     return;
   }
-  if (p.kv_dtype != p.dtype) throw std::invalid_argument("store_kv: the cache must have k's dtype or be int8");
+  if (p.kv_dtype != p.dtype) {
+    throw std::invalid_argument("store_kv: the cache must have k's dtype or be int8 or fp8");
+  }
   size_t const es = scalar_type_size(p.dtype);
   size_t const row_bytes = size_t(p.head_dim) * es;
   char* const k_cache = static_cast<char*>(p.kv_cache);
@@ -171,16 +207,16 @@ void launch_store_kv(StoreKvParams const& p, ThreadPool& pool) {
 }
 
 // The portable path runs every head dim; it refuses only a dtype combination outside the set (a
-// float q with a cache of its dtype or of int8), which the bindings never pass.
+// float q with a cache of its dtype, of int8 or of fp8), which the bindings never pass.
 void paged_attention_portable(PagedAttentionParams const& params, PagedAttentionPlan const& plan, ThreadPool& pool) {
   if (!portable::Kernels::paged_attention(params, plan, pool)) {
-    throw std::invalid_argument("paged_attention: q must be a float type and the cache q's dtype or int8");
+    throw std::invalid_argument("paged_attention: q must be a float type and the cache q's dtype, int8 or fp8");
   }
 }
 
 void context_attention_portable(ContextAttentionParams const& params, ThreadPool& pool) {
   if (!portable::Kernels::context_attention(params, pool)) {
-    throw std::invalid_argument("context_attention: q must be a float type and the cache q's dtype or int8");
+    throw std::invalid_argument("context_attention: q must be a float type and the cache q's dtype, int8 or fp8");
   }
 }
 

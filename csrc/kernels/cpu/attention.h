@@ -23,6 +23,12 @@
 // all-zero row has scale 0), and both attention kernels widen the int8 codes of a key tile to fp32
 // times their scale as they pack it, where a bf16 / fp16 cache is widened, so the rest of the
 // arithmetic is the float cache's. It reads half the bytes of a bf16 cache (plus 4 per token and head).
+//
+// FP8 KV cache (kv_dtype = kFloat8E4M3, attention_params.h): store_kv encodes x / k_scale (x / v_scale)
+// to E4M3 (float_to_e4m3: nearest even, saturating at +-448), and the kernels widen the bytes exactly
+// to e4m3 * 2^-8 through fp16 (e4m3_to_f16_bits, then the ISA's fp16 conversion) where a 16-bit cache is
+// widened; 256 * k_scale is folded into q's scale and 256 * v_scale into the output's normalisation,
+// so the rest of the arithmetic is the float cache's. Half the bytes of a bf16 cache, no scales.
 #pragma once
 
 #include <cmath>
@@ -52,8 +58,9 @@ struct StoreKvParams {
   std::int64_t num_tokens = 0;
   int num_kv_heads = 0, head_dim = 0;
   ScalarType dtype = ScalarType::kFloat32;     // of k and v: a float type
-  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, or kInt8 (quantised as it is written)
+  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, kInt8 or kFloat8E4M3 (quantised as written)
   float* kv_scales = nullptr;                  // with kv_dtype = kInt8: [2, num_slots, num_kv_heads], written
+  float k_scale = 1.0f, v_scale = 1.0f;        // with kv_dtype = kFloat8E4M3: stored value = x / scale
   int num_threads = 1;                         // CPU only: at most this many of the pool's threads
 };
 

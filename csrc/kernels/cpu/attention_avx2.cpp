@@ -95,6 +95,14 @@ struct Vec256 {
   static Reg load_cvt(std::int8_t const* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p))));
   }
+  // FP8 E4M3 KV bytes as e4m3 * 2^-8 (exact): 8 bytes widened to 16 bits, their fields moved into fp16's
+  // (scalar_type.h, e4m3_to_f16_bits), then F16C.
+  static Reg load_cvt(Float8E4M3 const* p) {
+    __m128i const b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p)));
+    __m128i const h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_cvtph_ps(h);
+  }
 
   static void store_cvt(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   // Round to nearest even on the bit pattern; a NaN keeps its sign and top payload bits and is made

@@ -106,6 +106,14 @@ struct Vec512 {
   static Reg load_cvt(std::int8_t const* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p))));
   }
+  // FP8 E4M3 KV bytes as e4m3 * 2^-8 (exact): 16 bytes widened to 16 bits (VPMOVZXBW), their fields
+  // moved into fp16's (scalar_type.h, e4m3_to_f16_bits), then VCVTPH2PS.
+  static Reg load_cvt(Float8E4M3 const* p) {
+    __m256i const b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+    __m256i const h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_cvtph_ps(h);
+  }
 
   static void store_cvt(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static void store_cvt(BFloat16* p, Reg v) {

@@ -1,5 +1,5 @@
 // The compile-time dispatch of the attention kernels (attention_impl.h): the element type of q and
-// out, the cache's (the same, or int8 codes with scales), then head_dim, over a small explicit set of
+// out, the cache's (the same, int8 codes with scales, or E4M3 bytes), then head_dim, over a small explicit set of
 // instantiations that each ISA file names (its Kernels alias). Included by the per-ISA files instead of
 // attention_impl.h, with INFLIGHT_ATTENTION_ISA defined first, for the same internal-linkage reason.
 #pragma once
@@ -8,7 +8,7 @@
 
 namespace inflight::kernels::cpu::INFLIGHT_ATTENTION_ISA {
 
-// Compile-time dispatch: the element type, the cache's (the same, or int8), then head_dim over
+// Compile-time dispatch: the element type, the cache's (the same, int8 or fp8), then head_dim over
 // kHeadDims (0 = run-time head_dim). False for a combination outside that set.
 template <class V, int... kHeadDims>
 struct Dispatch {
@@ -35,6 +35,8 @@ struct Dispatch {
       using T = decltype(t);
       if (kv_dtype == ScalarType::kInt8) {
         done = by_head_dim<T, std::int8_t>(hd, fn);
+      } else if (kv_dtype == ScalarType::kFloat8E4M3) {
+        done = by_head_dim<T, Float8E4M3>(hd, fn);
       } else if (kv_dtype == dtype) {
         done = by_head_dim<T, T>(hd, fn);
       }

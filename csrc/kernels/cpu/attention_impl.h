@@ -11,7 +11,8 @@
 //   zero, set1, load, store, add, sub, mul, fmadd, max, hsum, hmax, exp2
 //   reduce_lanes(Reg const* v)  -> Reg whose lane i is the sum of v[i]'s lanes (i < kWidth)
 //   transpose(Reg* v)           in place, a kWidth x kWidth block
-//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16, int8_t) widened to fp32
+//   load_cvt(T const*)          kWidth elements of T (float, BFloat16, Float16, int8_t) widened to fp32;
+//                               Float8E4M3 bytes as e4m3 * 2^-8 (the fp16 trick of scalar_type.h, exact)
 //   store_cvt(T*, Reg)          rounded to T (round to nearest even)
 #pragma once
 
@@ -45,14 +46,19 @@ constexpr int kPrefetchTiles = 2;
 // kHeadDim: the head dim this instantiation is unrolled for; 0 = read it from the params at run
 // time (any multiple of V::kWidth up to kMaxHeadDim). T: the element type of q and out (float,
 // BFloat16, Float16). C: the cache's, T or int8_t (codes with one fp32 scale per token and KV head,
-// dequantised where a 16-bit cache is widened).
+// dequantised where a 16-bit cache is widened) or Float8E4M3 (E4M3 bytes with one scale per tensor for K
+// and one for V: widened as a 16-bit cache is, to e4m3 * 2^-8; 256 * k_scale goes into q's scale,
+// 256 * v_scale into the output's 1 / l).
 template <class V, int kHeadDim, class T, class C = T>
 struct AttentionKernels {
   using Reg = typename V::Reg;
   static constexpr bool kInt8 = std::is_same_v<C, std::int8_t>;
+  static constexpr bool kFp8 = std::is_same_v<C, Float8E4M3>;
+  // One byte per element (int8 or fp8): decode reads V in place, widening it in P.V.
+  static constexpr bool kNarrow = kInt8 || kFp8;
   // An fp32 cache is read in place; any other is widened (and dequantised) into fp32 tiles first.
   static constexpr bool kInPlace = std::is_same_v<C, float>;
-  static_assert(std::is_same_v<C, T> || kInt8, "the cache holds q's dtype or int8 codes");
+  static_assert(std::is_same_v<C, T> || kNarrow, "the cache holds q's dtype, int8 codes or E4M3 bytes");
   static constexpr int W = V::kWidth;
   static constexpr int kBufHd = kHeadDim ? kHeadDim : kMaxHeadDim;  // stack buffer row length
   // Keys per tile in both kernels (one step of the online softmax): V's choice, a multiple of W
@@ -66,11 +72,24 @@ struct AttentionKernels {
   // helper is not inlined (a run-time trip count would keep q and the accumulators out of registers).
   static int vecs(int runtime_nvec) { return kHeadDim ? kHeadDim / W : runtime_nvec; }
 
+  // What the cache's per-tensor scales fold into: q's scale (K) and the output's normalisation (V);
+  // 1 for every cache but fp8 (whose widened bytes are e4m3 * 2^-8).
+  static float k_factor(AttentionParams const& p) {
+    if constexpr (kFp8) return 256.0f * p.k_scale;
+    (void)p;
+    return 1.0f;
+  }
+  static float v_factor(AttentionParams const& p) {
+    if constexpr (kFp8) return 256.0f * p.v_scale;
+    (void)p;
+    return 1.0f;
+  }
+
   // ---- building blocks ---------------------------------------------------------------------------
 
   // o[r, c] += sum_i p[r, i] * vrows[i][c] for R rows and NC vectors of columns starting at vector c0.
-  // E: the rows' element type, float (packed or an fp32 cache) or int8_t (codes widened here, once for
-  // all R rows: the int8 decode reads V without packing it; the scales are in p).
+  // E: the rows' element type, float (packed or an fp32 cache), int8_t or Float8E4M3 (widened here, once
+  // for all R rows: the int8 / fp8 decode reads V without packing it; int8's scales are in p).
   template <int R, int NC, class E>
   static void pv_block(float* o, int o_stride, float const* p, int p_stride, E const* const* vrows, int n, int c0) {
     Reg acc[R][NC];
@@ -334,7 +353,7 @@ struct AttentionKernels {
     // the group's rows). fp32 rows are read in place: a copy costs more than it saves.
     constexpr int kPackFloats = kInPlace ? 1 : kKeyTile * kMaxDecodeRowFloats;
     alignas(64) float kpack[kPackFloats];
-    alignas(64) float vpack[kInPlace || kInt8 ? 1 : kPackFloats];
+    alignas(64) float vpack[kInPlace || kNarrow ? 1 : kPackFloats];
     int const row_floats = ng * hd;
     // int8: the tile's codes are widened as they are (like a 16-bit cache), and the scales applied
     // per key instead of per element: q . (c_j s_j) = s_j (q . c_j) to the scores, and p_j s_j to the
@@ -343,17 +362,17 @@ struct AttentionKernels {
     alignas(64) float vscale[kInt8 ? kMaxGroupSize * kKeyTile : 1];
     // Prefetch distance in tiles: an int8 tile is half a 16-bit one's bytes, so it looks twice as far
     // ahead to keep as many bytes in flight.
-    constexpr int kAhead = kInt8 ? 2 * kPrefetchTiles : kPrefetchTiles;
+    constexpr int kAhead = kNarrow ? 2 * kPrefetchTiles : kPrefetchTiles;
     int64_t rows[kKeyTile], pf_rows[kKeyTile];
     float const* krows[kKeyTile];
-    // V rows as P.V reads them: fp32 (in place or packed), or an int8 cache's codes in place.
-    using VRow = std::conditional_t<kInt8, std::int8_t, float>;
+    // V rows as P.V reads them: fp32 (in place or packed), or an int8 / fp8 cache's bytes in place.
+    using VRow = std::conditional_t<kNarrow, C, float>;
     VRow const* vrows[kKeyTile];
     float m[kMaxGroupSize], l[kMaxGroupSize];
 
     for (int h = 0; h < heads; ++h) {
-      load_query_rows(qf + h * hd, q + b * p.q_token_stride + int64_t(h0 + h) * p.q_head_stride, p.scale * kLog2e,
-                      nvec);
+      load_query_rows(qf + h * hd, q + b * p.q_token_stride + int64_t(h0 + h) * p.q_head_stride,
+                      p.scale * kLog2e * k_factor(p), nvec);
       std::fill(acc + h * hd, acc + (h + 1) * hd, 0.0f);
       m[h] = kNegInf;
       l[h] = 0.0f;
@@ -377,7 +396,7 @@ struct AttentionKernels {
       if constexpr (!kInPlace) {
         for (int i = 0; i < n; ++i) {
           widen_row(kpack + i * row_floats, k_cache + (rows[i] + g0) * hd, row_floats);
-          if constexpr (!kInt8) widen_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
+          if constexpr (!kNarrow) widen_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
         }
       }
       if constexpr (kInt8) {
@@ -393,7 +412,7 @@ struct AttentionKernels {
           if constexpr (kInPlace) {
             krows[i] = k_cache + (rows[i] + g0 + gi) * hd;
             vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
-          } else if constexpr (kInt8) {
+          } else if constexpr (kNarrow) {
             krows[i] = kpack + i * row_floats + gi * hd;
             vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
           } else {
@@ -414,7 +433,7 @@ struct AttentionKernels {
 
     if (plan.max_partitions == 1 || kv_len - key0 <= plan.partition_size) {
       T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h0) * hd;
-      for (int h = 0; h < heads; ++h) store_output_row(out + h * hd, acc + h * hd, 1.0f / l[h], nvec);
+      for (int h = 0; h < heads; ++h) store_output_row(out + h * hd, acc + h * hd, v_factor(p) / l[h], nvec);
     } else {
       for (int h = 0; h < heads; ++h) {
         float* ws = static_cast<float*>(p.workspace) +
@@ -447,7 +466,7 @@ struct AttentionKernels {
       for (int c = 0; c < nvec; ++c)
         V::store(acc + c * W, V::fmadd(wb, V::load(part + 2 + c * W), V::load(acc + c * W)));
     }
-    store_output_row(static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h) * hd, acc, 1.0f / l_sum, nvec);
+    store_output_row(static_cast<T*>(p.out) + (int64_t(b) * p.num_heads + h) * hd, acc, v_factor(p) / l_sum, nvec);
   }
 
   static void paged_attention(PagedAttentionParams const& p, PagedAttentionPlan const& plan, ThreadPool& pool) {
@@ -515,7 +534,7 @@ struct AttentionKernels {
       for (int h = 0; h < group; ++h)
         load_query_rows(qf + (r * group + h) * hd,
                         q + int64_t(tok0 + r0 + r) * p.q_token_stride + (int64_t(g) * group + h) * p.q_head_stride,
-                        p.scale * kLog2e, nvec);
+                        p.scale * kLog2e * k_factor(p), nvec);
     std::fill(o, o + rows * hd, 0.0f);
     std::fill(m, m + rows, kNegInf);
     std::fill(l, l + rows, 0.0f);
@@ -588,7 +607,7 @@ struct AttentionKernels {
     for (int r = 0; r < nq; ++r)
       for (int h = 0; h < group; ++h)
         store_output_row(out + (int64_t(tok0 + r0 + r) * p.num_heads + int64_t(g) * group + h) * hd,
-                         o + (r * group + h) * hd, 1.0f / l[r * group + h], nvec);
+                         o + (r * group + h) * hd, v_factor(p) / l[r * group + h], nvec);
   }
 
   static void context_attention(ContextAttentionParams const& p, ThreadPool& pool) {

@@ -382,16 +382,22 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
                             static_cast<T const*>(L.k_norm), s.eps, threads);
     store.kv_cache = L.kv_cache;
     store.kv_scales = L.kv_scales;
+    store.k_scale = L.k_scale;
+    store.v_scale = L.v_scale;
     launch_store_kv(store, pool);
     if (step.ctx_batch > 0) {
       ctx.kv_cache = L.kv_cache;
       ctx.kv_scales = L.kv_scales;
+      ctx.k_scale = L.k_scale;
+      ctx.v_scale = L.v_scale;
       ctx.window = L.window;
       launch_context_attention(ctx, pool);
     }
     if (step.dec_batch > 0) {
       dec.kv_cache = L.kv_cache;
       dec.kv_scales = L.kv_scales;
+      dec.k_scale = L.k_scale;
+      dec.v_scale = L.v_scale;
       dec.window = L.window;
       launch_paged_attention(dec, pool);
     }

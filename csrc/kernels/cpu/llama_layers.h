@@ -6,7 +6,8 @@
 // context and paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj +
 // residual — from C++ with no Python in between, over the same flattened batch, weights and paged KV
 // cache the Python path uses (so the two can alternate step by step). The cache is in the model
-// dtype or int8 with per-token scales (LlamaShape::kv_dtype; store_kv quantises, attention dequantises).
+// dtype, int8 with per-token scales, or fp8 E4M3 with per-layer K and V scales (LlamaShape::kv_dtype;
+// store_kv quantises, attention dequantises).
 //
 // Two variants of the layer, as the Python layer's two branches:
 //   qk_norm (Qwen3, Gemma 3)  an RMSNorm over head_dim on every q head (q_norm) and every k head
@@ -52,20 +53,21 @@ struct LinearOp {
 };
 
 struct LlamaLayerWeights {
-  void const* input_norm = nullptr;     // [hidden], model dtype
-  void const* post_norm = nullptr;      // [hidden], model dtype: before the MLP; gemma: on the o_proj output
-  void const* q_norm = nullptr;         // [head_dim], model dtype: with LlamaShape::qk_norm
-  void const* k_norm = nullptr;         // [head_dim], model dtype: with LlamaShape::qk_norm
-  void const* pre_ffn_norm = nullptr;   // [hidden], model dtype: with LlamaShape::gemma, before the MLP
-  void const* post_ffn_norm = nullptr;  // [hidden], model dtype: with LlamaShape::gemma, on the MLP output
-  int window = 0;                       // attention window (keys p-window+1 .. p); 0: global
-  bool local_rope = false;              // rotate with LlamaStep::cos_sin_local instead of cos_sin
-  LinearOp qkv;                         // hidden -> q_size + 2 * kv_size (q, k, v rows in that order)
-  LinearOp o;                           // q_size -> hidden
-  LinearOp gate_up;                     // hidden -> 2 * intermediate (gate rows, then up rows)
-  LinearOp down;                        // intermediate -> hidden
-  void* kv_cache = nullptr;             // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], kv_dtype
-  float* kv_scales = nullptr;           // int8 cache: [2, num_blocks, tokens_per_block, num_kv_heads]
+  void const* input_norm = nullptr;      // [hidden], model dtype
+  void const* post_norm = nullptr;       // [hidden], model dtype: before the MLP; gemma: on the o_proj output
+  void const* q_norm = nullptr;          // [head_dim], model dtype: with LlamaShape::qk_norm
+  void const* k_norm = nullptr;          // [head_dim], model dtype: with LlamaShape::qk_norm
+  void const* pre_ffn_norm = nullptr;    // [hidden], model dtype: with LlamaShape::gemma, before the MLP
+  void const* post_ffn_norm = nullptr;   // [hidden], model dtype: with LlamaShape::gemma, on the MLP output
+  int window = 0;                        // attention window (keys p-window+1 .. p); 0: global
+  bool local_rope = false;               // rotate with LlamaStep::cos_sin_local instead of cos_sin
+  LinearOp qkv;                          // hidden -> q_size + 2 * kv_size (q, k, v rows in that order)
+  LinearOp o;                            // q_size -> hidden
+  LinearOp gate_up;                      // hidden -> 2 * intermediate (gate rows, then up rows)
+  LinearOp down;                         // intermediate -> hidden
+  void* kv_cache = nullptr;              // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], kv_dtype
+  float* kv_scales = nullptr;            // int8 cache: [2, num_blocks, tokens_per_block, num_kv_heads]
+  float k_scale = 1.0f, v_scale = 1.0f;  // fp8 cache: the per-tensor scales of K and V
 };
 
 struct LlamaShape {
@@ -73,7 +75,7 @@ struct LlamaShape {
   float eps = 1e-6f;
   float scale = 1.0f;                          // attention softmax scale
   ScalarType dtype = ScalarType::kFloat32;     // the model dtype: float32, bfloat16 or float16
-  ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, or kInt8 (attention_params.h)
+  ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, kInt8 or kFloat8E4M3 (attention_params.h)
   int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache
   bool w8a8 = false;                           // some projection is W8A8: the workspace holds its scratch
   bool qk_norm = false;                        // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)

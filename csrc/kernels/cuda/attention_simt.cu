@@ -28,10 +28,11 @@ __device__ int find_sequence(int const* cu_seqlens, int batch_size, std::int64_t
   return lo;
 }
 
-// Element i of a cache row as fp32: widened, or for int8 codes times the row's scale.
+// Element i of a cache row as fp32: widened, or for int8 codes (E4M3 bytes) times the row's (tensor's)
+// scale.
 template <typename C>
 __device__ __forceinline__ float kv_value(C const* row, int i, float scale) {
-  if constexpr (std::is_same_v<C, std::int8_t>) {
+  if constexpr (std::is_same_v<C, std::int8_t> || std::is_same_v<C, __nv_fp8_e4m3>) {
     return static_cast<float>(row[i]) * scale;
   } else {
     (void)scale;
@@ -39,7 +40,8 @@ __device__ __forceinline__ float kv_value(C const* row, int i, float scale) {
   }
 }
 
-// T: element type of q and out. C: the cache's, T or int8_t (codes with p.kv_scales). kHeadDim:
+// T: element type of q and out. C: the cache's, T, int8_t (codes with p.kv_scales) or __nv_fp8_e4m3
+// (with p.k_scale, p.v_scale). kHeadDim:
 // channels per head, a multiple of 32.
 template <typename T, typename C, int kHeadDim>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(ContextAttentionParams p) {
@@ -92,8 +94,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_simt_kernel(Con
     if (offset < 0) continue;  // the same value in every lane: the warp stays converged
     C const* k = k_cache + offset + lane * kPerLane;
     C const* v = v_cache + offset + lane * kPerLane;
-    float const k_scale = kInt8 ? k_scales[offset / kHeadDim] : 1.f;
-    float const v_scale = kInt8 ? v_scales[offset / kHeadDim] : 1.f;
+    float const k_scale = kInt8 ? k_scales[offset / kHeadDim] : p.k_scale;  // p's: 1 unless fp8
+    float const v_scale = kInt8 ? v_scales[offset / kHeadDim] : p.v_scale;
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) dot += q_reg[i] * kv_value(k, i, k_scale);
@@ -119,15 +121,15 @@ cudaError_t launch_attention_simt(ContextAttentionParams const& params, cudaStre
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   std::int64_t const blocks = (params.num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks > 0x7fffffff || params.num_heads > 65535) return cudaErrorInvalidValue;
-  bool const int8 = params.kv_dtype == ScalarType::kInt8;
-  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  KvKind kind = KvKind::kSame;
+  if (!kv_kind_of(params.dtype, params.kv_dtype, params.kv_scales, kind)) return cudaErrorInvalidValue;
   dim3 const grid(static_cast<unsigned>(blocks), static_cast<unsigned>(params.num_heads));
   return SCALAR_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
-      if (int8) {
+      if (kind == KvKind::kInt8) {
         attention_simt_kernel<T, std::int8_t, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
+      } else if (kind == KvKind::kFp8) {
+        attention_simt_kernel<T, __nv_fp8_e4m3, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
       } else {
         attention_simt_kernel<T, T, kHeadDim><<<grid, kWarpsPerBlock * 32, 0, stream>>>(params);
       }

@@ -61,11 +61,13 @@ __device__ bool locate_tile(int const* cu_seqlens, int batch_size, int v, int bl
   return false;
 }
 
-// kInt8: the cache holds int8 codes and p.kv_scales; its tiles are dequantised to T as they are
-// loaded (through registers: a cp.async cannot convert), the rest is the 16-bit kernel.
-template <typename T, int kHeadDim, bool kInt8>
+// kKv: the cache holds T, int8 codes and p.kv_scales, or E4M3 bytes and p.k_scale / p.v_scale; int8
+// and fp8 tiles are dequantised to T as they are loaded (through registers: a cp.async cannot convert),
+// the rest is the 16-bit kernel.
+template <typename T, int kHeadDim, KvKind kKv>
 __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
     context_attention_kernel(ContextAttentionParams p) {
+  constexpr bool kInt8 = kKv == KvKind::kInt8;
   using C = PrefillConfig<T, kHeadDim>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* s_q = reinterpret_cast<T*>(smem);
@@ -126,12 +128,19 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
       bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
-      if constexpr (kInt8) {
+      if constexpr (kKv != KvKind::kSame) {
         uint4 kd = make_uint4(0u, 0u, 0u, 0u), vd = kd;
         if (valid) {
-          std::int64_t const row = offset / kHeadDim;
-          kd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8), k_scales[row]);
-          vd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8), v_scales[row]);
+          uint2 const kb = *reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8);
+          uint2 const vb = *reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8);
+          if constexpr (kInt8) {
+            std::int64_t const row = offset / kHeadDim;
+            kd = dequant_int8x8<T>(kb, k_scales[row]);
+            vd = dequant_int8x8<T>(vb, v_scales[row]);
+          } else {
+            kd = dequant_fp8x8<T>(kb, p.k_scale);
+            vd = dequant_fp8x8<T>(vb, p.v_scale);
+          }
         }
         *reinterpret_cast<uint4*>(s_k + r * C::kRowElems + chunk * 8) = kd;
         *reinterpret_cast<uint4*>(s_v + r * C::kRowElems + chunk * 8) = vd;
@@ -273,13 +282,13 @@ __global__ void __launch_bounds__(PrefillConfig<T, kHeadDim>::kThreads)
   }
 }
 
-template <typename T, int kHeadDim, bool kInt8>
+template <typename T, int kHeadDim, KvKind kKv>
 cudaError_t launch_prefill(ContextAttentionParams const& p, cudaStream_t stream) {
   using C = PrefillConfig<T, kHeadDim>;
   // Upper bound on sum_i ceil(q_len_i / kBlockM) for q_len_i summing to num_tokens.
   std::int64_t const tiles = (p.num_tokens + C::kBlockM - 1) / C::kBlockM + p.batch_size;
   if (tiles > 0x7fffffff || p.num_heads > 65535) return cudaErrorInvalidValue;
-  auto kernel = context_attention_kernel<T, kHeadDim, kInt8>;
+  auto kernel = context_attention_kernel<T, kHeadDim, kKv>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
   dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.num_heads));
@@ -293,14 +302,12 @@ cudaError_t launch_context_attention(ContextAttentionParams const& params, cudaS
   if (params.num_tokens == 0 || params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (params.cu_seqlens == nullptr) return cudaErrorInvalidValue;
-  bool const int8 = params.kv_dtype == ScalarType::kInt8;
-  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  KvKind kind = KvKind::kSame;
+  if (!kv_kind_of(params.dtype, params.kv_dtype, params.kv_scales, kind)) return cudaErrorInvalidValue;
   if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(params, stream);
   return HALF_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
-      return BOOL_SWITCH(int8, kInt8, [&] { return launch_prefill<T, kHeadDim, kInt8>(params, stream); });
+      return KV_KIND_SWITCH(kind, kKv, [&] { return launch_prefill<T, kHeadDim, kKv>(params, stream); });
     });
   });
 }

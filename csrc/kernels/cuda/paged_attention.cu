@@ -35,11 +35,13 @@ struct DecodeConfig {
   static_assert(kThreads % kChunks == 0, "each thread copies one fixed column of 16-byte chunks");
 };
 
-// kInt8: the cache holds int8 codes and p.kv_scales; its tiles are dequantised to T as they are
-// loaded (through registers: a cp.async cannot convert), the rest is the 16-bit kernel.
-template <typename T, int kHeadDim, bool kInt8>
+// kKv: the cache holds T, int8 codes and p.kv_scales, or E4M3 bytes and p.k_scale / p.v_scale; int8
+// and fp8 tiles are dequantised to T as they are loaded (through registers: a cp.async cannot convert),
+// the rest is the 16-bit kernel.
+template <typename T, int kHeadDim, KvKind kKv>
 __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
     paged_decode_kernel(PagedAttentionParams p, int num_partitions) {
+  constexpr bool kInt8 = kKv == KvKind::kInt8;
   using C = DecodeConfig<T, kHeadDim>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* s_q = reinterpret_cast<T*>(smem);
@@ -96,12 +98,19 @@ __global__ void __launch_bounds__(DecodeConfig<T, kHeadDim>::kThreads)
         offset = paged_kv_offset(table, key, p.tokens_per_block, p.num_blocks, p.num_kv_heads, kHeadDim, kv_head);
       }
       bool const valid = offset >= 0;  // rows outside the keys are zero-filled (masked below; 0 * V stays 0)
-      if constexpr (kInt8) {
+      if constexpr (kKv != KvKind::kSame) {
         uint4 kd = make_uint4(0u, 0u, 0u, 0u), vd = kd;
         if (valid) {
-          std::int64_t const row = offset / kHeadDim;
-          kd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8), k_scales[row]);
-          vd = dequant_int8x8<T>(*reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8), v_scales[row]);
+          uint2 const kb = *reinterpret_cast<uint2 const*>(k_codes + offset + chunk * 8);
+          uint2 const vb = *reinterpret_cast<uint2 const*>(v_codes + offset + chunk * 8);
+          if constexpr (kInt8) {
+            std::int64_t const row = offset / kHeadDim;
+            kd = dequant_int8x8<T>(kb, k_scales[row]);
+            vd = dequant_int8x8<T>(vb, v_scales[row]);
+          } else {
+            kd = dequant_fp8x8<T>(kb, p.k_scale);
+            vd = dequant_fp8x8<T>(vb, p.v_scale);
+          }
         }
         *reinterpret_cast<uint4*>(s_k + r * C::kRowElems + chunk * 8) = kd;
         *reinterpret_cast<uint4*>(s_v + r * C::kRowElems + chunk * 8) = vd;
@@ -313,7 +322,7 @@ cudaError_t choose_partitions(PagedAttentionParams const& p, int ctas_per_partit
   return cudaSuccess;
 }
 
-template <typename T, int kHeadDim, bool kInt8>
+template <typename T, int kHeadDim, KvKind kKv>
 cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   using C = DecodeConfig<T, kHeadDim>;
   int const group = p.num_heads / p.num_kv_heads;
@@ -324,7 +333,7 @@ cudaError_t launch_decode(PagedAttentionParams const& p, cudaStream_t stream) {
   cudaError_t status = choose_partitions(p, static_cast<int>(grid_y) * p.batch_size, C::kTileKeys, num_partitions);
   if (status != cudaSuccess) return status;
 
-  auto kernel = paged_decode_kernel<T, kHeadDim, kInt8>;
+  auto kernel = paged_decode_kernel<T, kHeadDim, kKv>;
   status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (status != cudaSuccess) return status;
   dim3 grid(static_cast<unsigned>(num_partitions), static_cast<unsigned>(grid_y), static_cast<unsigned>(p.batch_size));
@@ -355,14 +364,12 @@ std::int64_t paged_attention_workspace_size(int batch_size, int num_heads, int m
 cudaError_t launch_paged_attention(PagedAttentionParams const& params, cudaStream_t stream) {
   if (params.batch_size == 0 || params.num_heads == 0) return cudaSuccess;
   if (params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) return cudaErrorInvalidValue;
-  bool const int8 = params.kv_dtype == ScalarType::kInt8;
-  if ((!int8 && params.kv_dtype != params.dtype) || (int8 && params.kv_scales == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  KvKind kind = KvKind::kSame;
+  if (!kv_kind_of(params.dtype, params.kv_dtype, params.kv_scales, kind)) return cudaErrorInvalidValue;
   if (params.dtype == ScalarType::kFloat32) return launch_attention_simt(as_decode_context(params), stream);
   return HALF_TYPE_SWITCH(params.dtype, T, [&] {
     return HEAD_DIM_SWITCH(params.head_dim, kHeadDim, [&] {
-      return BOOL_SWITCH(int8, kInt8, [&] { return launch_decode<T, kHeadDim, kInt8>(params, stream); });
+      return KV_KIND_SWITCH(kind, kKv, [&] { return launch_decode<T, kHeadDim, kKv>(params, stream); });
     });
   });
 }

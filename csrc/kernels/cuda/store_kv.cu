@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "device_utils.cuh"
@@ -93,6 +95,41 @@ cudaError_t launch_store_kv_int8(StoreKvParams const& p, cudaStream_t stream) {
   });
 }
 
+// fp8 cache: one thread per element of a token's K and V rows (grid-stride over tokens); x / scale
+// (IEEE division, as the CPU's) converted with saturation to +-448, nearest even; a NaN is stored as 0,
+// as on the CPU. T: the element type of k and v.
+template <typename T>
+__global__ void store_kv_fp8_kernel(StoreKvParams p) {
+  std::int64_t const row = static_cast<std::int64_t>(p.num_kv_heads) * p.head_dim;  // one token's elements
+  auto* const k_cache = static_cast<__nv_fp8_storage_t*>(p.kv_cache);
+  __nv_fp8_storage_t* const v_cache = k_cache + p.num_slots * row;
+  for (std::int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    std::int64_t const slot = p.slot_mapping[t];
+    if (slot < 0 || slot >= p.num_slots) continue;
+    T const* k = static_cast<T const*>(p.k) + t * p.k_token_stride;
+    T const* v = static_cast<T const*>(p.v) + t * p.v_token_stride;
+    for (std::int64_t i = threadIdx.x; i < row; i += blockDim.x) {
+      float const kx = __fdiv_rn(to_float(k[i]), p.k_scale);
+      float const vx = __fdiv_rn(to_float(v[i]), p.v_scale);
+      k_cache[slot * row + i] =
+          isnan(kx) ? __nv_fp8_storage_t(0) : __nv_cvt_float_to_fp8(kx, __NV_SATFINITE, __NV_E4M3);
+      v_cache[slot * row + i] =
+          isnan(vx) ? __nv_fp8_storage_t(0) : __nv_cvt_float_to_fp8(vx, __NV_SATFINITE, __NV_E4M3);
+    }
+  }
+}
+
+cudaError_t launch_store_kv_fp8(StoreKvParams const& p, cudaStream_t stream) {
+  std::int64_t const row = static_cast<std::int64_t>(p.num_kv_heads) * p.head_dim;
+  int threads = 32;
+  while (threads < 256 && threads < row) threads *= 2;
+  std::int64_t const blocks = p.num_tokens < 65535 ? p.num_tokens : 65535;
+  return SCALAR_TYPE_SWITCH(p.dtype, T, [&] {
+    store_kv_fp8_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace
 
 cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream) {
@@ -100,6 +137,10 @@ cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream) {
   if (params.kv_dtype == ScalarType::kInt8) {
     if (params.num_tokens == 0 || params.num_kv_heads == 0 || params.head_dim == 0) return cudaSuccess;
     return launch_store_kv_int8(params, stream);
+  }
+  if (params.kv_dtype == ScalarType::kFloat8E4M3) {
+    if (params.num_tokens == 0 || params.num_kv_heads == 0 || params.head_dim == 0) return cudaSuccess;
+    return launch_store_kv_fp8(params, stream);
   }
   if (params.kv_dtype != params.dtype) return cudaErrorInvalidValue;
   std::int64_t const elem_bytes = static_cast<std::int64_t>(scalar_type_size(params.dtype));

@@ -12,6 +12,9 @@
 // An int8 cache (kv_dtype = kInt8, attention_params.h): each (token, KV head) row is quantised as the
 // CPU op does it (kernels/cpu/attention.h, quantize_kv_row): scale = max|x| / 127 into kv_scales, codes
 // round(x / scale) to nearest even (IEEE division and rintf, so the codes are the CPU's, bit for bit).
+//
+// An fp8 cache (kv_dtype = kFloat8E4M3): each element x / k_scale (x / v_scale), IEEE division, converted
+// to E4M3 by cuda_fp8.h's saturating conversion (nearest even, +-448 at most): the CPU's bytes.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,8 +37,10 @@ struct StoreKvParams {
   int num_kv_heads;
   int head_dim;
   ScalarType dtype;     // of k and v: float32, bfloat16 or float16 (a copy needs its size only)
-  ScalarType kv_dtype;  // of the cache: dtype, or kInt8
+  ScalarType kv_dtype;  // of the cache: dtype, kInt8 or kFloat8E4M3
   float* kv_scales;     // with kv_dtype = kInt8: [2, num_slots, num_kv_heads], written
+  float k_scale;        // with kv_dtype = kFloat8E4M3: stored value = e4m3(x / k_scale)
+  float v_scale;        // likewise for V
 };
 
 cudaError_t launch_store_kv(StoreKvParams const& params, cudaStream_t stream);

@@ -29,7 +29,7 @@ class KvBudget:
     max_seq_len: int
     source: str  # how the size was chosen
     parallel: str = ""  # the mapping of a parallel engine ("tp=2 pp=1"): the pool is per rank
-    dtype: str = ""  # the KV dtype's name, as the log line shows it ("int8": codes plus fp32 scales)
+    dtype: str = ""  # the KV dtype's name, as the log line shows it ("int8": with fp32 scales; "fp8")
     num_secondary_blocks: int = 0  # the secondary tier (KvCacheConfig.host_cache_size), 0: none
     secondary: str = ""  # where the secondary tier lives ("host memory", "file /path")
 
@@ -49,7 +49,8 @@ class KvBudget:
 
     def describe(self) -> str:
         where = f" per rank ({self.parallel}, every rank the same blocks)" if self.parallel else ""
-        kind = {"": "", "int8": "int8 + fp32 scales, "}.get(self.dtype, f"{self.dtype}, ")
+        kinds = {"": "", "int8": "int8 + fp32 scales, ", "fp8": "fp8 e4m3, "}
+        kind = kinds.get(self.dtype, f"{self.dtype}, ")
         return (
             f"KV cache{where}: {self.num_blocks} blocks x {self.tokens_per_block} tokens = {self.num_tokens} tokens, "
             f"{self.bytes / 2**20:.1f} MiB ({kind}{self.bytes_per_token} B/token); max concurrency at "
@@ -83,9 +84,12 @@ def secondary_kv_blocks(kv_config, bytes_per_token: int) -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of every layer; an int8 cache's fp32 scale per KV head included (head_dim + 4 bytes)."""
+    """K and V of every layer; an int8 cache's fp32 scale per KV head included (head_dim + 4 bytes); an
+    fp8 cache one byte per element (its per-tensor scales take no pool memory)."""
     if dtype == torch.int8:
         return 2 * num_layers * num_kv_heads * (head_dim + 4)
+    if dtype == torch.float8_e4m3fn:
+        return 2 * num_layers * num_kv_heads * head_dim
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

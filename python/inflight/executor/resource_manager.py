@@ -23,7 +23,7 @@ import torch
 from inflight.batch_manager import KVCacheManager, KvTransferKind, RequestList, SequenceSlotManager
 from inflight.executor.kv_secondary_pool import SecondaryKvPool
 from inflight.executor.scheduler import ScheduledRequests
-from inflight.layers.attention import Int8KvCache, KvCacheLike
+from inflight.layers.attention import Fp8KvCache, Int8KvCache, KvCacheLike
 
 logger = logging.getLogger("inflight")
 
@@ -116,7 +116,8 @@ def allocate_kv_pool(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The zero-filled pool ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` and,
     for an int8 ``dtype``, its scales ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads]``
-    float32 (else None).
+    float32 (else None). An fp8 ``dtype`` (``torch.float8_e4m3fn``) gets a uint8 pool of E4M3 bytes
+    (:class:`Fp8KvCache`; zero bytes are +0.0) and no scales tensor.
 
     Never-written slots must not hold NaN/Inf patterns: attention gathers whole blocks (and padding up
     to the longest sequence of the batch), and a masked-out NaN value still poisons softmax @ V. On a CPU
@@ -129,7 +130,8 @@ def allocate_kv_pool(
             return _zeroed_host_tensor(shape, dt)
         return torch.zeros(shape, dtype=dt, device=device)
 
-    pool = zeros((num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim), dtype)
+    storage = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+    pool = zeros((num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim), storage)
     scales = None
     if dtype == torch.int8:
         scales = zeros((num_layers, 2, num_blocks, tokens_per_block, num_kv_heads), torch.float32)
@@ -137,7 +139,10 @@ def allocate_kv_pool(
 
 
 def layer_caches(pool: torch.Tensor, scales: torch.Tensor | None) -> list[KvCacheLike]:
-    """One cache per layer, views into the pool: tensors, or :class:`Int8KvCache` with scales."""
+    """One cache per layer, views into the pool: tensors, :class:`Int8KvCache` with scales, or for a
+    uint8 pool (E4M3 bytes) :class:`Fp8KvCache` with unit scales."""
+    if pool.dtype == torch.uint8:
+        return [Fp8KvCache(kv) for kv in pool.unbind(0)]
     if scales is None:
         return list(pool.unbind(0))
     return [Int8KvCache(kv, s) for kv, s in zip(pool.unbind(0), scales.unbind(0))]

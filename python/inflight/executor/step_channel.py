@@ -42,8 +42,9 @@ __all__ = [
 # Channel commands (header[0]).
 STEP, KV, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
 _HEADER = 9  # the command and up to 8 fields
-# A KV message's dtype field indexes this (int8: the INT8 KV cache, codes plus per-token scales).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+# A KV message's dtype field indexes this (int8: the INT8 KV cache, codes plus per-token scales;
+# float8_e4m3fn: the FP8 KV cache, E4M3 bytes).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
 
 
 def encode_step(
@@ -298,9 +299,13 @@ def allocate_caches(model: torch.nn.Module, num_blocks: int, tpb: int, dtype: to
 
 def copy_pool_blocks(caches: list, pairs) -> None:
     """Copies KV block ``src`` into ``dst`` for each pair, in every layer's cache (K and V; an int8
-    cache's codes and scales), as rank 0's ``KVCacheResourceManager.copy_blocks`` does in its pool."""
+    cache's codes and scales, an fp8 cache's bytes), as rank 0's ``KVCacheResourceManager.copy_blocks``
+    does in its pool."""
     for cache in caches:
-        tensors = [cache] if isinstance(cache, torch.Tensor) else [cache.kv, cache.scales]
+        if isinstance(cache, torch.Tensor):
+            tensors = [cache]
+        else:
+            tensors = [cache.kv] if getattr(cache, "scales", None) is None else [cache.kv, cache.scales]
         for t in tensors:  # [2, num_blocks, ...]
             for src, dst in pairs:
                 t[:, dst].copy_(t[:, src])

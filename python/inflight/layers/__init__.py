@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
+from inflight.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Fp8KvCache,
+    Int8KvCache,
+    KvCacheLike,
+)
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import RMSNorm, rms_norm
 from inflight.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
@@ -11,6 +17,7 @@ from inflight.layers.torch_attention import TorchAttentionBackend
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "Fp8KvCache",
     "Int8KvCache",
     "KvCacheLike",
     "Linear",

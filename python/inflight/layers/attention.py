@@ -11,9 +11,10 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_k
 offset ``p % tpb``; ``slot_mapping[t] = block_id * tpb + offset`` is where this step's token ``t``
 is written.
 
-A layer's cache is that tensor in a float dtype, or an :class:`Int8KvCache` (``KvCacheConfig(dtype=
-"int8")``): int8 codes in the same layout plus one fp32 scale per token per KV head. Backends take
-either (``KvCacheLike``).
+A layer's cache is that tensor in a float dtype, an :class:`Int8KvCache` (``KvCacheConfig(dtype=
+"int8")``): int8 codes in the same layout plus one fp32 scale per token per KV head, or an
+:class:`Fp8KvCache` (``KvCacheConfig(dtype="fp8")``): FP8 E4M3 bytes in the same layout and one scale
+per tensor for K and for V. Backends take any of them (``KvCacheLike``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,52 @@ class Int8KvCache:
         return self.kv.device
 
 
+# The largest finite FP8 E4M3 (e4m3fn) value: stores saturate to it.
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8KvCache:
+    """One layer's FP8 KV cache: ``kv`` uint8 ``[2, num_blocks, tokens_per_block, num_kv_heads,
+    head_dim]`` (the float cache's layout) holding OCP FP8 E4M3 (e4m3fn) bytes, and one scale per
+    tensor: element ``x`` of K is stored as ``e4m3(x / k_scale)`` (round to nearest even, saturated to
+    +-448, as ``(x / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)``) and read as
+    ``kv.view(torch.float8_e4m3fn).float() * k_scale``; V likewise with ``v_scale``. No per-token
+    scales, no calibration (1.0 by default: K and V of these models are far inside +-448). uint8, not
+    float8_e4m3fn, because torch's CPU kernels lack ``index_copy_`` and others for float8; :attr:`values`
+    is the float8 view. ``kv`` is a view into the engine's pool (written in place)."""
+
+    kv: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv.dtype != torch.uint8 or self.kv.dim() != 5 or self.kv.shape[0] != 2:
+            raise ValueError(
+                "Fp8KvCache.kv must be uint8 (E4M3 bytes) [2, num_blocks, tokens_per_block, num_kv_heads, "
+                f"head_dim], got {self.kv.dtype} {list(self.kv.shape)}"
+            )
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (0.0 < float(value) < float("inf")):
+                raise ValueError(f"Fp8KvCache.{name} must be a finite float > 0, got {value!r}")
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``kv`` as ``torch.float8_e4m3fn`` (the same memory)."""
+        return self.kv.view(torch.float8_e4m3fn)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.kv.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+
 # One layer's KV cache as the backends take it.
-KvCacheLike = torch.Tensor | Int8KvCache
+KvCacheLike = torch.Tensor | Int8KvCache | Fp8KvCache
 
 
 @dataclass(frozen=True)

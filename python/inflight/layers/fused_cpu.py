@@ -16,8 +16,9 @@ weight (:class:`~inflight.layers.quantized_linear.W4A16Linear` /
 :class:`~inflight.layers.quantized_linear.W8A16Linear` / :class:`~inflight.layers.quantized_linear.W8A8Linear`,
 or a dense
 :class:`~inflight.layers.linear.Linear` in the model dtype through ``dense_gemm``) and the KV cache
-has the model dtype or is INT8 (:class:`~inflight.layers.attention.Int8KvCache`, every layer's: the
-stack's store quantises and its attention dequantises, as the native backend's kernels do); any other
+has the model dtype, is INT8 (:class:`~inflight.layers.attention.Int8KvCache`, every layer's: the
+stack's store quantises and its attention dequantises, as the native backend's kernels do) or is FP8
+(:class:`~inflight.layers.attention.Fp8KvCache`, every layer's, with its scales); any other
 configuration runs the Python layers, which remain the reference.
 With dense weights and batch invariance off (``LLM(batch_invariant=False)``), steps of more than
 ``DENSE_MAX_TOKENS`` tokens (large prefills) also run the Python layers, where torch's GEMM is
@@ -37,7 +38,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from inflight import _C
-from inflight.layers.attention import AttentionMetadata, Int8KvCache, KvCacheLike
+from inflight.layers.attention import AttentionMetadata, Fp8KvCache, Int8KvCache, KvCacheLike
 from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend, plan_kernels
 from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Linear
@@ -164,13 +165,15 @@ class FusedCpuLayers:
         return fused
 
     def accepts(self, kv_caches: list[KvCacheLike], dtype: torch.dtype, num_tokens: int) -> bool:
-        """Whether this step runs fused: caches on the CPU, all in the model dtype or all INT8, and not
-        too many tokens."""
+        """Whether this step runs fused: caches on the CPU, all in the model dtype, all INT8 or all FP8,
+        and not too many tokens."""
         # Under batch invariance every step runs fused, whatever its size: a token must not change its
         # GEMM (torch's in the Python layers) with the size of the step it is in.
         if self.max_tokens is not None and num_tokens > self.max_tokens and not batch_invariant():
             return False
-        if all(isinstance(c, Int8KvCache) for c in kv_caches):
+        if all(isinstance(c, Int8KvCache) for c in kv_caches) or all(
+            isinstance(c, Fp8KvCache) for c in kv_caches
+        ):
             return all(c.device.type == "cpu" for c in kv_caches)
         return all(
             isinstance(c, torch.Tensor) and c.dtype == dtype and c.device.type == "cpu" for c in kv_caches
@@ -178,12 +181,14 @@ class FusedCpuLayers:
 
     def _bind_caches(self, kv_caches: list[KvCacheLike]) -> None:
         int8 = bool(kv_caches) and isinstance(kv_caches[0], Int8KvCache)
-        tensors = [c.kv for c in kv_caches] if int8 else kv_caches
+        fp8 = bool(kv_caches) and isinstance(kv_caches[0], Fp8KvCache)
+        tensors = [c.kv for c in kv_caches] if int8 or fp8 else kv_caches
         ids = tuple(c.data_ptr() for c in tensors)
         if self._caches is kv_caches and ids == self._cache_ids:
             return
         scales = [_dl(c.scales) for c in kv_caches] if int8 else None
-        self._stack.set_kv_caches([_dl(c) for c in tensors], scales)
+        fp8_scales = [s for c in kv_caches for s in (float(c.k_scale), float(c.v_scale))] if fp8 else None
+        self._stack.set_kv_caches([_dl(c) for c in tensors], scales, fp8_scales)
         self._caches, self._cache_ids = kv_caches, ids
 
     def forward(

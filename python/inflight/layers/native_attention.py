@@ -17,6 +17,8 @@ its ``window`` to both kernels, which then read only the window's keys), as in
 
 An :class:`~inflight.layers.attention.Int8KvCache` goes to the same kernels with its scales: the store
 quantises, the attention kernels dequantise as they read; q and the output keep the model's dtype.
+An :class:`~inflight.layers.attention.Fp8KvCache` likewise, with its per-tensor ``k_scale`` and
+``v_scale`` (E4M3 bytes written by the store, widened exactly by the attention kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
+from inflight.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Fp8KvCache,
+    Int8KvCache,
+    KvCacheLike,
+)
 from inflight.ops.attention import context_attention, paged_attention, store_kv
 
 
@@ -87,11 +95,14 @@ class NativeAttentionBackend(AttentionBackend):
         plan = self._plan
         dtype = q.dtype
         scales = None
+        ks = vs = 1.0
         if isinstance(kv_cache, Int8KvCache):  # the kernels quantise and dequantise; q stays as it is
             kv_cache, scales = kv_cache.kv, kv_cache.scales
+        elif isinstance(kv_cache, Fp8KvCache):  # likewise, with one scale per tensor
+            kv_cache, ks, vs = kv_cache.kv, kv_cache.k_scale, kv_cache.v_scale
         elif kv_cache.dtype != dtype:  # a cache kept in another dtype: the kernels run in the cache's
             q, k, v = q.to(kv_cache.dtype), k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        store_kv(k, v, kv_cache, metadata.slot_mapping, scales)
+        store_kv(k, v, kv_cache, metadata.slot_mapping, scales, ks, vs)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = plan.num_context_tokens
         if plan.ctx_block_tables is not None:
@@ -106,6 +117,8 @@ class NativeAttentionBackend(AttentionBackend):
                 oc,
                 window=window,
                 kv_scales=scales,
+                k_scale=ks,
+                v_scale=vs,
             )
         if plan.dec_block_tables is not None:
             qd, od = (q, out) if n == 0 else (q[n:], out[n:])
@@ -118,5 +131,7 @@ class NativeAttentionBackend(AttentionBackend):
                 od,
                 window=window,
                 kv_scales=scales,
+                k_scale=ks,
+                v_scale=vs,
             )
         return out if out.dtype == dtype else out.to(dtype)

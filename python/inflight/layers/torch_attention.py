@@ -15,7 +15,10 @@ with a reference to its metadata object, so identity comparison cannot be fooled
 
 An :class:`~inflight.layers.attention.Int8KvCache` is written with the kernels' quantiser (the plain-
 torch twin, :func:`inflight.ops.reference.attention.quantize_kv`: the same codes and scales) and read
-dequantised to q's dtype, after which the attention is the float cache's.
+dequantised to q's dtype, after which the attention is the float cache's. An
+:class:`~inflight.layers.attention.Fp8KvCache` likewise: written with the kernels' encoder's twin
+(:func:`~inflight.ops.reference.attention.quantize_kv_fp8`, the same bytes) and read as
+``kv.view(torch.float8_e4m3fn).float() * scale``.
 """
 
 from __future__ import annotations
@@ -25,26 +28,39 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata, Int8KvCache, KvCacheLike
-from inflight.ops.reference.attention import dequantize_kv, quantize_kv
+from inflight.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Fp8KvCache,
+    Int8KvCache,
+    KvCacheLike,
+)
+from inflight.ops.reference.attention import dequantize_kv, dequantize_kv_fp8, quantize_kv, quantize_kv_fp8
 
 # SDPA grew enable_gqa in torch 2.5; older torches get repeat_interleave instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+# An int8 cache's flat scales, or an fp8 cache's (k_scale, v_scale); None for a float cache.
+_Scales = torch.Tensor | tuple[float, float] | None
+
+
 def _gather(
-    flat: torch.Tensor, flat_scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+    flat: torch.Tensor, flat_scales: _Scales, slots: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """K and V of the flat ``slots`` in ``dtype`` (an int8 cache dequantised): ``[2, len(slots), kvh, hd]``.
-    index_select on the flat slot axis is a plain row gather (much cheaper than advanced indexing)."""
+    """K and V of the flat ``slots`` in ``dtype`` (an int8 or fp8 cache dequantised): ``[2, len(slots),
+    kvh, hd]``. index_select on the flat slot axis is a plain row gather (much cheaper than advanced
+    indexing)."""
     kv = flat.index_select(1, slots)
+    if isinstance(flat_scales, tuple):
+        return torch.stack([dequantize_kv_fp8(kv[i], flat_scales[i], dtype) for i in range(2)])
     if flat_scales is not None:
         return dequantize_kv(kv, flat_scales.index_select(1, slots), dtype)
     return kv if kv.dtype == dtype else kv.to(dtype)
 
 
 def _decode_attention(
-    q: torch.Tensor, flat: torch.Tensor, flat_scales: torch.Tensor | None, g: _GroupPlan, scale: float
+    q: torch.Tensor, flat: torch.Tensor, flat_scales: _Scales, g: _GroupPlan, scale: float
 ) -> torch.Tensor:
     """One query token per sequence: two small batched matmuls instead of SDPA, whose CPU kernel
     spends milliseconds on a masked single-row query. GQA without copies: the query heads of one KV
@@ -167,8 +183,13 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         _, num_blocks, tpb, num_kv_heads, _ = kv_cache.shape
-        flat_scales = None
-        if isinstance(kv_cache, Int8KvCache):
+        flat_scales: _Scales = None
+        if isinstance(kv_cache, Fp8KvCache):
+            flat = kv_cache.kv.view(2, num_blocks * tpb, num_kv_heads, head_dim)
+            flat_scales = (kv_cache.k_scale, kv_cache.v_scale)
+            for i, x in enumerate((k, v)):
+                flat[i].index_copy_(0, metadata.slot_mapping, quantize_kv_fp8(x, flat_scales[i]))
+        elif isinstance(kv_cache, Int8KvCache):
             flat = kv_cache.kv.view(2, num_blocks * tpb, num_kv_heads, head_dim)
             flat_scales = kv_cache.scales.view(2, num_blocks * tpb, num_kv_heads)
             for i, x in enumerate((k, v)):

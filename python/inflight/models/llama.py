@@ -381,7 +381,9 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         metadata: AttentionMetadata,
-        kv_caches: list[KvCacheLike],  # one per layer of this stage (a float tensor or an Int8KvCache)
+        kv_caches: list[
+            KvCacheLike
+        ],  # one per layer of this stage (a float tensor, Int8KvCache or Fp8KvCache)
         hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
     ) -> torch.Tensor:  # [len(metadata.logits_indices), vocab] float32; [T, hidden] before the last stage
         if len(kv_caches) != len(self.layers):

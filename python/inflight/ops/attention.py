@@ -7,7 +7,10 @@ KV cache layout, one tensor per layer: ``[2, num_blocks, tokens_per_block, num_k
 The cache has q's dtype (float32, bfloat16 or float16), or is int8 with ``kv_scales``
 ``[2, num_blocks, tokens_per_block, num_kv_heads]`` float32: one scale per token and KV head,
 ``max |x| / 127`` of that row, written by :func:`store_kv` as it quantises (round to nearest even) and
-read by the attention ops, which dequantise as they read (INT8 KV cache). Accumulation is fp32. CPU tensors go to
+read by the attention ops, which dequantise as they read (INT8 KV cache). Or it holds FP8 E4M3 bytes
+(uint8, or a ``torch.float8_e4m3fn`` tensor, passed as its bytes) with one scale per tensor,
+``k_scale`` and ``v_scale`` (FP8 KV cache): :func:`store_kv` writes ``e4m3(x / scale)`` (nearest even,
+saturated to +-448) and the attention ops read ``e4m3 * scale`` exactly. Accumulation is fp32. CPU tensors go to
 :mod:`inflight._C` (threads = ``torch.get_num_threads()``), CUDA tensors to :mod:`inflight._C_cuda`
 on the current stream. ``window`` (both attention ops): sliding-window attention as in transformers,
 a query at position ``p`` sees only keys ``p - window < j <= p``; 0 means no window. q, k and v may be strided views (a slice of a fused qkv projection) as long as
@@ -47,20 +50,38 @@ def _opt(t: torch.Tensor | None):
     return None if t is None else _dl(t)
 
 
+def _bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A float8_e4m3fn cache as its uint8 bytes (what the kernels take); any other cache as it is."""
+    return kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at
     ``slot_mapping`` ``[num_tokens]`` int64, in place; a negative slot skips its token (padding). An
-    int8 ``kv_cache`` gets each (token, KV head) row quantised, its scale written to ``kv_scales``."""
+    int8 ``kv_cache`` gets each (token, KV head) row quantised, its scale written to ``kv_scales``; an
+    fp8 one (uint8 / float8_e4m3fn) gets ``e4m3(k / k_scale)`` and ``e4m3(v / v_scale)``."""
+    kv_cache = _bytes(kv_cache)
     if k.is_cuda:
-        _cuda_op("store_kv")(k, v, kv_cache, slot_mapping, _stream(k), kv_scales)
+        _cuda_op("store_kv")(k, v, kv_cache, slot_mapping, _stream(k), kv_scales, k_scale, v_scale)
         return
-    _C.store_kv(_dl(k), _dl(v), _dl(kv_cache), _dl(slot_mapping), torch.get_num_threads(), _opt(kv_scales))
+    _C.store_kv(
+        _dl(k),
+        _dl(v),
+        _dl(kv_cache),
+        _dl(slot_mapping),
+        torch.get_num_threads(),
+        _opt(kv_scales),
+        k_scale,
+        v_scale,
+    )
 
 
 def paged_attention(
@@ -72,13 +93,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention: ``q`` ``[batch, num_heads, head_dim]`` holds one query per sequence, which
     attends to its keys ``0 .. kv_lens[i]-1`` (``block_tables`` ``[batch, max_blocks]`` int32,
     ``kv_lens`` ``[batch]`` int32); with ``window > 0`` only to the last ``window`` of them (the keys
     before are not read). GQA when num_heads is a multiple of num_kv_heads. ``kv_scales``: with an
-    int8 ``kv_cache``. Returns ``out`` ``[batch, num_heads, head_dim]`` (allocated when None)."""
+    int8 ``kv_cache``; ``k_scale``, ``v_scale`` with an fp8 one. Returns ``out`` ``[batch, num_heads,
+    head_dim]`` (allocated when None)."""
     _check_window(window)
+    kv_cache = _bytes(kv_cache)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
@@ -86,7 +111,18 @@ def paged_attention(
         # contexts split passes through the _C_cuda op with a workspace of
         # paged_attention_workspace_size(...) bytes.
         _cuda_op("paged_attention")(
-            q, kv_cache, block_tables, kv_lens, scale, out, None, _stream(q), window, kv_scales
+            q,
+            kv_cache,
+            block_tables,
+            kv_lens,
+            scale,
+            out,
+            None,
+            _stream(q),
+            window,
+            kv_scales,
+            k_scale,
+            v_scale,
         )
     else:
         _C.paged_attention(
@@ -99,6 +135,8 @@ def paged_attention(
             torch.get_num_threads(),
             window,
             _opt(kv_scales),
+            k_scale,
+            v_scale,
         )
     return out
 
@@ -113,20 +151,35 @@ def context_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Prefill / chunked-prefill attention over the paged cache. Sequence ``i``'s queries are rows
     ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` of ``q`` ``[num_tokens, num_heads, head_dim]``, at
     positions ``kv_lens[i] - q_len_i + r``; each attends causally to the sequence's cached keys
     (earlier chunks and reused prefix blocks included; this step's K/V must already be stored), with
     ``window > 0`` only to keys ``position - window + 1 .. position``. ``cu_seqlens`` ``[batch + 1]``
-    int32, ``kv_lens`` ``[batch]`` int32; ``kv_scales`` with an int8 ``kv_cache``. Returns ``out``
-    ``[num_tokens, num_heads, head_dim]`` (allocated when None)."""
+    int32, ``kv_lens`` ``[batch]`` int32; ``kv_scales`` with an int8 ``kv_cache``, ``k_scale`` and
+    ``v_scale`` with an fp8 one. Returns ``out`` ``[num_tokens, num_heads, head_dim]`` (allocated when
+    None)."""
     _check_window(window)
+    kv_cache = _bytes(kv_cache)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
         _cuda_op("context_attention")(
-            q, kv_cache, block_tables, cu_seqlens, kv_lens, scale, out, _stream(q), window, kv_scales
+            q,
+            kv_cache,
+            block_tables,
+            cu_seqlens,
+            kv_lens,
+            scale,
+            out,
+            _stream(q),
+            window,
+            kv_scales,
+            k_scale,
+            v_scale,
         )
     else:
         _C.context_attention(
@@ -140,5 +193,7 @@ def context_attention(
             torch.get_num_threads(),
             window,
             _opt(kv_scales),
+            k_scale,
+            v_scale,
         )
     return out

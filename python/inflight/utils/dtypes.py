@@ -49,32 +49,43 @@ def parse_dtype(
 
 
 # The KV cache may also be INT8: int8 codes with one fp32 scale per token per KV head (symmetric,
-# max |x| / 127, computed when the token is stored; see inflight.layers.attention.Int8KvCache).
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {**FLOAT_DTYPES, "int8": torch.int8}
+# max |x| / 127, computed when the token is stored; see inflight.layers.attention.Int8KvCache), or FP8:
+# OCP E4M3 (e4m3fn) values, one byte each, with one scale per tensor for K and one for V (1.0; see
+# inflight.layers.attention.Fp8KvCache). "fp8" parses to torch.float8_e4m3fn, the values' dtype; the
+# pool holds their bytes as uint8 (torch's CPU kernels lack index_copy_ and others for float8).
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {**FLOAT_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_KV_ALIASES = {"fp8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8", "int8": "int8"}
 
 
 def parse_kv_cache_dtype(
     value: str | torch.dtype | None, name: str = "KvCacheConfig.dtype"
 ) -> torch.dtype | None:
     """The KV cache dtype ``value`` names: a float dtype (as :func:`parse_dtype`), ``"int8"`` /
-    ``torch.int8``, or None for ``"auto"`` (the model's). Raises ValueError naming ``name``, the value
-    and the accepted spellings."""
-    if value is torch.int8 or (
-        isinstance(value, str) and value.strip().lower().removeprefix("torch.") == "int8"
-    ):
-        return torch.int8
+    ``torch.int8``, ``"fp8"`` (also ``"fp8_e4m3"``, ``"float8_e4m3fn"``) / ``torch.float8_e4m3fn``, or
+    None for ``"auto"`` (the model's). Raises ValueError naming ``name``, the value and the accepted
+    spellings."""
+    if value is torch.int8 or value is torch.float8_e4m3fn:
+        return value
+    if isinstance(value, str):
+        key = _KV_ALIASES.get(value.strip().lower().removeprefix("torch."))
+        if key is not None:
+            return KV_CACHE_DTYPES[key]
     try:
         return parse_dtype(value, name)
     except ValueError:
         raise ValueError(
-            f"{name} must be 'auto', 'float32', 'bfloat16', 'float16' or 'int8' (or fp32/bf16/fp16, or a "
-            f"torch dtype of those), got {value!r}"
+            f"{name} must be 'auto', 'float32', 'bfloat16', 'float16', 'int8' or 'fp8' (or fp32/bf16/fp16, "
+            f"fp8_e4m3, or a torch dtype of those), got {value!r}"
         ) from None
 
 
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
-    """``torch.int8`` -> ``"int8"``, float dtypes as :func:`dtype_name`."""
-    return "int8" if dtype is torch.int8 else dtype_name(dtype)
+    """``torch.int8`` -> ``"int8"``, ``torch.float8_e4m3fn`` -> ``"fp8"``, float dtypes as :func:`dtype_name`."""
+    if dtype is torch.int8:
+        return "int8"
+    if dtype is torch.float8_e4m3fn:
+        return "fp8"
+    return dtype_name(dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

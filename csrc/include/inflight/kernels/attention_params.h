@@ -12,6 +12,10 @@
 // the token in slot s stands for cache[.., s, h, d] * kv_scales[.., s, h]. Symmetric, scale =
 // max |x| / 127 over that token's head_dim values, set by store_kv when the token is written (no
 // calibration); the attention kernels dequantise as they read.
+//
+// FP8 KV cache (kv_dtype = kFloat8E4M3): the cache holds OCP FP8 E4M3 (e4m3fn) bytes, no per-token
+// scales; one scale per tensor, k_scale for K and v_scale for V: element x is stored as
+// e4m3(x / scale), rounded to nearest even and saturated to +-448, and read as e4m3 * scale.
 #pragma once
 
 #include <cstdint>
@@ -39,8 +43,9 @@ struct AttentionParams {
   int head_dim = 0;                            // CUDA: 64 or 128
   float scale = 1.0f;                          // of q . k, before the softmax
   ScalarType dtype = ScalarType::kFloat32;     // of q and out: a float type
-  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, or kInt8 (with kv_scales)
+  ScalarType kv_dtype = ScalarType::kFloat32;  // of the cache: dtype, kInt8 (with kv_scales) or kFloat8E4M3
   float const* kv_scales = nullptr;            // with kv_dtype = kInt8: [2, num_blocks, tokens_per_block, num_kv_heads]
+  float k_scale = 1.0f, v_scale = 1.0f;        // with kv_dtype = kFloat8E4M3: the per-tensor scales of K and V
   // Sliding-window (local) attention: a query at position p sees the keys j with p - window < j <= p
   // (the last `window` tokens, itself included), as transformers' sliding_window. 0: no window (full
   // causal attention). Decode's query sits at kv_lens[i] - 1; keys before the window are not read.

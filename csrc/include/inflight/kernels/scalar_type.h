@@ -32,6 +32,9 @@ enum class ScalarType : int {
   kInt32 = 5,   // block tables, sequence lengths, top-k
   kInt64 = 6,   // slot mappings, steps, sampled token ids
   kUInt64 = 7,  // RNG seeds
+  // OCP FP8 E4M3 (e4m3fn) bytes: the FP8 KV cache (attention_params.h). Torch holds them as uint8 (the
+  // bindings take a uint8 kv_cache as this type) or float8_e4m3fn.
+  kFloat8E4M3 = 8,
 };
 
 // Storage of the 16-bit floats: the bit pattern, as torch.bfloat16 / torch.float16 hold it (arithmetic
@@ -43,15 +46,21 @@ struct Float16 {
   std::uint16_t bits;
 };
 static_assert(sizeof(BFloat16) == 2 && sizeof(Float16) == 2, "16-bit storage types must match torch's");
+// Storage of an OCP FP8 E4M3 (e4m3fn) value: its byte (sign, 4 exponent bits with bias 7, 3 mantissa
+// bits; no infinity, 0x7f / 0xff are NaN, the largest finite value is 448).
+struct Float8E4M3 {
+  std::uint8_t bits;
+};
+static_assert(sizeof(Float8E4M3) == 1, "an E4M3 value is one byte");
 
 namespace {
 
 // Indexed by ScalarType.
-constexpr char const* kScalarTypeNames[] = {"float32", "bfloat16", "float16", "int8",
-                                            "uint8",   "int32",    "int64",   "uint64"};
-constexpr std::size_t kScalarTypeSizes[] = {4, 2, 2, 1, 1, 4, 8, 8};
+constexpr char const* kScalarTypeNames[] = {"float32", "bfloat16", "float16", "int8",         "uint8",
+                                            "int32",   "int64",    "uint64",  "float8_e4m3fn"};
+constexpr std::size_t kScalarTypeSizes[] = {4, 2, 2, 1, 1, 4, 8, 8, 1};
 constexpr int kNumScalarTypes = static_cast<int>(sizeof(kScalarTypeSizes) / sizeof(kScalarTypeSizes[0]));
-static_assert(static_cast<int>(ScalarType::kUInt64) + 1 == kNumScalarTypes &&
+static_assert(static_cast<int>(ScalarType::kFloat8E4M3) + 1 == kNumScalarTypes &&
                   sizeof(kScalarTypeNames) / sizeof(kScalarTypeNames[0]) == kNumScalarTypes,
               "one name and one size per ScalarType");
 
@@ -126,6 +135,41 @@ inline std::uint16_t float_to_f16(float f) {
   std::uint32_t const subnormal = bits_of_float(float_from_bits(a) + 0.5f) - 0x3f000000u;
   std::uint32_t const result = a > 0x7f800000u ? nan : (a >= 0x38800000u ? normal : subnormal);
   return static_cast<std::uint16_t>(sign | result);
+}
+
+// E4M3 byte b -> the fp16 bit pattern ((b & 0x80) << 8) | ((b & 0x7f) << 7): sign, exponent and mantissa
+// moved into fp16's fields, which is e4m3(b) * 2^-8 exactly, for normal and subnormal values alike (an
+// E4M3 subnormal m * 2^-9 lands on the fp16 subnormal m * 2^-17). The vector kernels widen KV bytes this
+// way (then F16C's VCVTPH2PS) and fold the 256 into their scales. NaN codes are never stored.
+inline std::uint16_t e4m3_to_f16_bits(std::uint8_t b) {
+  return static_cast<std::uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+
+// The value of an E4M3 byte, exactly (a NaN code gives a NaN).
+inline float e4m3_to_float(std::uint8_t b) {
+  if ((b & 0x7fu) == 0x7fu) return float_from_bits(0x7fc00000u | (static_cast<std::uint32_t>(b & 0x80u) << 24));
+  return f16_to_float(e4m3_to_f16_bits(b)) * 256.0f;
+}
+
+// fp32 -> E4M3, round to nearest even, saturating: |x| >= 448 (infinity included) gives +-448, as
+// torch's x.clamp(-448, 448).to(torch.float8_e4m3fn) does. A NaN is stored as 0 (the KV stores never
+// write a NaN code: the kernels' fp16 widening would read it as a number), a zero keeps its sign.
+inline std::uint8_t float_to_e4m3(float f) {
+  std::uint32_t const u = bits_of_float(f);
+  std::uint32_t const sign = (u >> 24) & 0x80u;
+  std::uint32_t const a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0;              // NaN
+  if (a >= 0x43e00000u) return sign | 0x7eu;  // >= 448 (and infinity): saturate
+  if (a < 0x3c800000u) {                      // below 2^-6: a subnormal m * 2^-9, m = 0 .. 8
+    // 16384 has an ulp of 2^-9: the FPU rounds |x| to that grid, to nearest even; m = 8 is the
+    // smallest normal (code 0x08), correctly.
+    float const r = (float_from_bits(a) + 16384.0f) - 16384.0f;
+    return static_cast<std::uint8_t>(sign | static_cast<std::uint32_t>(r * 512.0f));
+  }
+  // A normal value: rebias the exponent (127 - 7) and round off 20 mantissa bits to nearest even (adding
+  // 0x7ffff plus the lowest kept bit carries exactly when rounding up; a carry moves into the exponent).
+  std::uint32_t const rounded = (a - (120u << 23) + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  return static_cast<std::uint8_t>(sign | (rounded < 0x7eu ? rounded : 0x7eu));
 }
 
 inline float to_float(float v) { return v; }

@@ -11,13 +11,45 @@ INT8 KV cache (an int8 ``kv_cache`` with ``kv_scales``): :func:`quantize_kv` is 
 quantiser bit for bit (the same codes and scales), and the attention twins read the dequantised cache
 (``codes.float() * scale``, then rounded to q's dtype), so called with fp32 q they are the fp32
 reference on the dequantised KV.
+
+FP8 KV cache (a uint8 ``kv_cache`` of E4M3 bytes, or a ``torch.float8_e4m3fn`` one, with ``k_scale`` and
+``v_scale``): :func:`quantize_kv_fp8` is the kernels' encoder bit for bit (``(x / scale).clamp(-448,
+448).to(torch.float8_e4m3fn)``, a NaN stored as 0), and the twins read ``e4m3 * scale`` (exact in fp32).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["context_attention", "dequantize_kv", "paged_attention", "quantize_kv", "store_kv"]
+__all__ = [
+    "context_attention",
+    "dequantize_kv",
+    "dequantize_kv_fp8",
+    "paged_attention",
+    "quantize_kv",
+    "quantize_kv_fp8",
+    "store_kv",
+]
+
+FP8_E4M3_MAX = 448.0
+
+
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """E4M3 bytes (uint8) of ``x / scale`` in fp32: round to nearest even, saturated to +-448 (infinity
+    too), a NaN stored as 0 — the kernels' encoder (``float_to_e4m3``), bit for bit."""
+    y = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).nan_to_num(0.0)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_kv_fp8(
+    codes: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """E4M3 bytes (uint8 or float8_e4m3fn) times ``scale`` in fp32, then to ``dtype``."""
+    return (codes.view(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +90,12 @@ def store_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_cache = kv_cache.view(torch.uint8)
     flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -71,6 +107,10 @@ def store_kv(
             flat[i].index_copy_(0, slot_mapping, codes)
             flat_scales[i].index_copy_(0, slot_mapping, scales)
         return
+    if kv_cache.dtype == torch.uint8:
+        flat[0].index_copy_(0, slot_mapping, quantize_kv_fp8(k, k_scale))
+        flat[1].index_copy_(0, slot_mapping, quantize_kv_fp8(v, v_scale))
+        return
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
@@ -81,9 +121,10 @@ def _gather_kv(
     kv_lens_host: list[int],
     kv_scales: torch.Tensor | None,
     dtype: torch.dtype,
+    fp8_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of each sequence, padded: ``[batch, max_kv, kvh, hd]`` each, in the cache's
-    dtype, or for an int8 cache dequantised to ``dtype``."""
+    dtype, or for an int8 or fp8 cache dequantised to ``dtype``."""
     _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
     batch, max_kv = len(kv_lens_host), max(kv_lens_host)
     nblk = -(-max_kv // tpb)
@@ -95,6 +136,8 @@ def _gather_kv(
     if kv_cache.dtype == torch.int8:
         scales = _flat_scales(kv_cache, kv_scales).index_select(1, slots)
         kv = dequantize_kv(kv, scales, dtype)
+    elif _is_fp8(kv_cache):
+        kv = torch.stack([dequantize_kv_fp8(kv[i], fp8_scales[i], dtype) for i in range(2)])
     kv = kv.view(2, batch, max_kv, num_kv_heads, head_dim)
     return kv[0], kv[1]
 
@@ -108,12 +151,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     lens = kv_lens.tolist()
-    key, value = _gather_kv(kv_cache, block_tables, lens, kv_scales, q.dtype)  # [batch, max_kv, kvh, hd]
+    key, value = _gather_kv(
+        kv_cache, block_tables, lens, kv_scales, q.dtype, (k_scale, v_scale)
+    )  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
     qh = q.reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qh, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group, max_kv]
@@ -141,6 +188,8 @@ def context_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     kv_scales: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -150,7 +199,9 @@ def context_attention(
     batch = len(lens)
     q_lens = [cu[i + 1] - cu[i] for i in range(batch)]
     max_q = max(q_lens)
-    key, value = _gather_kv(kv_cache, block_tables, lens, kv_scales, q.dtype)  # [batch, max_kv, kvh, hd]
+    key, value = _gather_kv(
+        kv_cache, block_tables, lens, kv_scales, q.dtype, (k_scale, v_scale)
+    )  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
 
     # Scatter the flattened queries into a padded [batch, max_q] layout.
