@@ -8,8 +8,8 @@ prompt, chunked prefill, ``--new`` greedy tokens):
 
 - the KV the request holds at its last decode step (every pool, every layer), per token of the request;
 - the sequences of max_seq_len that fit at once in the same bytes (the engines' planners);
-- decode tok/s of each (the VSWA engine runs the unfused layers: the fused CPU stack reads one block
-  table), and whether the greedy tokens are identical.
+- the total time of each (prefill and decode; the fused CPU stack in both), and whether the greedy
+  tokens are identical.
 
     python benchmarks/bench_vswa.py [--model gemma3-270m] [--context 8192] [--new 32] [--json out.json]
 """

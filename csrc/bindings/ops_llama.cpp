@@ -164,8 +164,14 @@ class LlamaLayerStack {
   // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in the model dtype, or
   // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer, or
   // uint8 holding FP8 E4M3 bytes with fp8_scales (k_scale, v_scale of each layer in turn; all 1 when None).
+  // window_pool (VSWA): per layer, whether its cache is in the window pool, whose caches all have one
+  // num_blocks of their own (the others kv_caches[first global layer]'s).
   void set_kv_caches(std::vector<Tensor> caches, std::optional<std::vector<Tensor>> kv_scales,
-                     std::optional<std::vector<float>> fp8_scales) {
+                     std::optional<std::vector<float>> fp8_scales, std::optional<std::vector<bool>> window_pool) {
+    if (window_pool && window_pool->size() != caches.size()) {
+      throw_value_error("window_pool must hold one bool per layer (" + std::to_string(caches.size()) + "), got " +
+                        std::to_string(window_pool->size()));
+    }
     if (caches.size() != layers_.size()) {
       throw_value_error("kv_caches must hold one tensor per layer (" + std::to_string(layers_.size()) + "), got " +
                         std::to_string(caches.size()));
@@ -187,6 +193,8 @@ class LlamaLayerStack {
       }
     }
     ScalarType const kv_dtype = kv_scales ? ScalarType::kInt8 : (fp8 ? ScalarType::kUInt8 : shape_.dtype);
+    bool seen_global = false, seen_window = false;
+    window_blocks_ = 0;
     for (std::size_t i = 0; i < caches.size(); ++i) {
       Tensor const& c = caches[i];
       std::string const name = "kv_caches[" + std::to_string(i) + "]";
@@ -198,12 +206,20 @@ class LlamaLayerStack {
       require_shape(c, name.c_str(), {2, nb, tpb, shape_.num_kv_heads, shape_.head_dim}, kCacheLayout);
       if (nb < 1 || tpb < 1) throw_value_error(name + " has an empty dimension, shape " + shape_str(c));
       require_cpu_contiguous({{&c, name.c_str()}});
-      if (i == 0) {
-        shape_.num_blocks = int(nb);
-        shape_.tokens_per_block = int(tpb);
-      } else if (nb != shape_.num_blocks || tpb != shape_.tokens_per_block) {
-        throw_value_error(name + " must have the shape of kv_caches[0]");
+      bool const in_window = window_pool && (*window_pool)[i];
+      if (i == 0) shape_.tokens_per_block = int(tpb);
+      if (tpb != shape_.tokens_per_block) throw_value_error(name + " must have the tokens_per_block of kv_caches[0]");
+      bool& seen = in_window ? seen_window : seen_global;
+      int& blocks = in_window ? window_blocks_ : shape_.num_blocks;
+      if (!seen) {
+        blocks = int(nb);
+        seen = true;
+      } else if (nb != blocks) {
+        throw_value_error(name + " must have the num_blocks of the other " + (in_window ? "window-pool" : "global") +
+                          " layers' caches (" + std::to_string(blocks) + ")");
       }
+      layers_[i].window_pool = in_window;
+      layers_[i].num_blocks = int(nb);
       layers_[i].kv_cache = c.data();
       layers_[i].kv_scales = nullptr;
       layers_[i].k_scale = fp8_scales ? (*fp8_scales)[2 * i] : 1.0f;
@@ -228,7 +244,9 @@ class LlamaLayerStack {
                std::optional<Tensor> ctx_block_tables, std::optional<Tensor> ctx_cu_seqlens,
                std::optional<Tensor> ctx_kv_lens, std::optional<Tensor> dec_block_tables,
                std::optional<Tensor> dec_kv_lens, int num_threads, std::optional<Tensor> reduce_buffer,
-               std::optional<nb::object> reduce, double reduce_timeout_s, std::optional<Tensor> cos_sin_local) {
+               std::optional<nb::object> reduce, double reduce_timeout_s, std::optional<Tensor> cos_sin_local,
+               std::optional<Tensor> window_slot_mapping, std::optional<Tensor> window_ctx_block_tables,
+               std::optional<Tensor> window_dec_block_tables) {
     if (!caches_set_) {
       throw_value_error("set_kv_caches() must be called after the last add_layer() and before forward()");
     }
@@ -294,6 +312,31 @@ class LlamaLayerStack {
     }
     KvCacheShape const cache{shape_.num_blocks, shape_.tokens_per_block, shape_.num_kv_heads, shape_.head_dim};
     check_slot_mapping_values(slot_mapping, cache.num_slots());
+    // VSWA: the window pool's slots and tables, in the shapes of the main ones.
+    bool const windowed = window_blocks_ > 0;
+    if (windowed != window_slot_mapping.has_value()) {
+      throw_value_error(windowed ? "the window-pool layers need window_slot_mapping"
+                                 : "window_slot_mapping is for window-pool layers (set_kv_caches(window_pool=...))");
+    }
+    KvCacheShape const wcache{window_blocks_, shape_.tokens_per_block, shape_.num_kv_heads, shape_.head_dim};
+    Tensor const* wctx = nullptr;
+    Tensor const* wdec = nullptr;
+    if (windowed) {
+      require_vector(*window_slot_mapping, "window_slot_mapping", ScalarType::kInt64, nt, "[num_tokens]");
+      check_slot_mapping_values(*window_slot_mapping, wcache.num_slots());
+      for (auto [main, w, name] : {std::tuple{ctx_tables, &window_ctx_block_tables, "window_ctx_block_tables"},
+                                   std::tuple{dec_tables, &window_dec_block_tables, "window_dec_block_tables"}}) {
+        if (main == nullptr) continue;
+        if (!w->has_value()) throw_value_error(std::string("the window-pool layers need ") + name);
+        require_dtype(**w, name, ScalarType::kInt32);
+        require_shape(**w, name, {main->shape(0), main->shape(1)}, "the shape of its main block tables");
+        require_cpu_contiguous({{&**w, name}});
+        (main == ctx_tables ? wctx : wdec) = &**w;
+      }
+      check_block_table_values(*(wctx ? wctx : wdec), *(wctx ? ctx_lens : dec_lens), wcache,
+                               wctx ? "window_ctx_" : "window_dec_");
+      if (wctx && wdec) check_block_table_values(*wdec, *dec_lens, wcache, "window_dec_");
+    }
 
     kc::LlamaStep step;
     step.hidden = hidden.data();
@@ -302,6 +345,11 @@ class LlamaLayerStack {
     step.cos_sin_local = cos_sin_local ? cos_sin_local->data() : nullptr;
     step.slot_mapping = static_cast<std::int64_t const*>(slot_mapping.data());
     step.num_ctx_tokens = num_ctx_tokens;
+    if (windowed) {
+      step.window_slot_mapping = static_cast<std::int64_t const*>(window_slot_mapping->data());
+      step.window_ctx_block_tables = wctx ? static_cast<std::int32_t const*>(wctx->data()) : nullptr;
+      step.window_dec_block_tables = wdec ? static_cast<std::int32_t const*>(wdec->data()) : nullptr;
+    }
     if (ctx_tables != nullptr) {
       check_block_table_values(*ctx_tables, *ctx_lens, cache, "ctx_");
       check_cu_seqlens_values(*ctx_cu, *ctx_lens, num_ctx_tokens, "num_ctx_tokens", "ctx_");
@@ -387,6 +435,7 @@ class LlamaLayerStack {
   std::vector<Tensor> caches_;
   std::vector<Tensor> scales_;  // an int8 cache's per-layer scales (empty otherwise), kept alive
   bool caches_set_ = false;
+  int window_blocks_ = 0;  // VSWA: num_blocks of the window-pool layers' caches (0: none)
   std::mutex mutex_;  // one forward at a time (the workspace is shared)
   std::unique_ptr<unsigned char, FreeDeleter> workspace_;
   std::size_t workspace_bytes_ = 0;
@@ -418,14 +467,18 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "window: the layer's attention window (keys p-window+1 .. p; 0: global). local_rope: the layer "
            "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a, "kv_scales"_a.none() = nb::none(),
-           "fp8_scales"_a.none() = nb::none(),
+           "fp8_scales"_a.none() = nb::none(), "window_pool"_a.none() = nb::none(),
            "One cache per layer, in the model dtype; or int8 with kv_scales, one float32 [2, num_blocks, "
            "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache); or uint8 "
-           "holding FP8 E4M3 bytes, with fp8_scales [k_scale_0, v_scale_0, k_scale_1, ...] (None: all 1).")
+           "holding FP8 E4M3 bytes, with fp8_scales [k_scale_0, v_scale_0, k_scale_1, ...] (None: all 1). "
+           "window_pool (VSWA): per layer, True when its cache is in the window pool (its own num_blocks; "
+           "forward's window_* slots and tables).")
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),
            "reduce"_a.none() = nb::none(), "reduce_timeout_s"_a = 120.0, "cos_sin_local"_a.none() = nb::none(),
+           "window_slot_mapping"_a.none() = nb::none(), "window_ctx_block_tables"_a.none() = nb::none(),
+           "window_dec_block_tables"_a.none() = nb::none(),
            "Runs every layer over the step's flattened batch, in place on hidden [num_tokens, hidden_size]. "
            "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*). "
            "Tensor parallelism: after each layer's o_proj and down_proj the partial product is written to "

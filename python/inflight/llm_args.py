@@ -368,8 +368,8 @@ class KvCacheConfig(_Args):
         False,
         "VSWA: the sliding-window layers (Gemma 3's local layers) keep their KV in pools of their own "
         "whose blocks are released as the window moves, so their memory is bounded by the window; the "
-        "budget is split for the most sequences of max_seq_len (the log shows the split). Runs the "
-        "unfused layers; no secondary tier, beam search or parallel ranks with it yet",
+        "budget is split for the most sequences of max_seq_len (the log shows the split); no secondary "
+        "tier, beam search or parallel ranks with it yet",
         Bool(),
     )
 

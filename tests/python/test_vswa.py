@@ -69,8 +69,30 @@ def _assert_clean(llm) -> None:
         assert impl.num_used_blocks == 0
 
 
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """Counts the steps the fused CPU stack ran with a window pool (it reads the pool's own tables)."""
+    from inflight.layers.fused_cpu import FusedCpuLayers
+
+    seen = {"windowed": 0}
+    original = FusedCpuLayers.forward
+
+    def forward(self, hidden, cos_sin, metadata, kv_caches, *args, **kwargs):
+        if metadata.window_metadata:
+            seen["windowed"] += 1
+        return original(self, hidden, cos_sin, metadata, kv_caches, *args, **kwargs)
+
+    monkeypatch.setattr(FusedCpuLayers, "forward", forward)
+    return seen
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-stack", "python-layers"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
-def test_greedy_identical_to_transformers_with_reuse(make_llm, hf_greedy_refs, watch, chunked):
+def test_greedy_identical_to_transformers_with_reuse(
+    make_llm, hf_greedy_refs, watch, fused_steps, monkeypatch, chunked, fused
+):
+    if not fused:
+        monkeypatch.setenv("INFLIGHT_FUSED_LAYERS", "0")
     kwargs = {"enable_chunked_prefill": True, "max_num_tokens": 16} if chunked else {}
     llm = make_llm("gemma3", kv_cache_config=_vswa(), **kwargs)
     ref = hf_greedy_refs("gemma3")
@@ -89,6 +111,7 @@ def test_greedy_identical_to_transformers_with_reuse(make_llm, hf_greedy_refs, w
     for row in watch:
         assert row["window"][0] <= _window_cap(row["drafts"]), row
         assert row["global"] == -(-row["tokens"] // LLM_TPB), row
+    assert (fused_steps["windowed"] > 0) == fused
     _assert_clean(llm)
 
 

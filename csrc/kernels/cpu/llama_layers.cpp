@@ -380,6 +380,14 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
     qk_norm_rope<T, kGemma>(qkv, qkv_n, L.local_rope ? cos_sin_local : cos_sin, nt, s.num_heads, s.num_kv_heads,
                             s.head_dim, static_cast<T const*>(s.qk_norm ? L.q_norm : nullptr),
                             static_cast<T const*>(L.k_norm), s.eps, threads);
+    // VSWA: a layer of the window pool stores and reads through that pool's slots and tables.
+    int const num_blocks = L.window_pool ? L.num_blocks : s.num_blocks;
+    store.slot_mapping = L.window_pool ? step.window_slot_mapping : step.slot_mapping;
+    store.num_slots = std::int64_t(num_blocks) * s.tokens_per_block;
+    ctx.block_tables = L.window_pool ? step.window_ctx_block_tables : step.ctx_block_tables;
+    ctx.num_blocks = num_blocks;
+    dec.block_tables = L.window_pool ? step.window_dec_block_tables : step.dec_block_tables;
+    dec.num_blocks = num_blocks;
     store.kv_cache = L.kv_cache;
     store.kv_scales = L.kv_scales;
     store.k_scale = L.k_scale;

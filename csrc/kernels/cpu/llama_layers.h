@@ -68,6 +68,10 @@ struct LlamaLayerWeights {
   void* kv_cache = nullptr;              // [2, num_blocks, tokens_per_block, num_kv_heads, head_dim], kv_dtype
   float* kv_scales = nullptr;            // int8 cache: [2, num_blocks, tokens_per_block, num_kv_heads]
   float k_scale = 1.0f, v_scale = 1.0f;  // fp8 cache: the per-tensor scales of K and V
+  // VSWA: the cache lives in the window pool (num_blocks blocks), read through LlamaStep's window_*
+  // slot mapping and block tables; otherwise LlamaShape::num_blocks and the step's main ones.
+  bool window_pool = false;
+  int num_blocks = 0;                    // of this layer's cache, when window_pool
 };
 
 struct LlamaShape {
@@ -76,7 +80,7 @@ struct LlamaShape {
   float scale = 1.0f;                          // attention softmax scale
   ScalarType dtype = ScalarType::kFloat32;     // the model dtype: float32, bfloat16 or float16
   ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, kInt8 or kFloat8E4M3 (attention_params.h)
-  int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache
+  int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache (but a window pool's, num_blocks)
   bool w8a8 = false;                           // some projection is W8A8: the workspace holds its scratch
   bool qk_norm = false;                        // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
   bool gemma = false;                          // Gemma 3's layer (see the top of this file)
@@ -101,6 +105,11 @@ struct LlamaStep {
   int dec_batch = 0, dec_max_blocks = 0;
   std::int32_t const* dec_block_tables = nullptr;  // [dec_batch, dec_max_blocks]
   std::int32_t const* dec_kv_lens = nullptr;       // [dec_batch]
+  // VSWA: the window pool's slot mapping and block tables (the shapes of the main ones), for the layers
+  // with window_pool.
+  std::int64_t const* window_slot_mapping = nullptr;
+  std::int32_t const* window_ctx_block_tables = nullptr;
+  std::int32_t const* window_dec_block_tables = nullptr;
 };
 
 // The op's params: layers[0 .. num_layers) run over the step, in place on step.hidden.

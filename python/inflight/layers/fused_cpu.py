@@ -80,9 +80,10 @@ class FusedCpuLayers:
         self._num_layers = num_layers
         self.max_tokens = max_tokens  # a step with more tokens runs the Python layers (None: no limit)
         self._caches: list[KvCacheLike] | None = None  # the list last given to set_kv_caches
-        self._cache_ids: tuple[int, ...] = ()
+        self._cache_ids: tuple = ()  # their data pointers and window_pool flags
         # Some layer rotates with the model's second RoPE table (rotary_local): forward needs local_cos_sin.
         self.local_rope = False
+        self.layer_windows: tuple[int, ...] = (0,) * num_layers  # each layer's attention window (0: global)
 
     @staticmethod
     def unsupported_reason(model) -> str | None:
@@ -162,11 +163,21 @@ class FusedCpuLayers:
         )
         fused = cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
         fused.local_rope = local_rope
+        fused.layer_windows = tuple(layer.window if gemma else 0 for layer in model.layers)
         return fused
 
-    def accepts(self, kv_caches: list[KvCacheLike], dtype: torch.dtype, num_tokens: int) -> bool:
+    def accepts(
+        self,
+        kv_caches: list[KvCacheLike],
+        dtype: torch.dtype,
+        num_tokens: int,
+        metadata: AttentionMetadata | None = None,
+    ) -> bool:
         """Whether this step runs fused: caches on the CPU, all in the model dtype, all INT8 or all FP8,
-        and not too many tokens."""
+        not too many tokens, and (VSWA) at most one window pool, of a window of these layers."""
+        windows = metadata.window_metadata if metadata is not None else None
+        if windows and (len(windows) != 1 or next(iter(windows)) not in self.layer_windows):
+            return False
         # Under batch invariance every step runs fused, whatever its size: a token must not change its
         # GEMM (torch's in the Python layers) with the size of the step it is in.
         if self.max_tokens is not None and num_tokens > self.max_tokens and not batch_invariant():
@@ -179,16 +190,18 @@ class FusedCpuLayers:
             isinstance(c, torch.Tensor) and c.dtype == dtype and c.device.type == "cpu" for c in kv_caches
         )
 
-    def _bind_caches(self, kv_caches: list[KvCacheLike]) -> None:
+    def _bind_caches(self, kv_caches: list[KvCacheLike], window_pool: tuple[bool, ...] | None = None) -> None:
         int8 = bool(kv_caches) and isinstance(kv_caches[0], Int8KvCache)
         fp8 = bool(kv_caches) and isinstance(kv_caches[0], Fp8KvCache)
         tensors = [c.kv for c in kv_caches] if int8 or fp8 else kv_caches
-        ids = tuple(c.data_ptr() for c in tensors)
+        ids = (tuple(c.data_ptr() for c in tensors), window_pool)
         if self._caches is kv_caches and ids == self._cache_ids:
             return
         scales = [_dl(c.scales) for c in kv_caches] if int8 else None
         fp8_scales = [s for c in kv_caches for s in (float(c.k_scale), float(c.v_scale))] if fp8 else None
-        self._stack.set_kv_caches([_dl(c) for c in tensors], scales, fp8_scales)
+        self._stack.set_kv_caches(
+            [_dl(c) for c in tensors], scales, fp8_scales, list(window_pool) if window_pool else None
+        )
         self._caches, self._cache_ids = kv_caches, ids
 
     def forward(
@@ -204,8 +217,15 @@ class FusedCpuLayers:
         the stack calls back after each o_proj and down_proj to all-reduce the partial products.
         ``local_cos_sin``: the RoPE rows of the sliding layers' table, read when :attr:`local_rope`
         (ignored otherwise)."""
-        self._bind_caches(kv_caches)
+        # VSWA (accepts: one window pool): its layers read it through its own slots and block tables.
+        window_md = next(iter(metadata.window_metadata.values())) if metadata.window_metadata else None
+        window_pool = None
+        if window_md is not None:
+            w = next(iter(metadata.window_metadata))
+            window_pool = tuple(lw == w for lw in self.layer_windows)
+        self._bind_caches(kv_caches, window_pool)
         plan = plan_kernels(metadata)
+        wplan = plan_kernels(window_md) if window_md is not None else None
         none = None
         reduce_buffer = reduce = None
         timeout = 120.0
@@ -230,5 +250,8 @@ class FusedCpuLayers:
             reduce,
             timeout,
             _dl(local_cos_sin) if self.local_rope else none,
+            _dl(window_md.slot_mapping) if wplan is not None else none,
+            _dl(wplan.ctx_block_tables) if wplan is not None and wplan.ctx_block_tables is not None else none,
+            _dl(wplan.dec_block_tables) if wplan is not None and wplan.dec_block_tables is not None else none,
         )
         return hidden

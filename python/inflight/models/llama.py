@@ -400,12 +400,7 @@ class LlamaForCausalLM(nn.Module):
             if self.config.is_gemma:  # scaled by sqrt(hidden), the scale rounded to the model dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         fused = self.fused_layers()
-        # The fused stack reads one block table for every layer: not the per-window pools of VSWA.
-        run_fused = (
-            fused is not None
-            and metadata.window_metadata is None
-            and fused.accepts(kv_caches, self.dtype, input_ids.shape[0])
-        )
+        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0], metadata)
         if run_fused:
             local = self.rotary_local.cos_sin.index_select(0, positions) if fused.local_rope else None
             hidden = fused.forward(
