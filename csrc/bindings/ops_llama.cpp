@@ -436,7 +436,7 @@ class LlamaLayerStack {
   std::vector<Tensor> scales_;  // an int8 cache's per-layer scales (empty otherwise), kept alive
   bool caches_set_ = false;
   int window_blocks_ = 0;  // VSWA: num_blocks of the window-pool layers' caches (0: none)
-  std::mutex mutex_;  // one forward at a time (the workspace is shared)
+  std::mutex mutex_;       // one forward at a time (the workspace is shared)
   std::unique_ptr<unsigned char, FreeDeleter> workspace_;
   std::size_t workspace_bytes_ = 0;
 };

@@ -71,7 +71,7 @@ struct LlamaLayerWeights {
   // VSWA: the cache lives in the window pool (num_blocks blocks), read through LlamaStep's window_*
   // slot mapping and block tables; otherwise LlamaShape::num_blocks and the step's main ones.
   bool window_pool = false;
-  int num_blocks = 0;                    // of this layer's cache, when window_pool
+  int num_blocks = 0;  // of this layer's cache, when window_pool
 };
 
 struct LlamaShape {
