@@ -194,3 +194,35 @@ def test_quantized_kv_in_window_pools(make_llm, dtype):
     llm = make_llm("gemma3", kv_cache_config=_vswa(dtype=dtype))
     assert _ids(llm.generate(prompts, greedy(), use_tqdm=False)) == ref
     _assert_clean(llm)
+
+
+def test_gemma3_270m_8k_request_holds_window_bounded_blocks(watch):
+    """The real Gemma 3 270M (15 layers slide over 512 tokens, 3 are global), an 8,192-token prompt in
+    chunks of 1,024: at every decode step the global pool holds every block of the request and the
+    window pool at most ceil(512 / 32) + 1, every manager intact."""
+    import random
+
+    from inflight.llm import LLM
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 200000) for _ in range(8192)]
+    llm = LLM(
+        "gemma3-270m",
+        kv_cache_config=KvCacheConfig(max_tokens=16384, sliding_window_pools=True),
+        max_seq_len=8192 + 64,
+        enable_chunked_prefill=True,
+        max_num_tokens=1024,
+    )
+    try:
+        kv = llm.executor.kv_cache_manager
+        assert [g.window for g in kv.window_groups] == [512] and len(kv.window_groups[0].layers) == 15
+        out = _ids(llm.generate([prompt], greedy(8), use_tqdm=False))
+        assert len(out[0]) == 8
+        assert len(watch) == 7
+        for row in watch:
+            assert row["global"] == -(-row["tokens"] // 32)
+            assert row["window"][0] <= 512 // 32 + 1
+        assert watch[-1]["global"] == 257  # 8,199 tokens
+        _assert_clean(llm)
+    finally:
+        llm.shutdown()
