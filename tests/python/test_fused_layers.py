@@ -498,3 +498,62 @@ def test_gemma3_270m_fused_equals_unfused(monkeypatch):
     print(ties)
     assert all(margin < near_tie_bf16 for _, _, margin in ties), ties
     assert len(ties) <= 2, ties
+
+
+def test_layer_stack_checks_the_window_pool_arguments(tmp_path):
+    """VSWA: the layers of set_kv_caches(window_pool=...) have caches of their own num_blocks, and
+    forward then needs the window pool's slot mapping and block tables, range-checked against it."""
+    from torch.utils.dlpack import to_dlpack
+
+    model = _load(_quantized_dir(tmp_path, "llama"), torch.float32)
+    fused = model.fused_layers()
+    stack = fused._stack
+    c = model.config
+    small = torch.zeros(2, 2, 4, c.num_key_value_heads, c.head_dim)  # 2 blocks: the window pool
+    big = torch.zeros(2, 8, 4, c.num_key_value_heads, c.head_dim)
+    with pytest.raises(ValueError, match=r"window_pool must hold one bool per layer \(2\), got 1"):
+        stack.set_kv_caches([to_dlpack(small), to_dlpack(big)], None, None, [True])
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] must have the num_blocks"):
+        stack.set_kv_caches([to_dlpack(small), to_dlpack(big)])  # no window pool: one num_blocks
+    stack.set_kv_caches([to_dlpack(small), to_dlpack(big)], None, None, [True, False])
+    kv = PagedKV.for_model(model, num_blocks=8, tokens_per_block=4)
+    _ids, positions, md = kv.step([("a", [1, 2, 3])])
+    hidden = torch.randn(3, c.hidden_size)
+    cs = model.rotary.cos_sin.index_select(0, positions)
+
+    def forward(*window):  # a DLPack capsule is consumed by one call: fresh ones each time
+        return stack.forward(
+            to_dlpack(hidden),
+            to_dlpack(cs),
+            to_dlpack(md.slot_mapping),
+            3,
+            to_dlpack(md.block_tables),
+            to_dlpack(md.cu_seqlens),
+            to_dlpack(md.kv_lens),
+            None,
+            None,
+            1,
+            None,
+            None,
+            120.0,
+            None,
+            *(to_dlpack(w) for w in window),
+        )
+
+    with pytest.raises(ValueError, match="the window-pool layers need window_slot_mapping"):
+        forward()
+    window_slots = torch.tensor([0, 1, 2], dtype=torch.int64)
+    with pytest.raises(ValueError, match="need window_ctx_block_tables"):
+        forward(window_slots)
+    window_tables = torch.zeros_like(md.block_tables)
+    window_tables[0, 0] = 5  # the window pool has blocks 0 .. 1 only
+    with pytest.raises(
+        ValueError, match=r"window_ctx_block_tables\[0, 0\] = 5 is outside the cache's 0 .. 1"
+    ):
+        forward(window_slots, window_tables)
+    window_tables[0, 0] = 1
+    forward(window_slots, window_tables)  # runs; its tokens are checked end to end in test_vswa.py
+    # Layer 0 stored its K through window_slot_mapping (slots 0..2: block 0 of the window pool), layer 1
+    # through slot_mapping into its own cache.
+    assert torch.count_nonzero(small[0, 0, :3]) > 0 and torch.count_nonzero(small[0, 1]) == 0
+    assert torch.count_nonzero(big[0]) > 0
