@@ -63,13 +63,10 @@ def _run(model: str, args, vswa: bool, prompt: list[int]) -> dict:
     finally:
         KVCacheResourceManager.prepare_resources = original
     manager = llm.executor.kv_cache_manager
-    blocks_per_seq = -(-llm.max_seq_len // manager.tokens_per_block)
-    if manager.window_groups:  # the planner's split (kv_cache_creator.plan_window_pools)
-        g = manager.window_groups[0]
-        cap = -(-g.window // manager.tokens_per_block) + 1
-        seqs = min(manager.num_blocks / blocks_per_seq, 1 + (g.kv.num_blocks - blocks_per_seq) / cap)
+    if manager.window_plan is not None:  # the planner's split (kv_cache_creator.plan_window_pools)
+        seqs = manager.window_plan.sequences
     else:
-        seqs = manager.num_blocks / blocks_per_seq
+        seqs = manager.num_blocks / -(-llm.max_seq_len // manager.tokens_per_block)
     ttft = out.metrics.get("ttft") if isinstance(getattr(out, "metrics", None), dict) else None
     llm.shutdown()
     return {

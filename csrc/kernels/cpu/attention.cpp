@@ -117,52 +117,45 @@ int64_t paged_attention_workspace_size(PagedAttentionParams const& p) {
 
 namespace {
 
-// store_kv into an int8 cache: each (token, KV head) row quantised with its own scale.
-template <class T>
-void store_kv_int8(StoreKvParams const& p, ThreadPool& pool) {
+// store_kv into a one-byte cache (int8 or fp8): encode(src, dst, slot row, is_v) writes one (token, KV
+// head) row of head_dim elements at dst. Encoding costs a few operations per element: threads pay off
+// from a few thousand rows.
+template <class T, class Code, class Encode>
+void store_kv_narrow(StoreKvParams const& p, ThreadPool& pool, Encode encode) {
   int64_t const row = p.head_dim;
-  auto* const k_cache = static_cast<std::int8_t*>(p.kv_cache);
-  std::int8_t* const v_cache = k_cache + p.num_slots * p.num_kv_heads * row;
-  float* const k_scales = p.kv_scales;
-  float* const v_scales = k_scales + p.num_slots * p.num_kv_heads;
+  auto* const k_cache = static_cast<Code*>(p.kv_cache);
+  Code* const v_cache = k_cache + p.num_slots * p.num_kv_heads * row;
   T const* const k = static_cast<T const*>(p.k);
   T const* const v = static_cast<T const*>(p.v);
-  // Quantising costs a few operations per element: threads pay off from a few thousand rows.
   int const threads = p.num_tokens * p.num_kv_heads * row >= (int64_t(1) << 16) ? p.num_threads : 1;
   pool_detail::parallel_for(pool, p.num_tokens, threads, false, [&](int64_t t, int) {
     int64_t const slot = p.slot_mapping[t];
     if (slot < 0) return;
     for (int h = 0; h < p.num_kv_heads; ++h) {
       int64_t const dst = slot * p.num_kv_heads + h;
-      k_scales[dst] = quantize_kv_row(k + t * p.k_token_stride + h * p.k_head_stride, p.head_dim, k_cache + dst * row);
-      v_scales[dst] = quantize_kv_row(v + t * p.v_token_stride + h * p.v_head_stride, p.head_dim, v_cache + dst * row);
+      encode(k + t * p.k_token_stride + h * p.k_head_stride, k_cache + dst * row, dst, false);
+      encode(v + t * p.v_token_stride + h * p.v_head_stride, v_cache + dst * row, dst, true);
     }
   });
 }
 
-// store_kv into an fp8 cache: each element divided by its tensor's scale (IEEE division, as the
-// reference's x / scale), then encoded to E4M3 (nearest even, saturating; float_to_e4m3).
+// int8: each row quantised with its own scale.
 template <class T>
-void encode_row_e4m3(T const* x, int n, float scale, std::uint8_t* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = float_to_e4m3(to_float(x[i]) / scale);
+void store_kv_int8(StoreKvParams const& p, ThreadPool& pool) {
+  float* const k_scales = p.kv_scales;
+  float* const v_scales = k_scales + p.num_slots * p.num_kv_heads;
+  store_kv_narrow<T, std::int8_t>(p, pool, [&](T const* x, std::int8_t* dst, int64_t r, bool is_v) {
+    (is_v ? v_scales : k_scales)[r] = quantize_kv_row(x, p.head_dim, dst);
+  });
 }
 
+// fp8: each element divided by its tensor's scale (IEEE division, as the reference's x / scale), then
+// encoded to E4M3 (nearest even, saturating; float_to_e4m3).
 template <class T>
 void store_kv_fp8(StoreKvParams const& p, ThreadPool& pool) {
-  int64_t const row = p.head_dim;
-  auto* const k_cache = static_cast<std::uint8_t*>(p.kv_cache);
-  std::uint8_t* const v_cache = k_cache + p.num_slots * p.num_kv_heads * row;
-  T const* const k = static_cast<T const*>(p.k);
-  T const* const v = static_cast<T const*>(p.v);
-  int const threads = p.num_tokens * p.num_kv_heads * row >= (int64_t(1) << 16) ? p.num_threads : 1;
-  pool_detail::parallel_for(pool, p.num_tokens, threads, false, [&](int64_t t, int) {
-    int64_t const slot = p.slot_mapping[t];
-    if (slot < 0) return;
-    for (int h = 0; h < p.num_kv_heads; ++h) {
-      int64_t const dst = (slot * p.num_kv_heads + h) * row;
-      encode_row_e4m3(k + t * p.k_token_stride + h * p.k_head_stride, p.head_dim, p.k_scale, k_cache + dst);
-      encode_row_e4m3(v + t * p.v_token_stride + h * p.v_head_stride, p.head_dim, p.v_scale, v_cache + dst);
-    }
+  store_kv_narrow<T, std::uint8_t>(p, pool, [&](T const* x, std::uint8_t* dst, int64_t, bool is_v) {
+    float const scale = is_v ? p.v_scale : p.k_scale;
+    for (int i = 0; i < p.head_dim; ++i) dst[i] = float_to_e4m3(to_float(x[i]) / scale);
   });
 }
 

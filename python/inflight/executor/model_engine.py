@@ -80,7 +80,11 @@ def build_metadata(
     positions_t = torch.tensor(positions, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     seq_idx = torch.repeat_interleave(torch.arange(n), seq_lens_t)
-    slot_mapping = block_tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
+
+    def slots(tables: torch.Tensor) -> torch.Tensor:  # each flattened token's slot in the pool of `tables`
+        return tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
+
+    slot_mapping = slots(block_tables)
     cu = torch.zeros(n + 1, dtype=torch.int32)
     torch.cumsum(seq_lens_t, 0, out=cu[1:])
     metadata = AttentionMetadata(
@@ -105,9 +109,8 @@ def build_metadata(
         g_rows = np.zeros_like(rows)
         g.kv.copy_block_tables(requests, g_rows)
         g_tables = torch.from_numpy(g_rows)
-        g_slots = g_tables[seq_idx, positions_t // tpb].to(torch.int64) * tpb + positions_t % tpb
         by_window[g.window] = dataclasses.replace(
-            metadata, block_tables=g_tables.to(device, copy=True), slot_mapping=g_slots.to(device)
+            metadata, block_tables=g_tables.to(device, copy=True), slot_mapping=slots(g_tables).to(device)
         )
     return dataclasses.replace(metadata, window_metadata=by_window)
 

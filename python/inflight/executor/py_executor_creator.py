@@ -258,6 +258,7 @@ def _create(
     )
     if windows is not None:
         logger.info("%s", windows.describe(kv_config.tokens_per_block))
+        kv_manager.window_plan = windows
         for w, n in windows.window_blocks.items():
             group_kv = KVCacheResourceManager.allocate(
                 len(windows.window_layers[w]),

@@ -199,6 +199,7 @@ class KVCacheResourceManager(BaseResourceManager):
         # VSWA (add_window_group): the sliding-window layers' managers and pools. This manager then
         # holds the global layers only; kv_caches still lists every layer's cache in model order.
         self.window_groups: list[WindowKvGroup] = []
+        self.window_plan = None  # the budget's split (kv_cache_creator.WindowPoolPlan), set by its creator
         self._global_layers: tuple[int, ...] | None = None
 
     def add_window_group(self, group: WindowKvGroup, num_layers: int) -> None:
