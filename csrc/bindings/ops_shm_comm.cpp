@@ -75,6 +75,10 @@ INFLIGHT_REGISTER_OPS(shm_comm) {
            "Every rank's tensor into out (world_size x its bytes, rank order) on root.")
       .def("broadcast", &broadcast, "tensor"_a.noconvert(), "root"_a, "timeout_s"_a,
            "Root's tensor into every rank's, in place.")
+      .def("abort", &kc::ShmComm::abort,
+           "Marks the segment aborted by this rank: every collective of every rank raises from now on "
+           "(a rank that failed calls it so that its peers stop waiting at once).")
+      .def_prop_ro("aborted_by", &kc::ShmComm::aborted_by, "the rank that aborted the segment, or -1")
       .def_prop_ro("rank", &kc::ShmComm::rank)
       .def_prop_ro("world_size", &kc::ShmComm::world)
       .def_prop_ro("slot_bytes", &kc::ShmComm::slot_bytes)

@@ -94,6 +94,46 @@ def test_a_rank_that_is_gone_is_reported_within_a_second(tmp_path):
     assert float(seconds) < 1.0
 
 
+def _aborts(rank: int, name: str, outcome: str) -> None:
+    comm = _attach(rank, 2, name)
+    t = torch.ones(8)
+    comm.all_reduce(t, 30.0)
+    if rank == 1:  # fails while its process lives on (e.g. tearing down slowly)
+        time.sleep(0.2)
+        comm.abort()
+        time.sleep(3.0)
+        return
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t, 60.0)
+    except RuntimeError as exc:
+        with open(outcome, "w") as f:
+            f.write(f"{time.monotonic() - t0:.3f} {comm.aborted_by} {exc}")
+    with pytest.raises(RuntimeError, match="aborted by rank 1"):  # and every later collective
+        comm.broadcast(t, 0, 60.0)
+
+
+def test_a_rank_that_aborts_wakes_its_waiting_peers_at_once(tmp_path):
+    outcome = tmp_path / "outcome.txt"
+    mp.start_processes(_aborts, args=(_name(), str(outcome)), nprocs=2, start_method="spawn")
+    seconds, by, message = outcome.read_text().split(" ", 2)
+    assert "all_reduce: aborted by rank 1 (it failed)" in message, message
+    assert by == "1"
+    assert float(seconds) < 1.5  # rank 1's process was alive for 3 s more
+
+
+def test_abort_is_idempotent_and_the_first_rank_wins():
+    comm = _C.ShmComm(_name(), 0, 1, SLOT, True)
+    assert comm.aborted_by == -1
+    comm.all_reduce(torch.ones(4), 1.0)
+    comm.abort()
+    comm.abort()
+    assert comm.aborted_by == 0
+    with pytest.raises(RuntimeError, match="all_reduce: aborted by rank 0"):
+        comm.all_reduce(torch.ones(4), 1.0)
+    comm.unlink()
+
+
 def test_a_timeout_names_the_missing_rank():
     comm = _C.ShmComm(_name(), 0, 2, SLOT, True)  # rank 1 never attaches (and the pid slot is empty)
     t0 = time.monotonic()

@@ -20,7 +20,7 @@
 namespace inflight::kernels::cpu {
 namespace {
 
-constexpr std::uint64_t kMagic = 0x696e666c74736d31ULL;  // "inflsm1"
+constexpr std::uint64_t kMagic = 0x696e666c74736d32ULL;  // "inflsm2"
 constexpr std::size_t kHeaderBytes = 64 * 1024;          // the Header, padded to a page multiple
 constexpr int kSpins = 4000;                             // pause loops before yielding the CPU
 constexpr double kYieldSeconds = 0.005;                  // then yield for this long, then sleep-poll
@@ -127,6 +127,13 @@ unsigned char* ShmComm::slot(std::uint64_t round, int rank) const {
   return data_ + (buffer * std::size_t(world_) + std::size_t(rank)) * std::size_t(slot_bytes_);
 }
 
+void ShmComm::abort() {
+  std::int32_t expected = 0;
+  header_->aborted.compare_exchange_strong(expected, std::int32_t(rank_ + 1), std::memory_order_acq_rel);
+}
+
+int ShmComm::aborted_by() const { return int(header_->aborted.load(std::memory_order_acquire)) - 1; }
+
 std::uint64_t ShmComm::arrive() {
   header_->arrived[rank_].value.store(seq_, std::memory_order_release);
   return seq_;
@@ -136,6 +143,11 @@ void ShmComm::wait_all(std::uint64_t round, double timeout_s, char const* op) co
   using Clock = std::chrono::steady_clock;
   Clock::time_point const start = Clock::now();
   double waited = 0;
+  auto check_abort = [&] {
+    int const by = aborted_by();
+    if (by >= 0) fail(std::string(op) + ": aborted by rank " + std::to_string(by) + " (it failed)");
+  };
+  check_abort();
   for (long spins = 0;; ++spins) {
     int missing = -1;
     for (int r = 0; r < world_; ++r) {
@@ -159,6 +171,7 @@ void ShmComm::wait_all(std::uint64_t round, double timeout_s, char const* op) co
       nanosleep(&ts, nullptr);
     }
     if (spins % 256 != 0) continue;
+    check_abort();
     std::int32_t const pid = header_->pids[missing].load(std::memory_order_acquire);
     if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
       fail(std::string(op) + ": rank " + std::to_string(missing) + " (pid " + std::to_string(pid) + ") is gone");

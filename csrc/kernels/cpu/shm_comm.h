@@ -20,7 +20,9 @@
 // 5 ms sleep-polls every 50 us (an idle follower waiting for its next step costs ~no CPU). It checks
 // regularly whether a rank that has not arrived is still alive (its pid is in the header) and whether
 // the timeout (may be infinite) has passed: a dead rank or a timeout is a std::runtime_error naming
-// the rank.
+// the rank. A rank that fails while alive (an exception between collectives, its process still tearing
+// down) calls abort(): every rank waiting in a collective, then or later, raises at once naming it,
+// instead of waiting for its process to end or for the timeout.
 #pragma once
 
 #include <atomic>
@@ -52,6 +54,11 @@ class ShmComm {
   void gather(void const* data, std::int64_t bytes, void* out, int root, double timeout_s);
   // data on every rank = root's data.
   void broadcast(void* data, std::int64_t bytes, int root, double timeout_s);
+  // Marks the segment aborted by this rank (the first abort wins; idempotent; any thread): every
+  // collective of every rank raises from now on.
+  void abort();
+  // The rank that aborted the segment, or -1.
+  int aborted_by() const;
 
   int rank() const { return rank_; }
   int world() const { return world_; }
@@ -70,6 +77,7 @@ class ShmComm {
     std::int32_t world;
     std::int64_t slot_bytes;
     std::atomic<std::int32_t> pids[kMaxRanks];
+    std::atomic<std::int32_t> aborted;  // 0, or the aborting rank + 1
     Counter arrived[kMaxRanks];
   };
 

@@ -79,6 +79,9 @@ class ParallelModel:
         first = self._failed is None
         if first:
             self._failed = failure
+            shm = getattr(self.model.tp, "shm", None)
+            if shm is not None:  # a step waiting in the fused stack's all-reduce raises now
+                shm.abort()
             logger.error("%s", failure)
             callback = self.on_failure
             if callback is not None:

@@ -416,6 +416,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_rank = rank if local_rank is None else local_rank
     groups = None
+    tp = None
     try:
         torch.set_num_threads(spec.num_threads)
         mapping = Mapping(spec.world_size, rank, spec.tp_size, spec.pp_size)
@@ -442,6 +443,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
             logger.error("rank %d: rank 0 is gone (%s); exiting", rank, exc)
         else:
             logger.error("rank %d failed:\n%s", rank, text)
+        _abort_shm(tp)
         try:
             store.set(f"error/{rank}", text)
         except Exception:  # noqa: BLE001  (the store died with rank 0)
@@ -454,6 +456,17 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
                 destroy_process_groups(groups)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _abort_shm(tp: Any) -> None:
+    """Wakes the ranks waiting for this one in a shared-memory collective (they raise naming it)
+    instead of leaving them to wait for this process to exit."""
+    shm = getattr(tp, "shm", None)
+    if shm is not None:
+        try:
+            shm.abort()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _is_peer_loss(exc: BaseException) -> bool:
