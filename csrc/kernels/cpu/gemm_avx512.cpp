@@ -51,8 +51,8 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
-  // Batch invariance: W8Fma with group sums at every m (the decode kernel's rounding; no bf16 panels,
-  // which round the weights to bf16, and no tiles, which scale each weight before the product).
+  // Batch invariance: W8Fma dequantising each weight vector at every m, 4 rows per tile (no bf16
+  // panels, which round the weights to bf16, and no tiles, which round otherwise).
   bool const invariant = batch_invariant();
   if (!invariant && (gemm_avx512::w8a16_panels(p, pool) || gemm_avx512::w8a16_tiled(p, pool))) return;
   // Decode, and bf16 x below the panels' rows (widened to fp32 exactly).

@@ -11,7 +11,7 @@
 //                          long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
 //   gemm_impl.h            the rest: W4Fma (fp32 / fp16 x, long rows) and W8Fma (int8 decode)
 // Under batch invariance (cpu_features.h, the default) the choice may not depend on m: int4 runs W4Dot
-// (W4Bf16Dot / W4Fma for long rows) and int8 W8Fma with group sums at every m; panels and tiles serve
+// (W4Bf16Dot / W4Fma for long rows) and int8 W8Fma dequantising each weight vector at every m; panels and tiles serve
 // only LLM(batch_invariant=False).
 //
 // gemm_avx512f.cpp includes it too, with INFLIGHT_AVX512F_ONLY defined (AVX-512 without BF16): the

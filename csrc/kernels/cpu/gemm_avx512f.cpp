@@ -27,7 +27,7 @@ void w4a16_gemm_avx512f(W4A16GemmParams const& p, ThreadPool& pool) {
 }
 
 void w8a16_gemm_avx512f(W8A16GemmParams const& p, ThreadPool& pool) {
-  // Batch invariance: W8Fma with group sums at every m (the tiles scale each weight before the product).
+  // Batch invariance: W8Fma dequantising each weight vector at every m (the tiles round otherwise).
   bool const invariant = batch_invariant();
   if (!invariant && gemm_avx512f::w8a16_tiled(p, pool)) return;
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {

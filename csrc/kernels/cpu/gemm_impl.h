@@ -155,18 +155,60 @@ struct W8Fma {
   static constexpr int kMaxMR = V::kW8MaxMR;  // x rows per tile
   static_assert(kMaxMR * kNR + kMaxMR + kNR + 1 <= V::kRegs, "register tile does not fit");
   W8A16GemmParams const& p;
-  // Group sums at every m (batch invariance, cpu_features.h): each x row sums q * x over a group and
-  // scales the sum once, at most kGroupSumMR rows per tile (two accumulators per pair), so that a row
-  // rounds as it does alone. Otherwise only one x row does (V::kW8GroupSums), and several rows
-  // dequantise each weight vector once (q * scale rounded, as W8Tiled does).
-  bool all_group_sums = false;
-  static constexpr int kGroupSumMR = 2;
-  static_assert(!V::kW8GroupSums || 2 * kGroupSumMR * kNR + kGroupSumMR + kNR + 1 <= V::kRegs,
-                "group-sum tile does not fit");
+  // Batch invariance (cpu_features.h): every x row, whatever the tile, dequantises each weight vector
+  // (q * scale rounded to fp32, as W8Tiled does) and multiply-adds it with x, so that a row rounds as
+  // it does alone. Otherwise a single x row (V::kW8GroupSums) sums q * x over each group and scales
+  // the sum once (a multiply per weight vector saved).
+  bool invariant = false;
 
-  int max_mr() const { return all_group_sums ? kGroupSumMR : kMaxMR; }
+  int max_mr() const { return kMaxMR; }
 
   void tile(int mr, std::int64_t m0, std::int64_t n0) const { dispatch_mr<kMaxMR>(*this, mr, m0, n0); }
+
+  // The group-sum tile of one x row: per weight row, sum q * x over each group (kVecs vectors, or
+  // g_size / W when 0), then add the sum times the group's scale. One prefetch per 64 bytes of each
+  // weight row, kPrefetchTiles tiles ahead.
+  template <int kVecs>
+  [[gnu::always_inline]] inline void group_sums(QuantTile<kNR, ST, false, W8A16GemmParams> const& t, XT const* x,
+                                                Reg (&acc)[1][kNR]) const {
+    constexpr int MR = 1;
+    std::int64_t const k_dim = p.k;
+    int const g_size = kVecs > 0 ? kVecs * W : p.group_size;
+    std::int64_t const groups = k_dim / g_size;
+    std::int64_t const ahead = kPrefetchTiles * kNR * k_dim;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      Reg gacc[MR][kNR];
+      zero_tile<V>(gacc);
+      std::int64_t const k0 = g * g_size;
+      auto const step = [&](std::int64_t kb) [[gnu::always_inline]] {
+        if (kb % 64 == 0) {
+#pragma GCC unroll 4
+          for (int r = 0; r < kNR; ++r) _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + ahead + kb), _MM_HINT_T0);
+        }
+        Reg xv[MR];
+#pragma GCC unroll 2
+        for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
+#pragma GCC unroll 4
+        for (int r = 0; r < kNR; ++r) {
+          Reg const wv = V::template w8<kFp8>(t.w[r] + kb);
+#pragma GCC unroll 2
+          for (int i = 0; i < MR; ++i) gacc[i][r] = V::fmadd(wv, xv[i], gacc[i][r]);
+        }
+      };
+      if constexpr (kVecs > 0) {
+#pragma GCC unroll 8
+        for (int v = 0; v < kVecs; ++v) step(k0 + v * W);
+      } else {
+        for (std::int64_t kb = k0; kb < k0 + g_size; kb += W) step(kb);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < kNR; ++r) {
+        Reg const sc = V::bcast(t.s[r] + g);
+#pragma GCC unroll 2
+        for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(gacc[i][r], sc, acc[i][r]);
+      }
+    }
+  }
 
   template <int MR>
   void run(std::int64_t m0, std::int64_t n0) const {
@@ -177,40 +219,29 @@ struct W8Fma {
     XT const* x = static_cast<XT const*>(p.x) + m0 * k_dim;
     Reg acc[MR][kNR];
     zero_tile<V>(acc);
-    for (std::int64_t g = 0; g < groups; ++g) {
-      if constexpr (MR <= kGroupSumMR) {
-        if ((MR == 1 && V::kW8GroupSums) || all_group_sums) {
-          Reg gacc[MR][kNR];
-          zero_tile<V>(gacc);
-#pragma GCC unroll 4
-          for (int r = 0; r < kNR; ++r) {
-            _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + kPrefetchTiles * kNR * k_dim + g * g_size),
-                         _MM_HINT_T0);
-          }
-          for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
-            Reg xv[MR];
-#pragma GCC unroll 2
-            for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
-#pragma GCC unroll 4
-            for (int r = 0; r < kNR; ++r) {
-              Reg const wv = V::template w8<kFp8>(t.w[r] + kb);
-#pragma GCC unroll 2
-              for (int i = 0; i < MR; ++i) gacc[i][r] = V::fmadd(wv, xv[i], gacc[i][r]);
-            }
-          }
-#pragma GCC unroll 4
-          for (int r = 0; r < kNR; ++r) {
-            Reg const sc = V::bcast(t.s[r] + g);
-#pragma GCC unroll 2
-            for (int i = 0; i < MR; ++i) acc[i][r] = V::fmadd(gacc[i][r], sc, acc[i][r]);
-          }
-          continue;
+    if constexpr (MR == 1 && V::kW8GroupSums) {
+      if (!invariant) {
+        if (g_size == 2 * W) {
+          group_sums<2>(t, x, acc);
+        } else if (g_size == 4 * W) {
+          group_sums<4>(t, x, acc);
+        } else {
+          group_sums<0>(t, x, acc);
         }
+        store_quant_tile<V, XT>(acc, p, m0, n0);
+        return;
       }
+    }
+    std::int64_t const ahead = kPrefetchTiles * kNR * k_dim;
+    for (std::int64_t g = 0; g < groups; ++g) {
       Reg sc[kNR];
 #pragma GCC unroll 4
       for (int r = 0; r < kNR; ++r) sc[r] = V::bcast(t.s[r] + g);
       for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
+        if (kb % 64 == 0) {
+#pragma GCC unroll 4
+          for (int r = 0; r < kNR; ++r) _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + ahead + kb), _MM_HINT_T0);
+        }
         Reg xv[MR];
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) xv[i] = V::load(x + i * k_dim + kb);
