@@ -69,10 +69,16 @@ def test_collectives_match_torch_and_every_rank_gets_the_same_bits(world, tmp_pa
             assert torch.equal(torch.load(tmp_path / f"allreduce-{r}-{dtype}-300.pt"), ref)
 
 
-def _dies(rank: int, name: str, outcome: str) -> None:
+def _meet_once(rank: int, name: str) -> tuple[_C.ShmComm, torch.Tensor]:
+    """Two ranks attach and all-reduce once (both alive and in step)."""
     comm = _attach(rank, 2, name)
     t = torch.ones(8)
-    comm.all_reduce(t, 30.0)  # both arrive once
+    comm.all_reduce(t, 30.0)
+    return comm, t
+
+
+def _dies(rank: int, name: str, outcome: str) -> None:
+    comm, t = _meet_once(rank, name)
     if rank == 1:
         os._exit(0)  # gone without a word
     t0 = time.monotonic()
@@ -95,9 +101,7 @@ def test_a_rank_that_is_gone_is_reported_within_a_second(tmp_path):
 
 
 def _aborts(rank: int, name: str, outcome: str) -> None:
-    comm = _attach(rank, 2, name)
-    t = torch.ones(8)
-    comm.all_reduce(t, 30.0)
+    comm, t = _meet_once(rank, name)
     if rank == 1:  # fails while its process lives on (e.g. tearing down slowly)
         time.sleep(0.2)
         comm.abort()

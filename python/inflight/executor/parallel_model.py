@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from inflight.executor.parallel_runtime import Cluster, RankFailure
+from inflight.executor.parallel_runtime import Cluster, RankFailure, abort_shm
 from inflight.executor.step_channel import DTYPES, HEARTBEAT, KV, SHUTDOWN, STEP, encode_step, num_logits
 from inflight.layers.attention import AttentionMetadata
 
@@ -79,9 +79,7 @@ class ParallelModel:
         first = self._failed is None
         if first:
             self._failed = failure
-            shm = getattr(self.model.tp, "shm", None)
-            if shm is not None:  # a step waiting in the fused stack's all-reduce raises now
-                shm.abort()
+            abort_shm(self.model.tp)  # a step waiting in the fused stack's all-reduce raises now
             logger.error("%s", failure)
             callback = self.on_failure
             if callback is not None:

@@ -443,7 +443,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
             logger.error("rank %d: rank 0 is gone (%s); exiting", rank, exc)
         else:
             logger.error("rank %d failed:\n%s", rank, text)
-        _abort_shm(tp)
+        abort_shm(tp)
         try:
             store.set(f"error/{rank}", text)
         except Exception:  # noqa: BLE001  (the store died with rank 0)
@@ -458,7 +458,7 @@ def run_follower(spec: ShardSpec, rank: int, store: Any = None, local_rank: int 
                 pass
 
 
-def _abort_shm(tp: Any) -> None:
+def abort_shm(tp: Any) -> None:
     """Wakes the ranks waiting for this one in a shared-memory collective (they raise naming it)
     instead of leaving them to wait for this process to exit."""
     shm = getattr(tp, "shm", None)
