@@ -15,6 +15,7 @@
 
 #include <string>
 
+#include "a8_gemm.h"
 #include "dense_gemm.h"
 #include "gemm.h"
 #include "llama_layers.h"
@@ -225,6 +226,97 @@ class W8A8Weight {
   std::vector<float> smooth_, bias_;
 };
 
+// The values of a float tensor (fp32, bf16 or fp16; contiguous, on the CPU) as fp32 (exact).
+inline std::vector<float> to_float_vector(Tensor const& t, char const* name) {
+  ScalarType const type = float_type(t, name);
+  require_cpu_contiguous({{&t, name}});
+  std::size_t const count = t.size();
+  std::vector<float> v(count);
+  inflight::kernels::dispatch_float_type(type, [&](auto x) {
+    using T = decltype(x);
+    auto const* p = static_cast<T const*>(t.data());
+    for (std::size_t i = 0; i < count; ++i) v[i] = inflight::kernels::to_float(p[i]);
+  });
+  return v;
+}
+
+// Weight-only-quantised weights (gemm.h's int4 or int8 formats) packed once for the A8 GEMM
+// (a8_gemm.h: activations quantised to int8 per group of 32 on the fly); the tensors are copied into the
+// packed layout, not kept. The checks are the W4A16Weight / W8A16Weight ones.
+class A8Weight {
+ public:
+  A8Weight(int bits, Tensor qweight, Tensor scales, std::optional<Tensor> offsets, int group_size,
+           std::optional<Tensor> bias) {
+    if (bits != 4 && bits != 8) throw_value_error("bits must be 4 or 8, got " + std::to_string(bits));
+    Tensor const* off = offsets ? &*offsets : nullptr;
+    if (bits == 8 && off != nullptr) throw_value_error("offsets must be None for int8 weights (bits=8)");
+    QuantizedWeightArgs const w =
+        check_quantized_weight(qweight, scales, off, group_size, bits, bits == 8 ? kCpuInt8GroupSizes : kCpuGroupSizes);
+    require_cpu_contiguous({{&qweight, "qweight"}, {&scales, "scales"}, {off, "offsets"}});
+    std::vector<float> const s = to_float_vector(scales, "scales");
+    std::vector<float> o;
+    if (off != nullptr) o = to_float_vector(*off, "offsets");
+    std::vector<float> b;
+    if (bias) {
+      bias_type_ = float_type(*bias, "bias");
+      require_shape(*bias, "bias", {w.n}, "[n]");
+      b = to_float_vector(*bias, "bias");
+      has_bias_ = true;
+    }
+    w_ = kc::pack_a8_weight(bits, qweight.data(), s.data(), off != nullptr ? o.data() : nullptr,
+                            has_bias_ ? b.data() : nullptr, w.n, w.k, group_size);
+    group_size_ = group_size;
+  }
+
+  void gemm(Tensor x, Tensor out, int num_threads) const {
+    require_at_least(num_threads, 1, "num_threads");
+    kc::A8GemmParams p = params();
+    p.m = check_gemm_x(x, {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}, w_.k, "k");
+    check_gemm_out(out, x, p.m, w_.n);
+    require_cpu_contiguous({{&x, "x"}, {&out, "out"}});
+    scalar_type_of(x, &p.dtype);
+    if (has_bias_ && bias_type_ != p.dtype) {
+      throw_type_error(std::string("bias must have x's dtype (") + inflight::kernels::scalar_type_name(p.dtype) +
+                       "), got " + inflight::kernels::scalar_type_name(bias_type_));
+    }
+    if (p.m == 0) return;
+    p.x = x.data();
+    p.out = out.data();
+    p.num_threads = num_threads;
+    nb::gil_scoped_release release;
+    // One workspace per calling thread, grown as needed (64-byte aligned).
+    thread_local std::vector<std::int64_t> workspace;
+    std::size_t const need = (kc::a8_workspace_bytes(p.m, w_) + 63) / 64 * 8 + 8;
+    if (workspace.size() < need) workspace.resize(need);
+    auto addr = reinterpret_cast<std::uintptr_t>(workspace.data());
+    p.workspace = reinterpret_cast<void*>((addr + 63) / 64 * 64);
+    kc::launch_a8_gemm(p, kc::ThreadPool::global());
+  }
+
+  std::int64_t n() const { return w_.n; }
+  std::int64_t k() const { return w_.k; }
+  int bits() const { return w_.bits; }
+  int group_size() const { return group_size_; }
+  bool has_bias() const { return has_bias_; }
+  ScalarType bias_type() const { return bias_type_; }
+  // Bytes of the packed weight (codes, scales, offsets): what a decode step reads.
+  std::int64_t nbytes() const {
+    return static_cast<std::int64_t>(w_.data.size() + w_.scales.size() + w_.offsets.size());
+  }
+  // The weight-side params for the fused ops (x, out, m, dtype, workspace and threads per call).
+  kc::A8GemmParams params() const {
+    kc::A8GemmParams p;
+    p.weight = &w_;
+    return p;
+  }
+
+ private:
+  kc::A8PackedWeight w_;
+  int group_size_ = 0;
+  bool has_bias_ = false;
+  ScalarType bias_type_ = ScalarType::kFloat32;
+};
+
 // A fused op's model dtype, by name.
 inline ScalarType model_dtype_of(std::string const& dtype) {
   if (dtype == "float32") return ScalarType::kFloat32;
@@ -263,6 +355,11 @@ inline kc::LinearOp linear_op(nanobind::object const& obj, std::string const& na
     check(w.k(), w.n(), false, t);  // its bias is fp32, inside the packed weight
     op.kind = kc::LinearOp::Kind::kW8A8;
     op.w8a8 = w.params();
+  } else if (nanobind::isinstance<A8Weight>(obj)) {
+    A8Weight const& w = nanobind::cast<A8Weight const&>(obj);
+    check(w.k(), w.n(), w.has_bias(), w.bias_type());
+    op.kind = kc::LinearOp::Kind::kA8;
+    op.a8 = w.params();
   } else if (nanobind::isinstance<DenseWeight>(obj)) {
     DenseWeight const& w = nanobind::cast<DenseWeight const&>(obj);
     if (w.dtype() != t) {
@@ -273,7 +370,7 @@ inline kc::LinearOp linear_op(nanobind::object const& obj, std::string const& na
     op.kind = kc::LinearOp::Kind::kDense;
     op.dense = w.params();
   } else {
-    throw_type_error(name + " must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got " +
+    throw_type_error(name + " must be a W4A16Weight, W8A16Weight, W8A8Weight, A8Weight or DenseWeight, got " +
                      nanobind::cast<std::string>(nanobind::str(nanobind::handle(obj.type()).attr("__name__"))));
   }
   op.n = n;

@@ -150,6 +150,7 @@ class LlamaLayerStack {
     w.down = linear_op(down, where + "down", shape_.intermediate, shape_.hidden);
     for (kc::LinearOp const* op : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
       shape_.w8a8 = shape_.w8a8 || op->kind == kc::LinearOp::Kind::kW8A8;
+      shape_.a8 = shape_.a8 || op->kind == kc::LinearOp::Kind::kA8;
     }
     layers_.push_back(w);
     norms_.push_back(std::move(input_norm));

@@ -48,7 +48,9 @@ class MoeExperts {
       gate_up_.push_back(linear_op(gate_up[e], where + "gate_up", hidden, 2 * std::int64_t(intermediate), p_.dtype));
       down_.push_back(linear_op(down[e], where + "down", intermediate, hidden, p_.dtype));
       for (kc::LinearOp const* op : {&gate_up_.back(), &down_.back()}) {
-        if (op->kind == kc::LinearOp::Kind::kW8A8) throw_type_error(where + "projections must not be W8A8Weight");
+        if (op->kind == kc::LinearOp::Kind::kW8A8 || op->kind == kc::LinearOp::Kind::kA8) {
+          throw_type_error(where + "projections must not be W8A8Weight or A8Weight");
+        }
       }
     }
     p_.num_experts = int(gate_up.size());

@@ -198,7 +198,7 @@ void act_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads)
 }
 
 // scratch: the step's shared scratch (the paged-attention partials' region, not in use during a
-// projection), large enough for a W8A8 projection of the step's tokens.
+// projection), large enough for a W8A8 or A8 projection of the step's tokens.
 void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType dtype, Threads threads,
             void* scratch) {
   switch (op.kind) {
@@ -211,6 +211,17 @@ void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, Scalar
       p.workspace = scratch;
       p.num_threads = threads.num;
       launch_w8a8_gemm(p, threads.pool);
+      return;
+    }
+    case LinearOp::Kind::kA8: {
+      A8GemmParams p = op.a8;
+      p.x = x;
+      p.out = out;
+      p.m = m;
+      p.dtype = dtype;
+      p.workspace = scratch;
+      p.num_threads = threads.num;
+      launch_a8_gemm(p, threads.pool);
       return;
     }
     case LinearOp::Kind::kW4A16: {
@@ -312,6 +323,10 @@ Layout layout(LlamaLayersParams const& p) {
     std::size_t const w8a8 = aligned(t * ((k + 3) / 4 * 4)) + aligned(t * sizeof(float)) +
                              t * ((n + kW8A8Block - 1) / kW8A8Block * kW8A8Block) * sizeof(std::int32_t);
     l.paged_bytes = std::max(l.paged_bytes, w8a8);
+  }
+  if (s.a8) {  // the widest A8 projection's scratch (a8_workspace_bytes at the smallest group, 16)
+    std::size_t const k = std::size_t(std::max({s.hidden, s.q_size(), s.intermediate}));
+    l.paged_bytes = std::max(l.paged_bytes, aligned(t * k) + 3 * aligned(t * (k / 16) * sizeof(float)));
   }
   return l;
 }

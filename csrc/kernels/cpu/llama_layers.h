@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "a8_gemm.h"
 #include "attention.h"
 #include "dense_gemm.h"
 #include "gemm.h"
@@ -43,12 +44,13 @@ namespace inflight::kernels::cpu {
 // One linear projection: which kernel, and its weight-side params (x, out, m, dtype and num_threads
 // are filled per call).
 struct LinearOp {
-  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2, kW8A8 = 3 };
+  enum class Kind : int { kW4A16 = 0, kW8A16 = 1, kDense = 2, kW8A8 = 3, kA8 = 4 };
   Kind kind = Kind::kW4A16;
   W4A16GemmParams w4;
   W8A16GemmParams w8;
   DenseGemmParams dense;  // weight in the model dtype
   W8A8GemmParams w8a8;    // its workspace is the step's shared scratch (LlamaShape::w8a8)
+  A8GemmParams a8;        // likewise (LlamaShape::a8)
   std::int64_t n = 0, k = 0;
 };
 
@@ -82,6 +84,7 @@ struct LlamaShape {
   ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, kInt8 or kFloat8E4M3 (attention_params.h)
   int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache (but a window pool's, num_blocks)
   bool w8a8 = false;                           // some projection is W8A8: the workspace holds its scratch
+  bool a8 = false;                             // some projection is A8 (a8_gemm.h): likewise
   bool qk_norm = false;                        // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
   bool gemma = false;                          // Gemma 3's layer (see the top of this file)
   int q_size() const { return num_heads * head_dim; }

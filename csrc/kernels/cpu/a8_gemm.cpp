@@ -1,0 +1,278 @@
+// A8 GEMM (a8_gemm.h): packing, the portable activation quantisation and products, the launcher. The
+// VNNI tiles and a vectorised quantisation computing the same bits are in a8_gemm_avx512vnni.cpp.
+#include "a8_gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace inflight::kernels::cpu {
+
+namespace {
+
+std::size_t align64(std::size_t v) { return (v + 63) / 64 * 64; }
+
+bool fits_f16(float v) { return f16_to_float(float_to_f16(v)) == v; }
+
+template <class T>
+void quantize_rows(T const* x, std::int64_t m, std::int64_t k, int group, std::int8_t* q, float* d, std::int32_t* sq,
+                   float* ds) {
+  std::int64_t const groups = k / group;
+  for (std::int64_t r = 0; r < m; ++r) {
+    for (std::int64_t g = 0; g < groups; ++g) {
+      T const* xs = x + r * k + g * group;
+      std::int8_t* qs = q + r * k + g * group;
+      float amax = 0.0f;
+      for (int i = 0; i < group; ++i) amax = std::max(amax, std::fabs(to_float(xs[i])));
+      float const inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      std::int32_t sum = 0;
+      for (int i = 0; i < group; ++i) {
+        // |v| <= 127 (and a rounding above): adding and subtracting 1.5 * 2^23 rounds it to an integer,
+        // half to even, in the default rounding mode, as the vector copy does.
+        float const v = to_float(xs[i]) * inv;
+        float const rv = (v + 12582912.0f) - 12582912.0f;
+        int const qi = static_cast<int>(std::clamp(rv, -127.0f, 127.0f));
+        qs[i] = static_cast<std::int8_t>(qi);
+        sum += qi;
+      }
+      float const dg = amax / 127.0f;
+      d[r * groups + g] = dg;
+      sq[r * groups + g] = sum;
+      ds[r * groups + g] = dg * static_cast<float>(sum);
+    }
+  }
+}
+
+// The unsigned code of channel cc (0..63) of panel p at element i of group g.
+int code(A8PackedWeight const& w, std::int64_t p, std::int64_t g, int cc, int i) {
+  int const quad = i / 4, t = i % 4, blk = cc / 16, lane = cc % 16;
+  int const v = w.bits == 4 ? quad / 2 : quad;
+  std::uint8_t const byte =
+      w.data[static_cast<std::size_t>((p * w.groups() + g) * w.group_bytes() + (v * 4 + blk) * 64 + lane * 4 + t)];
+  if (w.bits == 8) return byte;
+  return (quad % 2) != 0 ? byte >> 4 : byte & 0x0F;
+}
+
+float scale_at(std::vector<std::uint8_t> const& v, bool f16, std::size_t idx) {
+  if (f16) {
+    std::uint16_t h;
+    std::memcpy(&h, v.data() + idx * 2, 2);
+    return f16_to_float(h);
+  }
+  float f;
+  std::memcpy(&f, v.data() + idx * 4, 4);
+  return f;
+}
+
+template <class T>
+void gemm_portable_t(A8PackedWeight const& w, a8_detail::Activations const& a, std::int64_t m_lo, std::int64_t m_hi,
+                     std::int64_t p_lo, std::int64_t p_hi, T* out) {
+  std::int64_t const groups = w.groups();
+  for (std::int64_t r = m_lo; r < m_hi; ++r) {
+    for (std::int64_t p = p_lo; p < p_hi; ++p) {
+      for (int cc = 0; cc < kA8Panel; ++cc) {
+        std::int64_t const c = p * kA8Panel + cc;
+        if (c >= w.n) break;
+        float f = 0.0f;
+        for (std::int64_t g = 0; g < groups; ++g) {
+          std::int8_t const* qs = a.q + r * a.k + g * w.group;
+          std::int32_t acc = -w.zero_point * a.sq[r * groups + g];
+          for (int i = 0; i < w.group; ++i) acc += code(w, p, g, cc, i) * qs[i];
+          std::size_t const sidx = static_cast<std::size_t>((p * groups + g) * kA8Panel + cc);
+          float const sd = scale_at(w.scales, w.f16_scales, sidx) * a.d[r * groups + g];
+          f = std::fma(static_cast<float>(acc), sd, f);
+          if (w.asym) f = std::fma(scale_at(w.offsets, w.f16_scales, sidx), a.ds[r * groups + g], f);
+        }
+        if (!w.bias.empty()) f = f + w.bias[static_cast<std::size_t>(c)];
+        out[r * w.n + c] = from_float<T>(f);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales, float const* offsets,
+                              float const* bias, std::int64_t n, std::int64_t k, int group_size) {
+  std::string const where = "pack_a8_weight: ";
+  if (bits != 4 && bits != 8) throw std::invalid_argument(where + "bits must be 4 or 8, got " + std::to_string(bits));
+  bool const group_ok = group_size == 32 || group_size == 64 || group_size == 128 || (bits == 8 && group_size == 16);
+  if (!group_ok) {
+    throw std::invalid_argument(where + "group_size must be " + (bits == 8 ? "16, " : "") + "32, 64 or 128, got " +
+                                std::to_string(group_size));
+  }
+  if (n < 1) throw std::invalid_argument(where + "n must be >= 1, got " + std::to_string(n));
+  if (k < group_size || k % group_size != 0) {
+    throw std::invalid_argument(where + "k must be a positive multiple of group_size (" + std::to_string(group_size) +
+                                "), got " + std::to_string(k));
+  }
+  if (bits == 8 && offsets != nullptr) throw std::invalid_argument(where + "int8 weights take no offsets");
+  if (qweight == nullptr || scales == nullptr) throw std::invalid_argument(where + "qweight and scales must be given");
+
+  A8PackedWeight w;
+  w.bits = bits;
+  w.asym = offsets != nullptr;
+  w.zero_point = bits == 8 ? 128 : (w.asym ? 0 : 8);
+  w.group = group_size == 16 ? 16 : 32;
+  w.n = n;
+  w.k = k;
+  std::int64_t const wgroups = k / group_size, groups = w.groups(), panels = w.panels();
+  for (std::int64_t i = 0; i < n * wgroups && w.f16_scales; ++i) {
+    w.f16_scales = fits_f16(scales[i]) && (offsets == nullptr || fits_f16(offsets[i]));
+  }
+  std::size_t const sb = static_cast<std::size_t>(w.scale_bytes());
+  w.data.assign(static_cast<std::size_t>(panels * w.panel_bytes()), 0);
+  w.scales.assign(static_cast<std::size_t>(panels * groups * kA8Panel) * sb, 0);
+  if (w.asym) w.offsets.assign(w.scales.size(), 0);
+  auto put_scale = [&](std::vector<std::uint8_t>& dst, std::size_t idx, float v) {
+    if (w.f16_scales) {
+      std::uint16_t const h = float_to_f16(v);
+      std::memcpy(dst.data() + idx * 2, &h, 2);
+    } else {
+      std::memcpy(dst.data() + idx * 4, &v, 4);
+    }
+  };
+  for (std::int64_t c = 0; c < n; ++c) {
+    std::int64_t const p = c / kA8Panel;
+    int const cc = static_cast<int>(c % kA8Panel), blk = cc / 16, lane = cc % 16;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      std::size_t const sidx = static_cast<std::size_t>((p * groups + g) * kA8Panel + cc);
+      std::int64_t const src = c * wgroups + g * w.group / group_size;
+      put_scale(w.scales, sidx, scales[src]);
+      if (w.asym) put_scale(w.offsets, sidx, offsets[src]);
+      std::uint8_t* gd = w.data.data() + (p * groups + g) * w.group_bytes();
+      for (int i = 0; i < w.group; ++i) {
+        std::int64_t const e = g * w.group + i;
+        int const quad = i / 4, t = i % 4;
+        int const v = bits == 4 ? quad / 2 : quad;
+        std::uint8_t* dst = gd + (v * 4 + blk) * 64 + lane * 4 + t;
+        if (bits == 4) {
+          std::uint8_t const byte = static_cast<std::uint8_t const*>(qweight)[c * (k / 2) + e / 2];
+          std::uint8_t const u = (e % 2) != 0 ? byte >> 4 : byte & 0x0F;
+          *dst |= static_cast<std::uint8_t>(u << ((quad % 2) * 4));
+        } else {
+          *dst = static_cast<std::uint8_t>(static_cast<int>(static_cast<std::int8_t const*>(qweight)[c * k + e]) + 128);
+        }
+      }
+    }
+  }
+  if (bias != nullptr) {
+    w.bias.assign(static_cast<std::size_t>(panels * kA8Panel), 0.0f);  // padded: the tiles load whole blocks
+    std::copy(bias, bias + n, w.bias.begin());
+  }
+  return w;
+}
+
+void quantize_a8_activations(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
+                             float* d, std::int32_t* sq, float* ds) {
+  switch (dtype) {
+    case ScalarType::kFloat32:
+      return quantize_rows(static_cast<float const*>(x), m, k, group, q, d, sq, ds);
+    case ScalarType::kBFloat16:
+      return quantize_rows(static_cast<BFloat16 const*>(x), m, k, group, q, d, sq, ds);
+    case ScalarType::kFloat16:
+      return quantize_rows(static_cast<Float16 const*>(x), m, k, group, q, d, sq, ds);
+    default:
+      throw std::invalid_argument("a8_gemm: x must be fp32, bf16 or fp16");
+  }
+}
+
+namespace a8_detail {
+
+void gemm_portable(A8PackedWeight const& w, Activations const& a, std::int64_t m_lo, std::int64_t m_hi,
+                   std::int64_t p_lo, std::int64_t p_hi, void* out, ScalarType dtype) {
+  dispatch_float_type(dtype, [&](auto t) {
+    using T = decltype(t);
+    gemm_portable_t(w, a, m_lo, m_hi, p_lo, p_hi, static_cast<T*>(out));
+  });
+}
+
+}  // namespace a8_detail
+
+std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w) {
+  std::size_t const rows = static_cast<std::size_t>(std::max<std::int64_t>(m, 0));
+  std::size_t const per = rows * static_cast<std::size_t>(w.groups()) * 4;
+  return align64(rows * static_cast<std::size_t>(w.k)) + 3 * align64(per);
+}
+
+void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
+  if (p.weight == nullptr) throw std::invalid_argument("a8_gemm: weight must be given");
+  if (p.m < 0) throw std::invalid_argument("a8_gemm: m must be >= 0, got " + std::to_string(p.m));
+  if (!is_float_type(p.dtype)) {
+    throw std::invalid_argument(std::string("a8_gemm: dtype must be float32, bfloat16 or float16, got ") +
+                                scalar_type_name(p.dtype));
+  }
+  if (p.num_threads < 1) {
+    throw std::invalid_argument("a8_gemm: num_threads must be >= 1, got " + std::to_string(p.num_threads));
+  }
+  if (p.m == 0) return;
+  if (p.x == nullptr || p.out == nullptr || p.workspace == nullptr) {
+    throw std::invalid_argument("a8_gemm: x, out and workspace must be given");
+  }
+  A8PackedWeight const& w = *p.weight;
+  std::int64_t const groups = w.groups();
+  std::size_t const per = align64(static_cast<std::size_t>(p.m * groups) * 4);
+  auto* base = static_cast<unsigned char*>(p.workspace);
+  a8_detail::Activations a;
+  a.k = w.k;
+  a.groups = groups;
+  auto* q = reinterpret_cast<std::int8_t*>(base);
+  auto* d = reinterpret_cast<float*>(base + align64(static_cast<std::size_t>(p.m * w.k)));
+  auto* sq = reinterpret_cast<std::int32_t*>(reinterpret_cast<unsigned char*>(d) + per);
+  auto* ds = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sq) + per);
+  a.q = q;
+  a.d = d;
+  a.sq = sq;
+  a.ds = ds;
+
+  // VPDPBUSD needs AVX512-VNNI, which kAvx512 includes and a kAvx512F CPU may have.
+  Isa const isa = selected_isa();
+  bool const vnni = isa == Isa::kAvx512 || (isa == Isa::kAvx512F && cpu_features().avx512vnni);
+
+  {  // The activations by rows (each group's scale depends on that group alone).
+    std::size_t const row_bytes = static_cast<std::size_t>(w.k) * scalar_type_size(p.dtype);
+    int const threads =
+        static_cast<int>(std::min<std::int64_t>({p.num_threads, p.m, std::max<std::int64_t>((p.m * w.k) >> 15, 1)}));
+    auto quantize = [&](int i, int n) {
+      std::int64_t const lo = p.m * i / n, hi = p.m * (i + 1) / n;
+      if (lo >= hi) return;
+      void const* x = static_cast<char const*>(p.x) + static_cast<std::size_t>(lo) * row_bytes;
+      std::size_t const off = static_cast<std::size_t>(lo * groups);
+      if (vnni) {
+        a8_detail::quantize_avx512(x, p.dtype, hi - lo, w.k, w.group, q + lo * w.k, d + off, sq + off, ds + off);
+      } else {
+        quantize_a8_activations(x, p.dtype, hi - lo, w.k, w.group, q + lo * w.k, d + off, sq + off, ds + off);
+      }
+    };
+    pool.run(std::max(threads, 1), TaskRef(quantize));
+  }
+
+  // Threads split the panels (each weight byte read by one thread); with fewer panels than ~4 per
+  // thread and enough rows, they split the rows instead (in tiles of 4), every thread reading the
+  // whole weight from the shared cache. Each is worth waking with ~256k multiply-adds of its own.
+  std::int64_t const panels = w.panels();
+  std::int64_t const work = p.m * panels * kA8Panel * w.k;
+  int const threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.num_threads, work >> 18)));
+  bool const by_rows = panels < 4 * threads && p.m >= 8 * threads;
+  auto run = [&](std::int64_t m_lo, std::int64_t m_hi, std::int64_t p_lo, std::int64_t p_hi) {
+    if (m_lo >= m_hi || p_lo >= p_hi) return;
+    if (vnni) {
+      a8_detail::gemm_avx512vnni(w, a, m_lo, m_hi, p_lo, p_hi, p.out, p.dtype);
+    } else {
+      a8_detail::gemm_portable(w, a, m_lo, m_hi, p_lo, p_hi, p.out, p.dtype);
+    }
+  };
+  auto task = [&](int i, int n) {
+    if (by_rows) {
+      std::int64_t const tiles = (p.m + 3) / 4;
+      run(std::min(p.m, tiles * i / n * 4), std::min(p.m, tiles * (i + 1) / n * 4), 0, panels);
+    } else {
+      run(0, p.m, panels * i / n, panels * (i + 1) / n);
+    }
+  };
+  pool.run(threads, TaskRef(task));
+}
+
+}  // namespace inflight::kernels::cpu

@@ -1,0 +1,110 @@
+// Grouped-weight x int8-activation GEMM on the CPU ("A8"): out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for
+// the weight-only formats of gemm.h (int4 with or without offsets, int8; groups of 16 to 128) with the
+// activations quantised to int8 on the fly, one scale per group of E elements of a row (llama.cpp's Q8
+// activations). Products are summed exactly in int32 per group (AVX512-VNNI VPDPBUSD, or a portable
+// loop), then scaled in fp32.
+//
+// E, the epilogue group, is 32, or 16 for weights in groups of 16 (GGUF Q6_K's sub-blocks); weights in
+// groups of 64 or 128 repeat their scale over each 32. Per row m of x and group g (elements g*E ..):
+//   amax      = max |x|                          (over the group, in fp32)
+//   q[i]      = round_half_even(x[i] * (127 / amax)) in [-127, 127]   (0 for an all-zero group)
+//   d         = amax / 127,   sq = sum q[i] (int32),   ds = d * float(sq)
+// and per output channel n, with the weight's unsigned codes u (int4: 0..15; int8: q + 128), its zero
+// point z (asymmetric int4: 0; symmetric int4: 8; int8: 128), scale s and, asymmetric, offset o:
+//   acc       = sum_i u[i] * q[i] - z * sq                           (exact in int32)
+//   f         = fma(float(acc), s * d, f)                             (then, asymmetric:)
+//   f         = fma(o, ds, f)
+// over the groups in order from f = 0; out = f (+ bias[n]) rounded once to x's dtype. Every ISA does
+// exactly these operations in this order: the portable and the VNNI paths give the same bits, and a
+// row's result depends on that row alone (per-row, per-group scales; one fixed order): the kernel is
+// batch-invariant at every M, decode included.
+//
+// Weights are packed once (A8PackedWeight) in panels of 64 output channels (four blocks of 16): per
+// panel and group, int4 as E/8 vectors per block of 64 bytes, lane c (4 bytes) holding channel c's codes
+// of k-quads 2v (low nibbles) and 2v+1 (high nibbles); int8 as E/4 vectors per block, one k-quad each.
+// So one 64-byte load feeds VPDPBUSD for 16 channels by 4 k (int8) or, after a nibble split, by 8 k
+// (int4), and one panel is one sequential stream. Scales (and offsets) per panel and group: fp16 when
+// every value is exactly an fp16 (GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0), else fp32. The caller passes a
+// workspace (a8_workspace_bytes); nothing is allocated inside.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+#include "inflight/kernels/scalar_type.h"
+#include "thread_pool.h"
+
+namespace inflight::kernels::cpu {
+
+inline constexpr int kA8Panel = 64;  // output channels per packed panel (four VPDPBUSD blocks of 16)
+
+struct A8PackedWeight {
+  int bits = 4;        // 4 or 8
+  bool asym = false;   // int4 with offsets (w = s * u + o); else w = s * (u - zero_point)
+  int zero_point = 8;  // 0 (asymmetric int4), 8 (symmetric int4), 128 (int8)
+  int group = 32;      // E: 16 or 32
+  bool f16_scales = true;
+  std::int64_t n = 0, k = 0;
+  std::vector<std::uint8_t> data;             // [panels][k / E][vectors per block][4 blocks][64]
+  std::vector<std::uint8_t> scales, offsets;  // [panels][k / E][64], fp16 or fp32 (offsets: asym only)
+  std::vector<float> bias;                    // [n] or empty
+  std::int64_t groups() const { return k / group; }
+  std::int64_t panels() const { return (n + kA8Panel - 1) / kA8Panel; }
+  int vectors_per_block() const { return bits == 4 ? group / 8 : group / 4; }
+  std::int64_t group_bytes() const { return std::int64_t(vectors_per_block()) * 4 * 64; }
+  std::int64_t panel_bytes() const { return groups() * group_bytes(); }
+  int scale_bytes() const { return f16_scales ? 2 : 4; }
+};
+
+// Packs the weight-only formats of gemm.h: bits 4 (qweight [n, k / 2] uint8, the low nibble the even k;
+// offsets [n, k / group_size] or nullptr for symmetric) or 8 (qweight [n, k] int8, offsets nullptr);
+// scales [n, k / group_size] in fp32 (convert 16-bit scales first: exact); bias [n] fp32 or nullptr.
+// group_size: 32, 64 or 128, or 16 for int8; k a multiple of it. Throws std::invalid_argument on
+// anything else.
+A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales, float const* offsets,
+                              float const* bias, std::int64_t n, std::int64_t k, int group_size);
+
+struct A8GemmParams {
+  void const* x = nullptr;                 // [m, k], dtype, row-major contiguous
+  A8PackedWeight const* weight = nullptr;  // packed once
+  void* out = nullptr;                     // [m, n], dtype, row-major contiguous; fully overwritten
+  void* workspace = nullptr;               // a8_workspace_bytes(m, weight) bytes, 64-byte aligned
+  std::int64_t m = 0;
+  ScalarType dtype = ScalarType::kFloat32;  // of x and out: float32, bfloat16 or float16
+  int num_threads = 1;                      // at most this many of the pool's threads
+};
+
+std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w);
+
+// Validates (std::invalid_argument naming the field), quantises x into the workspace (threads split the
+// rows) and runs the products (threads split the panels, or the rows when there are few panels).
+void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool);
+
+// The activations of rows [0, m) in the layout above: q [m][k] int8, d, ds [m][k / group] fp32 and
+// sq [m][k / group] int32 (exposed for tests and for the reference). Portable; the VNNI file has a
+// vectorised copy that computes the same bits.
+void quantize_a8_activations(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
+                             float* d, std::int32_t* sq, float* ds);
+
+namespace a8_detail {
+// Where the quantised activations are: rows of k int8 codes and k / group scales and sums.
+struct Activations {
+  std::int8_t const* q = nullptr;
+  float const* d = nullptr;
+  std::int32_t const* sq = nullptr;
+  float const* ds = nullptr;
+  std::int64_t k = 0, groups = 0;
+};
+
+// out rows [m_lo, m_hi) x panels [p_lo, p_hi) of one ISA (the epilogue and the store included).
+void gemm_portable(A8PackedWeight const& w, Activations const& a, std::int64_t m_lo, std::int64_t m_hi,
+                   std::int64_t p_lo, std::int64_t p_hi, void* out, ScalarType dtype);
+void gemm_avx512vnni(A8PackedWeight const& w, Activations const& a, std::int64_t m_lo, std::int64_t m_hi,
+                     std::int64_t p_lo, std::int64_t p_hi, void* out, ScalarType dtype);
+void quantize_avx512(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
+                     float* d, std::int32_t* sq, float* ds);
+}  // namespace a8_detail
+
+}  // namespace inflight::kernels::cpu
