@@ -12,9 +12,11 @@ decode at >= 60% of the memory read bandwidth (measured in the same run: bytes o
 tok/s over the bandwidth of torch's fp32 sum of 1 GiB).
 
 How each system runs:
-  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights, fp32 activations) and, as
+  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights, fp32 activations), as
                 "inflight-bf16", LLM("smollm2", dtype="bfloat16", quantization="gguf") (the same 4-bit
-                weights, bf16 activations); prefix reuse off so repeats prefill again, no
+                weights, bf16 activations) and, as "inflight-a8", LLM("smollm2",
+                activation_quantization="int8") (the same weights, activations quantised to int8 per
+                group of 32: llama.cpp's arithmetic); prefix reuse off so repeats prefill again, no
                 detokenisation; single-stream times come from the request's own metrics (ttft,
                 e2e_latency), taken on the executor thread.
   llama.cpp     its low-level API through llama-cpp-python: one llama_decode per step (the prompt in
@@ -31,7 +33,7 @@ source: about 4 minutes on 2 idle cores). Without it, its rows are skipped with 
 
     python benchmarks/bench_decode_cpu.py [--repeats 3] [--threads N] [--max-tokens 128]
         [--skip-transformers] [--skip-llamacpp] [--llamacpp-flash-attn off|on|auto] [--profile]
-        [--inflight-activations fp32 bf16] [--out results.json]
+        [--inflight-activations fp32 bf16 int8] [--out results.json]
 
 --profile: where inflight's single-stream decode step goes, from torch.profiler over --profile-steps
 steps on the executor thread (inflight's C++ calls are wrapped in profiler ranges so that they show).
@@ -111,14 +113,17 @@ def _batched_row(system: str, runs: list[tuple[float, int]]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- inflight
-# inflight's variants: the default (dtype "auto": 4-bit weights, fp32 activations) and 4-bit weights
-# with bf16 activations (LLM(dtype="bfloat16", quantization="gguf")).
+# inflight's variants: the default (dtype "auto": 4-bit weights, fp32 activations), 4-bit weights
+# with bf16 activations (LLM(dtype="bfloat16", quantization="gguf")) and 4-bit weights with int8
+# activations (LLM(activation_quantization="int8"): the A8 GEMM, llama.cpp's arithmetic).
 # With --w8a8 DIR also "inflight-w8a8": a SmoothQuant W8A8 checkpoint of the same model (inflight
 # quantize --method smoothquant of the GGUF dequantised to a Hugging Face directory), int8 activations.
+# Each: (row name, dtype, quantization, activation_quantization).
 INFLIGHT_VARIANTS = {
-    "fp32": ("inflight", "auto", None),
-    "bf16": ("inflight-bf16", "bfloat16", "gguf"),
-    "w8a8": ("inflight-w8a8", "auto", None),
+    "fp32": ("inflight", "auto", None, None),
+    "bf16": ("inflight-bf16", "bfloat16", "gguf", None),
+    "int8": ("inflight-a8", "auto", None, "int8"),
+    "w8a8": ("inflight-w8a8", "auto", None, None),
 }
 
 
@@ -155,10 +160,12 @@ class InflightRunner:
     def __init__(self, max_kv_tokens: int, activations: str = "fp32", model: str = "smollm2"):
         from inflight import LLM, KvCacheConfig
 
-        self.name, dtype, quantization = INFLIGHT_VARIANTS[activations]
+        self.name, dtype, quantization, act = INFLIGHT_VARIANTS[activations]
         # No prefix reuse: a repeat of the same prompt must prefill again, as it does in llama.cpp.
         kv = KvCacheConfig(max_tokens=max_kv_tokens, enable_block_reuse=False)
-        self.llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_config=kv)
+        self.llm = LLM(
+            model, dtype=dtype, quantization=quantization, activation_quantization=act, kv_cache_config=kv
+        )
         self.weight_bytes = model_bytes_per_token(self.llm.executor.model_engine.model)
 
     def _params(self, n: int):
@@ -399,7 +406,7 @@ def print_table(rows: list[dict], ids_len: int, reqs, bandwidth_gbs: float | Non
     """Both tables, with every inflight variant's ratio to each system (``inflight/x``: the default
     variant; ``bf16/x``: 4-bit weights with bf16 activations, when measured)."""
     by = {(r["case"], r["system"]): r for r in rows}
-    variants = [v for v, _, _ in INFLIGHT_VARIANTS.values() if ("single", v) in by]
+    variants = [v[0] for v in INFLIGHT_VARIANTS.values() if ("single", v[0]) in by]
     systems = variants + ["llama.cpp", "transformers"]
     ratios: dict[str, float] = {}
 
@@ -658,9 +665,10 @@ def main() -> None:
         "--inflight-activations",
         nargs="+",
         choices=sorted(INFLIGHT_VARIANTS),
-        default=["fp32", "bf16"],
-        help='inflight variants: fp32 (the default LLM("smollm2"): 4-bit weights, fp32 activations) '
-        "and/or bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf')",
+        default=["fp32", "bf16", "int8"],
+        help='inflight variants: fp32 (the default LLM("smollm2"): 4-bit weights, fp32 activations), '
+        "bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf') and/or int8 (4-bit "
+        "weights, int8 activations: activation_quantization='int8')",
     )
     parser.add_argument(
         "--w8a8",

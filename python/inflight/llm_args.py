@@ -502,6 +502,7 @@ class SpeculativeConfig(_Args):
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 ATTENTION_BACKENDS = ("native", "torch")
 
 
@@ -525,6 +526,14 @@ class LlmArgs(_Args):
         "GGUF 4-bit weights: auto (native with dtype auto on a CPU, else dequantised), gguf (always "
         "native; dtype is the activation dtype, as vLLM runs GGUF files), none (always dequantised)",
         Choice(QUANTIZATION_MODES, optional=True),
+    )
+    activation_quantization: str | None = arg(
+        None,
+        "int8: natively quantised linear layers (GGUF, `inflight quantize`) quantise their input to int8 per "
+        "group of 32 and multiply in integers (VNNI), as llama.cpp does: 3-4x faster GEMMs on an AVX512-VNNI "
+        "CPU, close to but not bit-equal with the float activations; none (default): activations in dtype. "
+        "CPU only",
+        Choice(ACTIVATION_QUANTIZATIONS, optional=True),
     )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))
     # TensorRT-LLM's name. llguidance is the `structured` extra; xgrammar is optional (pip install xgrammar).

@@ -111,6 +111,7 @@ class ShardSpec:
     pp_size: int
     timeout: float = DEFAULT_TIMEOUT_S
     num_threads: int = 1
+    activation_quantization: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -129,6 +130,7 @@ class ShardSpec:
             quantization=self.quantization,
             tp=tp,
             stage=stage,
+            activation_quantization=self.activation_quantization,
         )
 
     def device_of(self, local_rank: int) -> str:

@@ -105,6 +105,7 @@ def shard_spec(args: LlmArgs, device: torch.device) -> ShardSpec:
         tp_size=args.tensor_parallel_size,
         pp_size=args.pipeline_parallel_size,
         timeout=args.parallel_timeout,
+        activation_quantization=args.activation_quantization,
     )
 
 
@@ -240,7 +241,9 @@ def _create(
 
     identity = None
     if num_secondary and kv_config.host_cache_path is not None and kv_config.enable_block_reuse:
-        identity = model_identity(args.model, loaded.dtype, args.quantization, parallel)
+        identity = model_identity(
+            args.model, loaded.dtype, args.quantization, parallel, args.activation_quantization
+        )
     windows = _plan_window_pools(args, cfg, cluster, budget, max_seq_len)
     kv_manager = KVCacheResourceManager.allocate(
         len(windows.global_layers) if windows is not None else num_layers,
@@ -356,10 +359,15 @@ def weights_digest(files: list[Path]) -> str:
 
 
 def model_identity(
-    model: str, dtype: torch.dtype, quantization: str | None, parallel: str
+    model: str,
+    dtype: torch.dtype,
+    quantization: str | None,
+    parallel: str,
+    activation_quantization: str | None = None,
 ) -> dict[str, Any] | None:
     """What a persistent KV tier records of the model (docs/batch-manager.md §3.10): its file name, a
-    digest of its weights' bytes, the activation dtype, the quantization mode and the parallel mapping.
+    digest of its weights' bytes, the activation dtype, the quantization modes (weights, activations:
+    int8 activations give other K/V values) and the parallel mapping.
     None (the tier is then not persistent, with a warning) when the checkpoint's files are not found."""
     files = checkpoint_files(model)
     if not files:
@@ -385,6 +393,7 @@ def model_identity(
         "weights_bytes": total,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quantization,
+        "activation_quantization": activation_quantization or "none",
         "parallel": parallel,
     }
 

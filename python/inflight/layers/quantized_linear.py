@@ -9,6 +9,11 @@
 - :class:`W8A16Embedding`: an int8 token embedding that is also the tied LM head: the lookup gathers
   int8 rows and dequantises only those; the head is a W8A16 GEMM over the whole vocabulary.
 
+``set_activation_quantization("int8")`` makes a W4A16 / W8A16 (int8) layer run the A8 GEMM on the CPU
+(:class:`~inflight.ops.gemm.A8Weight`: its input quantised to int8 per group of 32 on the fly, integer
+products), as llama.cpp runs its quantised weights; the model-level switch is
+``LLM(..., activation_quantization="int8")``.
+
 Build them through ``functools.partial`` as a model's ``linear_factory`` (or ``embedding_factory``);
 activations keep the model dtype, weights stay quantised in memory.
 """
@@ -21,12 +26,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from inflight.ops.gemm import W4A16Weight, W8A8Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
+from inflight.ops.gemm import A8Weight, W4A16Weight, W8A8Weight, W8A16Weight, w4a16_gemm, w8a16_gemm
 from inflight.ops.reference.gemm import w8a8_gemm
 from inflight.quantization.w4a16 import GROUP_SIZES, W8_GROUP_SIZES, quantize_w4, quantize_w8
 
-__all__ = ["W4A16Linear", "W8A8Linear", "W8A16Embedding", "W8A16Linear"]
+__all__ = ["ACTIVATION_QUANTIZATIONS", "W4A16Linear", "W8A8Linear", "W8A16Embedding", "W8A16Linear"]
 
+
+# How the activations entering a weight-only-quantised layer are represented on the CPU: "none" (the
+# model dtype) or "int8" (the A8 GEMM).
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 
 # W8A16Linear's weight formats: the dtype of qweight.
 _W8_FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -56,6 +65,7 @@ class _FusedRows(nn.Module, abc.ABC):
             offsets.append(offsets[-1] + n)
         self._row_offsets = tuple(offsets)
         self._packed = None  # the kernel's view of the weights (kernel_weight()), built on first use
+        self.activation_quantization = "none"
 
     @torch.no_grad()
     def _copy_rows(self, shard: int, name: str, tensor: torch.Tensor) -> None:
@@ -87,6 +97,24 @@ class _FusedRows(nn.Module, abc.ABC):
     def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() / ... replace the tensors
         self._packed = None
         return super()._apply(fn, recurse)
+
+    def supports_int8_activations(self) -> bool:
+        """Whether :meth:`set_activation_quantization` can give this layer int8 activations."""
+        return False
+
+    def set_activation_quantization(self, mode: str) -> bool:
+        """``"int8"``: the CPU forward runs the A8 GEMM (x quantised to int8 per group on the fly);
+        ``"none"``: activations in the model dtype. Returns whether the layer now runs int8 activations
+        (False for a layer without an A8 kernel, which keeps its own)."""
+        if mode not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(
+                f"activation_quantization must be one of {list(ACTIVATION_QUANTIZATIONS)}, got {mode!r}"
+            )
+        mode = mode if self.supports_int8_activations() else "none"
+        if mode != self.activation_quantization:
+            self.activation_quantization = mode
+            self._packed = None
+        return mode == "int8"
 
 
 class W4A16Linear(_FusedRows):
@@ -159,10 +187,21 @@ class W4A16Linear(_FusedRows):
             layer.load_shard(0, "bias", bias)
         return layer
 
-    def kernel_weight(self) -> W4A16Weight:
-        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload)."""
+    def supports_int8_activations(self) -> bool:
+        return True
+
+    def kernel_weight(self) -> W4A16Weight | A8Weight:
+        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload); with int8
+        activations, the A8 GEMM's packed copy."""
         if self._packed is None:
-            self._packed = W4A16Weight(self.qweight, self.scales, self.offsets, self.group_size, self.bias)
+            if self.activation_quantization == "int8":
+                self._packed = A8Weight(
+                    4, self.qweight, self.scales, self.offsets, self.group_size, self.bias
+                )
+            else:
+                self._packed = W4A16Weight(
+                    self.qweight, self.scales, self.offsets, self.group_size, self.bias
+                )
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +217,7 @@ class W4A16Linear(_FusedRows):
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
             f"symmetric={self.symmetric}, bias={self.bias is not None}"
+            + (", int8 activations" if self.activation_quantization == "int8" else "")
         )
 
 
@@ -242,10 +282,17 @@ class W8A16Linear(_FusedRows):
             layer.load_shard(0, "bias", bias)
         return layer
 
-    def kernel_weight(self) -> W8A16Weight:
-        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload)."""
+    def supports_int8_activations(self) -> bool:
+        return self.weight_format == "int8"  # E4M3 bytes have no integer product
+
+    def kernel_weight(self) -> W8A16Weight | A8Weight:
+        """The CPU kernel's imported view of the weights (built once, rebuilt after a reload); with int8
+        activations, the A8 GEMM's packed copy."""
         if self._packed is None:
-            self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
+            if self.activation_quantization == "int8":
+                self._packed = A8Weight(8, self.qweight, self.scales, None, self.group_size, self.bias)
+            else:
+                self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,6 +308,7 @@ class W8A16Linear(_FusedRows):
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
             f"weight_format={self.weight_format}, bias={self.bias is not None}"
+            + (", int8 activations" if self.activation_quantization == "int8" else "")
         )
 
 

@@ -367,6 +367,21 @@ class LlamaForCausalLM(nn.Module):
             return built
         return self._fused
 
+    def set_activation_quantization(self, mode: str) -> int:
+        """``"int8"``: every weight-only-quantised linear layer (and a quantised LM head) quantises its
+        input to int8 per group of 32 and runs the A8 GEMM on the CPU; ``"none"``: the model dtype.
+        A MoE layer's experts keep the model dtype (their grouped kernel has no A8 path). Returns how
+        many layers now run int8 activations."""
+        skip = {id(self)} | {
+            id(m) for layer in self.layers if layer.moe is not None for m in layer.moe.modules()
+        }
+        count = 0
+        for module in self.modules():
+            if id(module) not in skip and hasattr(module, "set_activation_quantization"):
+                count += int(module.set_activation_quantization(mode))
+        self._fused = None  # the fused stack holds the previous kernel weights
+        return count
+
     def invalidate_fused_layers(self) -> None:
         """Forget the fused stack (it is rebuilt on the next forward): after replacing weights."""
         self._fused = None

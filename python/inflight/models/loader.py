@@ -19,7 +19,13 @@ from inflight.cuda import cuda_compiled
 from inflight.layers.attention import AttentionBackend
 from inflight.layers.linear import Linear
 from inflight.layers.native_attention import NativeAttentionBackend
-from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Embedding, W8A16Linear
+from inflight.layers.quantized_linear import (
+    ACTIVATION_QUANTIZATIONS,
+    W4A16Linear,
+    W8A8Linear,
+    W8A16Embedding,
+    W8A16Linear,
+)
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models import gguf_loader
 from inflight.models.config import ModelConfig
@@ -150,6 +156,22 @@ def check_quantization(value: str | None) -> str:
     return value.lower()
 
 
+def check_activation_quantization(value: str | None, device: torch.device) -> str:
+    """The activation quantization: "none" (None) or "int8" (CPU only); anything else is a ValueError."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value.lower() not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(
+            f"activation_quantization must be None or one of {list(ACTIVATION_QUANTIZATIONS)}, got {value!r}"
+        )
+    value = value.lower()
+    if value == "int8" and device.type != "cpu":
+        raise ValueError(
+            f"activation_quantization='int8' runs on the CPU only (the A8 GEMM), got device {str(device)!r}"
+        )
+    return value
+
+
 def load_config(model: str | os.PathLike) -> ModelConfig:
     """The config of what ``load_model(model)`` would load (no weights read)."""
     known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
@@ -174,6 +196,7 @@ def load_model(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
     stage: PipelineStage | None = None,
+    activation_quantization: str | None = None,
 ) -> LoadedModel:
     """``model``: a Hugging Face model directory, a ``.gguf`` file, or a known short name
     (``smollm2``). ``dtype``: a name of :mod:`inflight.utils.dtypes`, a torch dtype, or None / "auto".
@@ -188,12 +211,17 @@ def load_model(
       - "none": always dequantised (auto dtype: bf16 on a CPU, fp16 on a GPU).
     Quantised Hugging Face directories (``inflight quantize``) always run natively.
 
+    ``activation_quantization="int8"`` (CPU only): the natively quantised linear layers quantise their
+    input to int8 per group of 32 and multiply in integers (the A8 GEMM, as llama.cpp does); a model
+    without such layers is a ValueError. None / "none": activations in ``dtype``.
+
     ``tp``: this process's tensor-parallel rank; the model keeps only its slice of each tensor (the
     file is read whole, the other slices are dropped as they are read). ``stage``: this process's
     pipeline stage (its layers, and whether it embeds / has the head); default the whole model."""
     dtype = parse_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
     mode = check_quantization(quantization)
+    act_mode = check_activation_quantization(activation_quantization, device)
     known = gguf_loader.resolve_known_model(str(model)) if isinstance(model, str) else None
     path = known if known is not None else Path(os.fspath(model)).expanduser()
     factories: dict[str, Any] = {}
@@ -284,4 +312,13 @@ def load_model(
     )
     net.load_weights(weights)
     net.eval()
+    if act_mode == "int8":
+        count = net.set_activation_quantization("int8")
+        if count == 0:
+            raise ValueError(
+                f"activation_quantization='int8' needs natively quantised linear weights (a GGUF file run with "
+                f"quantization None or 'gguf', or an `inflight quantize --method w4a16` directory); "
+                f"{path.name} loaded without any"
+            )
+        logger.info("int8 activations (A8 GEMM) in %d quantised linear layers", count)
     return LoadedModel(net, config, tokenizer_fn(), dtype)

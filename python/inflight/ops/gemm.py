@@ -1,5 +1,5 @@
-"""CPU GEMMs: weight-only-quantised (W4A16, W8A16), W8A8 (int8 activations too) and dense; typed
-wrappers over the C++ kernels.
+"""CPU GEMMs: weight-only-quantised (W4A16, W8A16), the same weights with int8 activations (A8), W8A8
+(int8 activations too) and dense; typed wrappers over the C++ kernels.
 
 Formats (the canonical interchange layout, shared with the CUDA kernels):
 
@@ -33,7 +33,7 @@ from inflight import _C
 from inflight.cuda import require_cuda_module
 from inflight.ops.reference import gemm as reference
 
-__all__ = ["W4A16Weight", "W8A8Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
+__all__ = ["A8Weight", "W4A16Weight", "W8A8Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
 
 
 def _cuda(x: torch.Tensor) -> bool:
@@ -203,6 +203,41 @@ class W8A8Weight:
             None if bias is None else _cap(bias),
         )
         self.n, self.k = self._w.n, self._w.k
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out, out_cap = _out(out, x, self.n)
+        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
+        return out
+
+
+class A8Weight:
+    """int4 or int8 weights in the W4A16 / W8A16 formats (``bits`` 4 or 8; ``offsets`` for asymmetric
+    int4), packed once for the CPU's A8 GEMM: ``weight(x, out=None)`` quantises each group of 32
+    elements of a row of x to int8 (16 for weights in groups of 16: GGUF Q6_K), sums each group's
+    products exactly in int32 (AVX512-VNNI where the CPU has it, else a portable loop: the same bits)
+    and scales them in fp32, as llama.cpp multiplies its quantised weights. A row's result depends on
+    that row alone. :func:`inflight.ops.reference.gemm.a8_gemm` is its plain-torch twin (to fp32
+    rounding). The tensors are copied into the packed layout (not kept); ``nbytes`` is its size."""
+
+    def __init__(
+        self,
+        bits: int,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        self._w = _C.A8Weight(
+            bits,
+            _cap(qweight),
+            _cap(scales),
+            None if offsets is None else _cap(offsets),
+            group_size,
+            None if bias is None else _cap(bias),
+        )
+        self.n, self.k, self.bits, self.group_size = self._w.n, self._w.k, bits, group_size
+        self.nbytes = self._w.nbytes
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out, out_cap = _out(out, x, self.n)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "a8_gemm",
     "dense_gemm",
     "dequantize_w4",
     "dequantize_w8",
+    "quantize_a8_activations",
     "quantize_w8a8_activations",
     "unpack_int4",
     "w4a16_gemm",
@@ -123,7 +125,8 @@ def quantize_w8a8_activations(
     if smooth is not None:
         xs = xs * smooth.float()
     amax = xs.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor divided by a tensor: torch's scalar / tensor multiplies by a reciprocal (off by an ulp).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xs * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
     return q, amax / 127.0
 
@@ -144,4 +147,45 @@ def w8a8_gemm(
     out = acc * (row_scales.unsqueeze(1) * scales.float().unsqueeze(0))
     if bias is not None:
         out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def a8_group(group_size: int) -> int:
+    """The A8 kernels' activation group for weights in groups of ``group_size``: 16 for groups of 16
+    (GGUF Q6_K), else 32."""
+    return 16 if group_size == 16 else 32
+
+
+def quantize_a8_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A8 GEMM's activations: ``(q [M, K] int8, d [M, K // group] fp32)`` with, per group of
+    ``group`` elements of a row, ``d = max|x| / 127`` and ``q = round_half_even(x * (127 / max|x|))``
+    (0 for an all-zero group): the float operations of the C++ kernels, in their order."""
+    m, k = x.shape
+    if k % group != 0:
+        raise ValueError(f"x.shape[1] ({k}) must be a multiple of the activation group ({group})")
+    xg = x.float().view(m, k // group, group)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: torch's scalar / tensor multiplies by a reciprocal (off by an ulp).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv).clamp(-127, 127).to(torch.int8)
+    return q.view(m, k), (amax / 127.0).squeeze(-1)
+
+
+def a8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The A8 GEMM's numerics in plain torch: ``x`` quantised per group (:func:`quantize_a8_activations`,
+    group :func:`a8_group`), multiplied by the dequantised ``weight [N, K]`` (fp32, e.g.
+    :func:`dequantize_w4`) in float64, ``+ bias``, rounded once to x's dtype. The kernels sum each
+    group's integer products exactly and scale them in fp32, so they agree with this to fp32 rounding
+    (not bit for bit: their per-group fp32 multiply-adds round)."""
+    q, d = quantize_a8_activations(x, a8_group(group_size))
+    g = a8_group(group_size)
+    xq = (q.view(q.shape[0], -1, g).double() * d.double().unsqueeze(-1)).view(q.shape)
+    out = xq @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
     return out.to(x.dtype)
