@@ -1,6 +1,7 @@
 """Batch invariance (the CPU kernels' default): a request's tokens and logprobs are bit-identical
 whether it runs alone or beside 15 others, with chunked prefill on or off (several chunk sizes), with
-prefix reuse on or off, for fp32, bf16 and 4-bit models and on every ISA path the machine has. And
+prefix reuse on or off, for fp32, bf16 and 4-bit models (with fp32, bf16 or int8 activations) and on
+every ISA path the machine has. And
 the kernels under it: an attention row is the same in a decode, in a prefill and in any chunk, alone
 or in a batch (the GEMM rows are in test_ops_gemm.py)."""
 
@@ -205,7 +206,15 @@ def w4_model_dir(tmp_path_factory):
     return out
 
 
-MODELS = [("fp32", "float32"), ("bf16", "bfloat16"), ("w4-fp32", "float32"), ("w4-bf16", "bfloat16")]
+# "w4-a8": the 4-bit model with int8 activations (activation_quantization="int8", the A8 GEMM).
+MODELS = [
+    ("fp32", "float32"),
+    ("bf16", "bfloat16"),
+    ("w4-fp32", "float32"),
+    ("w4-bf16", "bfloat16"),
+    ("w4-a8-fp32", "float32"),
+    ("w4-a8-bf16", "bfloat16"),
+]
 
 
 @pytest.mark.parametrize("model,dtype", MODELS, ids=[m for m, _ in MODELS])
@@ -215,13 +224,14 @@ def test_request_is_bit_identical_alone_batched_chunked_and_reused(
     from inflight.llm_args import KvCacheConfig
 
     path = w4_model_dir if model.startswith("w4") else tiny_model_dir("llama")
+    act = "int8" if "-a8-" in model else None
     a, b, others = _prompts()
     batch = [*others[:5], a, *others[5:]]  # A in the middle of 16
 
     def kv(reuse: bool) -> KvCacheConfig:
         return KvCacheConfig(max_tokens=4096, tokens_per_block=LLM_TPB, enable_block_reuse=reuse)
 
-    base = make_llm(model=path, dtype=dtype, kv_cache_config=kv(False))
+    base = make_llm(model=path, dtype=dtype, kv_cache_config=kv(False), activation_quantization=act)
     want = _run(base, [a])[0]
     _same(_run(base, batch)[5], want, "A beside 15 others")
     base.shutdown()
@@ -233,12 +243,13 @@ def test_request_is_bit_identical_alone_batched_chunked_and_reused(
             kv_cache_config=kv(False),
             enable_chunked_prefill=True,
             max_num_tokens=budget,
+            activation_quantization=act,
         )
         _same(_run(llm, [a])[0], want, f"A alone, chunked prefill of {budget} tokens")
         _same(_run(llm, batch)[5], want, f"A beside 15 others, chunked prefill of {budget} tokens")
         llm.shutdown()
 
-    llm = make_llm(model=path, dtype=dtype, kv_cache_config=kv(True))
+    llm = make_llm(model=path, dtype=dtype, kv_cache_config=kv(True), activation_quantization=act)
     _run(llm, [b], prompt_logprobs=False)  # publishes A's first 4 blocks
 
     def reused() -> int:
