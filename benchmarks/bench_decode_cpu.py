@@ -32,7 +32,7 @@ llama.cpp is optional: `pip install "inflight-llm[llamacpp]"` (llama-cpp-python 
 source: about 4 minutes on 2 idle cores). Without it, its rows are skipped with a message.
 
     python benchmarks/bench_decode_cpu.py [--repeats 3] [--threads N] [--max-tokens 128]
-        [--skip-transformers] [--skip-llamacpp] [--llamacpp-flash-attn off|on|auto] [--profile]
+        [--skip-transformers] [--skip-llamacpp] [--llamacpp-flash-attn off|on|auto] [--profile] [--profile-variant fp32|bf16|int8]
         [--inflight-activations fp32 bf16 int8] [--out results.json]
 
 --profile: where inflight's single-stream decode step goes, from torch.profiler over --profile-steps
@@ -551,9 +551,9 @@ class _StepWindow:
 
 
 def profile_inflight(
-    ids: list[int], steps: int, max_kv_tokens: int, unprofiled_step_ms: float | None
+    ids: list[int], steps: int, max_kv_tokens: int, unprofiled_step_ms: float | None, variant: str = "fp32"
 ) -> dict:
-    runner = InflightRunner(max_kv_tokens)
+    runner = InflightRunner(max_kv_tokens, variant)
     llm = runner.llm
     if llm.executor.overlap:
         raise RuntimeError(
@@ -680,6 +680,12 @@ def main() -> None:
         "--profile", action="store_true", help="also profile inflight's single-stream decode step"
     )
     parser.add_argument("--profile-steps", type=int, default=32)
+    parser.add_argument(
+        "--profile-variant",
+        choices=sorted(INFLIGHT_VARIANTS),
+        default="fp32",
+        help="the inflight variant --profile profiles (default fp32: the default LLM)",
+    )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     for name in ("repeats", "threads", "max_tokens", "profile_steps"):
@@ -763,9 +769,12 @@ def main() -> None:
     ratios = print_table(rows, len(ids), reqs, bandwidth) if not args.skip_inflight else {}
 
     profile = None
-    single = next((r for r in rows if r["case"] == "single" and r["system"] == "inflight"), None)
-    if args.profile and single is not None:  # the profile is of the default variant
-        profile = profile_inflight(ids, args.profile_steps, max_kv_tokens, 1e3 / single["decode_tok_s"])
+    profiled = INFLIGHT_VARIANTS[args.profile_variant][0]
+    single = next((r for r in rows if r["case"] == "single" and r["system"] == profiled), None)
+    if args.profile and single is not None:
+        profile = profile_inflight(
+            ids, args.profile_steps, max_kv_tokens, 1e3 / single["decode_tok_s"], args.profile_variant
+        )
 
     load_end = os.getloadavg()
     print(

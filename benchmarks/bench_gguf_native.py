@@ -8,6 +8,8 @@ Systems:
                     bf16 activations (and bf16 KV)
   inflight-bf16-deq LLM("gemma3-270m", dtype="bfloat16"): every weight dequantised to bf16 (what the
                     default load did before these types ran natively)
+  inflight-a8       LLM("gemma3-270m", activation_quantization="int8"): the native weights with int8
+                    activations (the A8 GEMM: llama.cpp's arithmetic), fp32 elsewhere
   transformers      AutoModelForCausalLM from the same GGUF (dequantised to fp32), greedy `generate`
   llama.cpp         the same file through llama-cpp-python's C API (as benchmarks/bench_decode_cpu.py runs
                     it: decode, then argmax), when llama_cpp is importable (`pip install
@@ -48,7 +50,7 @@ from bench_decode_cpu import (
 from throughput import make_cases
 
 MODEL = "gemma3-270m"
-INFLIGHT_VARIANTS.setdefault("bf16-deq", ("inflight-bf16-deq", "bfloat16", "none"))
+INFLIGHT_VARIANTS.setdefault("bf16-deq", ("inflight-bf16-deq", "bfloat16", "none", None))
 
 
 def main() -> None:
@@ -90,6 +92,7 @@ def main() -> None:
         ("inflight", lambda: InflightRunner(max_kv, "fp32", MODEL)),
         ("inflight-bf16", lambda: InflightRunner(max_kv, "bf16", MODEL)),
         ("inflight-bf16-deq", lambda: InflightRunner(max_kv, "bf16-deq", MODEL)),
+        ("inflight-a8", lambda: InflightRunner(max_kv, "int8", MODEL)),
     ]
     if not args.skip_transformers:
         factories.append(("transformers", lambda: TransformersRunner(path)))

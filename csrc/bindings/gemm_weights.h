@@ -300,9 +300,7 @@ class A8Weight {
   bool has_bias() const { return has_bias_; }
   ScalarType bias_type() const { return bias_type_; }
   // Bytes of the packed weight (codes, scales, offsets): what a decode step reads.
-  std::int64_t nbytes() const {
-    return static_cast<std::int64_t>(w_.data.size() + w_.scales.size() + w_.offsets.size());
-  }
+  std::int64_t nbytes() const { return static_cast<std::int64_t>(w_.data.size()); }
   // The weight-side params for the fused ops (x, out, m, dtype, workspace and threads per call).
   kc::A8GemmParams params() const {
     kc::A8GemmParams p;

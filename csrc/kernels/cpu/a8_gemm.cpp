@@ -50,19 +50,22 @@ int code(A8PackedWeight const& w, std::int64_t p, std::int64_t g, int cc, int i)
   int const quad = i / 4, t = i % 4, blk = cc / 16, lane = cc % 16;
   int const v = w.bits == 4 ? quad / 2 : quad;
   std::uint8_t const byte =
-      w.data[static_cast<std::size_t>((p * w.groups() + g) * w.group_bytes() + (v * 4 + blk) * 64 + lane * 4 + t)];
+      w.data[static_cast<std::size_t>((p * w.groups() + g) * w.record_bytes() + (v * 4 + blk) * 64 + lane * 4 + t)];
   if (w.bits == 8) return byte;
   return (quad % 2) != 0 ? byte >> 4 : byte & 0x0F;
 }
 
-float scale_at(std::vector<std::uint8_t> const& v, bool f16, std::size_t idx) {
-  if (f16) {
+// Channel cc's scale (which = 0) or offset (which = 1) of panel p's group g.
+float scale_at(A8PackedWeight const& w, std::int64_t p, std::int64_t g, int cc, int which) {
+  std::uint8_t const* at = w.data.data() + (p * w.groups() + g) * w.record_bytes() + w.code_bytes() +
+                           (which * kA8Panel + cc) * w.scale_bytes();
+  if (w.f16_scales) {
     std::uint16_t h;
-    std::memcpy(&h, v.data() + idx * 2, 2);
+    std::memcpy(&h, at, 2);
     return f16_to_float(h);
   }
   float f;
-  std::memcpy(&f, v.data() + idx * 4, 4);
+  std::memcpy(&f, at, 4);
   return f;
 }
 
@@ -80,10 +83,9 @@ void gemm_portable_t(A8PackedWeight const& w, a8_detail::Activations const& a, s
           std::int8_t const* qs = a.q + r * a.k + g * w.group;
           std::int32_t acc = -w.zero_point * a.sq[r * groups + g];
           for (int i = 0; i < w.group; ++i) acc += code(w, p, g, cc, i) * qs[i];
-          std::size_t const sidx = static_cast<std::size_t>((p * groups + g) * kA8Panel + cc);
-          float const sd = scale_at(w.scales, w.f16_scales, sidx) * a.d[r * groups + g];
+          float const sd = scale_at(w, p, g, cc, 0) * a.d[r * groups + g];
           f = std::fma(static_cast<float>(acc), sd, f);
-          if (w.asym) f = std::fma(scale_at(w.offsets, w.f16_scales, sidx), a.ds[r * groups + g], f);
+          if (w.asym) f = std::fma(scale_at(w, p, g, cc, 1), a.ds[r * groups + g], f);
         }
         if (!w.bias.empty()) f = f + w.bias[static_cast<std::size_t>(c)];
         out[r * w.n + c] = from_float<T>(f);
@@ -122,27 +124,24 @@ A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales
   for (std::int64_t i = 0; i < n * wgroups && w.f16_scales; ++i) {
     w.f16_scales = fits_f16(scales[i]) && (offsets == nullptr || fits_f16(offsets[i]));
   }
-  std::size_t const sb = static_cast<std::size_t>(w.scale_bytes());
   w.data.assign(static_cast<std::size_t>(panels * w.panel_bytes()), 0);
-  w.scales.assign(static_cast<std::size_t>(panels * groups * kA8Panel) * sb, 0);
-  if (w.asym) w.offsets.assign(w.scales.size(), 0);
-  auto put_scale = [&](std::vector<std::uint8_t>& dst, std::size_t idx, float v) {
+  auto put_scale = [&](std::uint8_t* dst, float v) {
     if (w.f16_scales) {
       std::uint16_t const h = float_to_f16(v);
-      std::memcpy(dst.data() + idx * 2, &h, 2);
+      std::memcpy(dst, &h, 2);
     } else {
-      std::memcpy(dst.data() + idx * 4, &v, 4);
+      std::memcpy(dst, &v, 4);
     }
   };
   for (std::int64_t c = 0; c < n; ++c) {
     std::int64_t const p = c / kA8Panel;
     int const cc = static_cast<int>(c % kA8Panel), blk = cc / 16, lane = cc % 16;
     for (std::int64_t g = 0; g < groups; ++g) {
-      std::size_t const sidx = static_cast<std::size_t>((p * groups + g) * kA8Panel + cc);
       std::int64_t const src = c * wgroups + g * w.group / group_size;
-      put_scale(w.scales, sidx, scales[src]);
-      if (w.asym) put_scale(w.offsets, sidx, offsets[src]);
-      std::uint8_t* gd = w.data.data() + (p * groups + g) * w.group_bytes();
+      std::uint8_t* gd = w.data.data() + (p * groups + g) * w.record_bytes();
+      std::uint8_t* gs = gd + w.code_bytes();
+      put_scale(gs + cc * w.scale_bytes(), scales[src]);
+      if (w.asym) put_scale(gs + (kA8Panel + cc) * w.scale_bytes(), offsets[src]);
       for (int i = 0; i < w.group; ++i) {
         std::int64_t const e = g * w.group + i;
         int const quad = i / 4, t = i % 4;

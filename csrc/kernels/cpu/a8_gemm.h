@@ -19,13 +19,14 @@
 // row's result depends on that row alone (per-row, per-group scales; one fixed order): the kernel is
 // batch-invariant at every M, decode included.
 //
-// Weights are packed once (A8PackedWeight) in panels of 64 output channels (four blocks of 16): per
-// panel and group, int4 as E/8 vectors per block of 64 bytes, lane c (4 bytes) holding channel c's codes
-// of k-quads 2v (low nibbles) and 2v+1 (high nibbles); int8 as E/4 vectors per block, one k-quad each.
-// So one 64-byte load feeds VPDPBUSD for 16 channels by 4 k (int8) or, after a nibble split, by 8 k
-// (int4), and one panel is one sequential stream. Scales (and offsets) per panel and group: fp16 when
-// every value is exactly an fp16 (GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0), else fp32. The caller passes a
-// workspace (a8_workspace_bytes); nothing is allocated inside.
+// Weights are packed once (A8PackedWeight) in panels of 64 output channels (four blocks of 16), one
+// record per panel and group, the panel's records back to back, so that a panel is one sequential
+// stream (decode reads each weight byte once, from memory): first the codes, int4 as E/8 vectors per
+// block of 64 bytes, lane c (4 bytes) holding channel c's codes of k-quads 2v (low nibbles) and 2v+1
+// (high nibbles), int8 as E/4 vectors per block, one k-quad each, so one 64-byte load feeds VPDPBUSD
+// for 16 channels by 4 k (int8) or, after a nibble split, by 8 k (int4); then the 64 channels' scales
+// and (asymmetric int4) offsets, fp16 when every value is exactly an fp16 (GGUF's Q4_0 / Q4_1 / Q8_0 /
+// Q5_0), else fp32. The caller passes a workspace (a8_workspace_bytes); nothing is allocated inside.
 #pragma once
 
 #include <cstddef>
@@ -47,15 +48,17 @@ struct A8PackedWeight {
   int group = 32;      // E: 16 or 32
   bool f16_scales = true;
   std::int64_t n = 0, k = 0;
-  std::vector<std::uint8_t> data;             // [panels][k / E][vectors per block][4 blocks][64]
-  std::vector<std::uint8_t> scales, offsets;  // [panels][k / E][64], fp16 or fp32 (offsets: asym only)
-  std::vector<float> bias;                    // [n] or empty
+  // [panels][k / E] records: codes [vectors per block][4 blocks][64], scales [64], offsets [64] (asym)
+  std::vector<std::uint8_t> data;
+  std::vector<float> bias;  // [panels * 64] (zero-padded) or empty
   std::int64_t groups() const { return k / group; }
   std::int64_t panels() const { return (n + kA8Panel - 1) / kA8Panel; }
   int vectors_per_block() const { return bits == 4 ? group / 8 : group / 4; }
-  std::int64_t group_bytes() const { return std::int64_t(vectors_per_block()) * 4 * 64; }
-  std::int64_t panel_bytes() const { return groups() * group_bytes(); }
+  std::int64_t code_bytes() const { return std::int64_t(vectors_per_block()) * 4 * 64; }
   int scale_bytes() const { return f16_scales ? 2 : 4; }
+  // One (panel, group) record: the codes, then the scales, then the offsets.
+  std::int64_t record_bytes() const { return code_bytes() + (asym ? 2 : 1) * kA8Panel * scale_bytes(); }
+  std::int64_t panel_bytes() const { return groups() * record_bytes(); }
 };
 
 // Packs the weight-only formats of gemm.h: bits 4 (qweight [n, k / 2] uint8, the low nibble the even k;

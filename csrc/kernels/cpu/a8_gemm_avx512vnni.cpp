@@ -90,12 +90,14 @@ template <int kR, int kB, int kBits, int kE, class ST, bool kAsym>
 void tile(A8PackedWeight const& w, Activations const& a, std::int64_t m0, std::int64_t p, int b0, void* out,
           ScalarType dtype) {
   constexpr int kVecs = kBits == 4 ? kE / 8 : kE / 4;  // weight vectors per block and group
-  constexpr std::int64_t kGroupBytes = std::int64_t(kVecs) * 4 * 64;
+  constexpr std::int64_t kCodeBytes = std::int64_t(kVecs) * 4 * 64;
   constexpr int kSB = sizeof(ST);
+  // A record: the codes, the 64 scales, (kAsym) the 64 offsets.
+  constexpr std::int64_t kRecordBytes = kCodeBytes + (kAsym ? 2 : 1) * kA8Panel * kSB;
+  // Decode streams the weights from memory: fetch the record this many groups ahead (measured on Zen 4).
+  constexpr int kAhead = 2;
   std::int64_t const groups = a.groups, k = a.k;
-  std::uint8_t const* data = w.data.data() + p * groups * kGroupBytes;
-  std::uint8_t const* scales = w.scales.data() + (p * groups * kA8Panel + b0 * 16) * kSB;
-  std::uint8_t const* offsets = kAsym ? w.offsets.data() + (p * groups * kA8Panel + b0 * 16) * kSB : nullptr;
+  std::uint8_t const* data = w.data.data() + p * groups * kRecordBytes;
   std::int8_t const* q = a.q + m0 * k;
   __m512i const nibble = _mm512_set1_epi8(0x0F);
   __m512 f[kR][kB];
@@ -103,7 +105,13 @@ void tile(A8PackedWeight const& w, Activations const& a, std::int64_t m0, std::i
     for (int b = 0; b < kB; ++b) f[r][b] = _mm512_setzero_ps();
   }
   for (std::int64_t g = 0; g < groups; ++g) {
-    std::uint8_t const* gd = data + g * kGroupBytes + b0 * 64;
+    std::uint8_t const* rec = data + g * kRecordBytes;
+    if constexpr (kR <= 2) {
+      for (std::int64_t l = 0; l < kRecordBytes; l += 64) {
+        _mm_prefetch(reinterpret_cast<char const*>(rec + kAhead * kRecordBytes + l), _MM_HINT_T0);
+      }
+    }
+    std::uint8_t const* gd = rec + b0 * 64;
     __m512i acc[kR][kB];
     for (int r = 0; r < kR; ++r) {
       // The zero point's share, -z * sum q, starts the sum (exact; 0 for asymmetric int4).
@@ -140,7 +148,7 @@ void tile(A8PackedWeight const& w, Activations const& a, std::int64_t m0, std::i
         }
       }
     }
-    std::uint8_t const* gs = scales + g * kA8Panel * kSB;
+    std::uint8_t const* gs = rec + kCodeBytes + b0 * 16 * kSB;
     for (int b = 0; b < kB; ++b) {
       __m512 const s = load_scales<ST>(gs + b * 16 * kSB);
       for (int r = 0; r < kR; ++r) {
@@ -148,7 +156,7 @@ void tile(A8PackedWeight const& w, Activations const& a, std::int64_t m0, std::i
         f[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), sd, f[r][b]);
       }
       if constexpr (kAsym) {
-        __m512 const o = load_scales<ST>(offsets + g * kA8Panel * kSB + b * 16 * kSB);
+        __m512 const o = load_scales<ST>(gs + (kA8Panel + b * 16) * kSB);
         for (int r = 0; r < kR; ++r) f[r][b] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.ds[(m0 + r) * groups + g]), f[r][b]);
       }
     }
