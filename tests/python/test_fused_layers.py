@@ -293,7 +293,8 @@ def test_layer_stack_rejects_bad_arguments(tmp_path):
             [to_dlpack(torch.zeros(shape)), to_dlpack(torch.zeros(shape, dtype=torch.bfloat16))]
         )
     with pytest.raises(
-        TypeError, match="qkv must be a W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight, got Tensor"
+        TypeError,
+        match="qkv must be a W4A16Weight, W8A16Weight, W8A8Weight, A8Weight or DenseWeight, got Tensor",
     ):
         w = torch.ones(c.hidden_size)
         stack.add_layer(

@@ -58,7 +58,7 @@ DENSE_MAX_TOKENS = 64
 
 
 def _kernel_weight(layer: torch.nn.Module):
-    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight, W8A8Weight or DenseWeight)."""
+    """The layer's imported kernel weight object (W4A16Weight, W8A16Weight, W8A8Weight, A8Weight or DenseWeight)."""
     if isinstance(layer, (W4A16Linear, W8A16Linear, W8A8Linear)):
         return layer.kernel_weight()._w
     return layer.kernel_weight()

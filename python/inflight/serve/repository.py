@@ -102,6 +102,7 @@ ENGINE_PARAMETERS: dict[str, tuple[str, str, Any]] = {
     "max_seq_len": ("llm", "max_seq_len", _number(int)),
     "dtype": ("llm", "dtype", lambda k, v: v),
     "quantization": ("llm", "quantization", lambda k, v: v),
+    "activation_quantization": ("llm", "activation_quantization", lambda k, v: v),
     "kv_cache_dtype": ("kv", "dtype", lambda k, v: v),
     "tokens_per_block": ("kv", "tokens_per_block", _number(int)),
 }
