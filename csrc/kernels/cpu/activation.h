@@ -1,14 +1,14 @@
 // The gated MLP's activations over a row of fp32 values, vectorised: SiLU (x / (1 + exp(-x))) and
-// tanh-approximate GELU (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))), in torch's order of
-// operations. The fused layer stack (llama_layers.cpp) calls them on AVX-512 CPUs; elsewhere it keeps
-// libm's exp / tanh, one element at a time (~4 / ~17 ns each on Zen 4: a Gemma 3 prefill spent a
-// fifth of its time in tanhf).
+// tanh-approximate GELU (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))). The fused layer stack
+// (llama_layers.cpp) calls them on AVX-512 CPUs; elsewhere it keeps libm's exp / tanh, one element at
+// a time (~4 / ~17 ns each on Zen 4: a Gemma 3 prefill spent a fifth of its time in tanhf).
 //
-// exp: Cody-Waite reduction by ln 2 (two constants, FMA), Cephes' degree-6 polynomial, VSCALEFPS;
-// tanh: Cephes' odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above. Both within ~2 ulp
-// of the exact values over the whole fp32 range (tests/python/test_fused_layers.py measures it
-// against float64), as torch's SLEEF and libm are within one: the layer stack's results differ from
-// the Python layers' by an ulp now and then either way. Elementwise, so batch-invariant.
+// exp: Cody-Waite reduction by ln 2 (two constants, FMA), Cephes' degree-6 polynomial, VSCALEFPS
+// (within 1 ulp); GELU through 0.5 (1 + tanh(z)) = 1 / (1 + e^(-2z)): one exp, and none of the tanh
+// form's cancellation below x ~ -2. Both within 4 ulp of float64 given the fp32 argument
+// (tests/cpp/test_cpu_kernels.cpp), about as libm's forms, which the portable path runs: the layer
+// stack's results differ from the Python layers' (torch: SLEEF) by an ulp now and then either way.
+// Elementwise, so batch-invariant.
 #pragma once
 
 #include <cstdint>

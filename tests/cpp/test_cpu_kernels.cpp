@@ -1,0 +1,121 @@
+// CPU kernel pieces that have no Python entry point of their own: the vectorised gated-MLP activations
+// (activation.h) against float64, and the A8 GEMM's two activation quantisers (a8_gemm.h) against each
+// other, bit for bit. Tests of a path the CPU lacks are skipped.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "a8_gemm.h"
+#include "activation.h"
+#include "cpu_features.h"
+
+namespace kc = inflight::kernels::cpu;
+
+namespace {
+
+// Error of `got` in units of the fp32 spacing at max(|want|, floor).
+double ulps(float got, double want, double floor) {
+  double const ref = std::max(std::fabs(want), floor);
+  int e = 0;
+  std::frexp(static_cast<float>(ref), &e);
+  return std::fabs(got - want) / std::ldexp(1.0, e - 24);
+}
+
+// Every 97th fp32 bit pattern that is finite (both signs): ~88M inputs over the whole range.
+std::vector<float> sweep() {
+  std::vector<float> x;
+  for (std::uint32_t b = 0; b < 0x7f800000u; b += 97) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    x.push_back(f);
+    x.push_back(-f);
+  }
+  return x;
+}
+
+bool has_avx512f() { return kc::best_isa() >= kc::Isa::kAvx512F; }
+
+}  // namespace
+
+// Against float64, over the whole fp32 range: within 4 ulp wherever the result is a normal fp32 number,
+// but where e^-x (SiLU, x < -88.7) or e^-2z (GELU, x < -10) overflows and x / (1 + inf) = -0, as with
+// torch's and libm's exp (the true value is below 1e-37 there). libm's form of GELU, 1 + tanh(z),
+// cancels below x ~ -2 (~250 units of 2^-10 |x| off); this one does not.
+void expect_within_ulps(bool gelu, double limit) {
+  std::vector<float> x = sweep(), out(x.size());
+  kc::gated_activation_avx512f(x.data(), out.data(), static_cast<std::int64_t>(x.size()), gelu);
+  double worst = 0;
+  float at = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    double const v = x[i];
+    // GELU: z as every fp32 evaluation rounds it (the kernel's operations; |d log gelu / dz| ~ 2|z|
+    // turns its last-bit rounding into up to ~2|z| ulp of the result, in torch's too), then the rest
+    // in float64 through the same identity (1 + tanh(z) cancels in float64 too, from x ~ -6).
+    float const xf = x[i];
+    double const z = float(M_SQRT2 * M_2_SQRTPI * 0.5) * std::fma(0.044715f, (xf * xf) * xf, xf);
+    double const want = gelu ? v / (1.0 + std::exp(-2.0 * z)) : v / (1.0 + std::exp(-v));
+    if (!std::isfinite(want) || std::fabs(want) < 1.2e-38) continue;  // subnormal: absolute error < 1e-44
+    if ((gelu ? -2.0 * z : -v) > 88.7) continue;  // e^.. overflows: x / (1 + inf) = -0 (|want| < 1e-37)
+    double const err = ulps(out[i], want, 0.0);
+    if (err > worst) {
+      worst = err;
+      at = x[i];
+    }
+  }
+  EXPECT_LE(worst, limit) << "at x = " << at;
+}
+
+TEST(GatedActivation, SiluWithinFourUlp) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  expect_within_ulps(false, 4.0);
+}
+
+TEST(GatedActivation, GeluTanhWithinFourUlp) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  expect_within_ulps(true, 4.0);
+}
+
+TEST(GatedActivation, TailAndSpecialValues) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  std::vector<float> x = {0.0f, -0.0f, 1.0f, -1.0f, 100.0f, -100.0f, 1e30f, -1e30f, 0.3f, 0.7f, -0.7f};
+  for (bool gelu : {false, true}) {
+    std::vector<float> out(x.size(), 123.0f);
+    kc::gated_activation_avx512f(x.data(), out.data(), static_cast<std::int64_t>(x.size()), gelu);
+    EXPECT_EQ(out[0], 0.0f);
+    EXPECT_FLOAT_EQ(out[4], 100.0f);                      // silu(100) = gelu(100) = 100
+    EXPECT_LT(std::fabs(out[5]), 1e-30f);                 // silu(-100) = -3.8e-42, gelu(-100) = -0
+    EXPECT_EQ(out[6], 1e30f);
+    EXPECT_NEAR(out[2], gelu ? 0.841192f : 0.731059f, 1e-6);
+  }
+}
+
+TEST(A8Quantize, VectorAndPortableGiveTheSameBits) {
+  if (!kc::cpu_features().avx512f || !kc::cpu_features().avx512vnni) GTEST_SKIP() << "no AVX512-VNNI";
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::int64_t const m = 4096, k = 64;
+  std::vector<float> x(m * k);
+  for (std::int64_t r = 0; r < m; ++r) {
+    float const scale = std::pow(unit(rng), 4.0f) * 100.0f;  // magnitudes over many octaves
+    for (std::int64_t i = 0; i < k; ++i) x[r * k + i] = normal(rng) * scale;
+  }
+  for (int group : {16, 32}) {
+    std::int64_t const groups = m * k / group;
+    std::vector<std::int8_t> q1(m * k), q2(m * k);
+    std::vector<float> d1(groups), d2(groups), ds1(groups), ds2(groups);
+    std::vector<std::int32_t> s1(groups), s2(groups);
+    kc::quantize_a8_activations(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q1.data(), d1.data(),
+                                s1.data(), ds1.data());
+    kc::a8_detail::quantize_avx512(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q2.data(),
+                                   d2.data(), s2.data(), ds2.data());
+    EXPECT_EQ(q1, q2) << "group " << group;
+    EXPECT_EQ(s1, s2);
+    EXPECT_EQ(0, std::memcmp(d1.data(), d2.data(), d1.size() * 4));
+    EXPECT_EQ(0, std::memcmp(ds1.data(), ds2.data(), ds1.size() * 4));
+  }
+}
