@@ -26,7 +26,8 @@ Goals (the issue): >= 1.6x single-stream decode on the grounded set with identic
 <= 5% slower on the open set. Checked for the best k and for the default k=4.
 
     python benchmarks/bench_speculative.py [--repeats 5] [--ks 1 2 3 4] [--threads N]
-        [--max-tokens-grounded 200] [--max-tokens-open 128] [--json out.json]
+        [--max-tokens-grounded 200] [--max-tokens-open 128] [--activation-quantization int8]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -114,10 +115,13 @@ def _one_run(llm, ids: list[int], params) -> dict:
     return run
 
 
-def _engine(k: int | None):
+def _engine(k: int | None, activation_quantization: str | None = None):
     from inflight import LLM, KvCacheConfig, SpeculativeConfig
 
-    kwargs = {"kv_cache_config": KvCacheConfig(enable_block_reuse=False)}
+    kwargs = {
+        "kv_cache_config": KvCacheConfig(enable_block_reuse=False),
+        "activation_quantization": activation_quantization,
+    }
     if k is not None:
         kwargs["speculative_config"] = SpeculativeConfig(
             method="ngram", max_draft_len=k, prompt_lookup_min=1, prompt_lookup_max=4
@@ -125,7 +129,13 @@ def _engine(k: int | None):
     return LLM("smollm2", **kwargs)
 
 
-def measure(ks: list[int], prompts: dict[str, list[list[int]]], max_tokens: dict, repeats: int) -> dict:
+def measure(
+    ks: list[int],
+    prompts: dict[str, list[list[int]]],
+    max_tokens: dict,
+    repeats: int,
+    activation_quantization: str | None = None,
+) -> dict:
     """Every configuration on its own engine, all loaded at once, and measured in interleaved rounds:
     per round, every task set on every engine in turn (the machine's drift hits all alike). Per
     (configuration, task set): the decode rate of each round and its ratio to the baseline's in the
@@ -133,7 +143,7 @@ def measure(ks: list[int], prompts: dict[str, list[list[int]]], max_tokens: dict
     from inflight import SamplingParams
 
     names = {None: "baseline", **{k: f"ngram k={k}" for k in ks}}
-    engines = {k: _engine(k) for k in names}
+    engines = {k: _engine(k, activation_quantization) for k in names}
     try:
         params = {
             task: SamplingParams(
@@ -260,6 +270,12 @@ def main() -> None:
     parser.add_argument("--max-tokens-open", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument(
+        "--activation-quantization",
+        choices=("none", "int8"),
+        default=None,
+        help="every engine (the baseline too) with these activations (int8: the A8 GEMM)",
+    )
     args = parser.parse_args()
     if args.repeats < 1 or min(args.ks) < 1:
         parser.error("--repeats and every --ks value must be >= 1")
@@ -282,9 +298,11 @@ def main() -> None:
     prompts = {task: [chat(p) for p in texts] for task, texts in TASKS.items()}
     max_tokens = {"grounded": args.max_tokens_grounded, "open": args.max_tokens_open}
     header = cpu_header()
+    if args.activation_quantization == "int8":
+        header += "; int8 activations (every engine)"
     print(header, flush=True)
 
-    results = measure(ks, prompts, max_tokens, args.repeats)
+    results = measure(ks, prompts, max_tokens, args.repeats, args.activation_quantization)
     print(f"\n{header}; {args.repeats} interleaved rounds (medians; ratios per round) after a warm-up")
     goals = report(results, ks, {t: [len(p) for p in ps] for t, ps in prompts.items()}, args)
 

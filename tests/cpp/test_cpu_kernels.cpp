@@ -86,8 +86,8 @@ TEST(GatedActivation, TailAndSpecialValues) {
     std::vector<float> out(x.size(), 123.0f);
     kc::gated_activation_avx512f(x.data(), out.data(), static_cast<std::int64_t>(x.size()), gelu);
     EXPECT_EQ(out[0], 0.0f);
-    EXPECT_FLOAT_EQ(out[4], 100.0f);                      // silu(100) = gelu(100) = 100
-    EXPECT_LT(std::fabs(out[5]), 1e-30f);                 // silu(-100) = -3.8e-42, gelu(-100) = -0
+    EXPECT_FLOAT_EQ(out[4], 100.0f);       // silu(100) = gelu(100) = 100
+    EXPECT_LT(std::fabs(out[5]), 1e-30f);  // silu(-100) = -3.8e-42, gelu(-100) = -0
     EXPECT_EQ(out[6], 1e30f);
     EXPECT_NEAR(out[2], gelu ? 0.841192f : 0.731059f, 1e-6);
   }
@@ -111,8 +111,8 @@ TEST(A8Quantize, VectorAndPortableGiveTheSameBits) {
     std::vector<std::int32_t> s1(groups), s2(groups);
     kc::quantize_a8_activations(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q1.data(), d1.data(),
                                 s1.data(), ds1.data());
-    kc::a8_detail::quantize_avx512(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q2.data(),
-                                   d2.data(), s2.data(), ds2.data());
+    kc::a8_detail::quantize_avx512(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q2.data(), d2.data(),
+                                   s2.data(), ds2.data());
     EXPECT_EQ(q1, q2) << "group " << group;
     EXPECT_EQ(s1, s2);
     EXPECT_EQ(0, std::memcmp(d1.data(), d2.data(), d1.size() * 4));
