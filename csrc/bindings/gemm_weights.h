@@ -162,6 +162,16 @@ class DenseWeight {
   kc::DenseGemmParams p_;
 };
 
+// A 64-byte-aligned workspace of at least `bytes` for the calling thread, grown as needed (one per
+// thread: calls from several threads never share it).
+inline void* thread_workspace(std::size_t bytes) {
+  thread_local std::vector<std::int64_t> workspace;
+  std::size_t const need = (bytes + 63) / 64 * 8 + 8;
+  if (workspace.size() < need) workspace.resize(need);
+  auto addr = reinterpret_cast<std::uintptr_t>(workspace.data());
+  return reinterpret_cast<void*>((addr + 63) / 64 * 64);
+}
+
 // W8A8 (SmoothQuant) weights packed once (w8a8_gemm.h); the tensors are copied, not kept.
 inline std::vector<float> float_vector(Tensor const& t, char const* name, std::int64_t n, char const* layout) {
   require_dtype(t, name, ScalarType::kFloat32);
@@ -201,12 +211,7 @@ class W8A8Weight {
     p.bias = bias_.empty() ? nullptr : bias_.data();
     p.num_threads = num_threads;
     nb::gil_scoped_release release;
-    // One workspace per calling thread, grown as needed (64-byte aligned).
-    thread_local std::vector<std::int64_t> workspace;
-    std::size_t const need = (kc::w8a8_workspace_bytes(p.m, w_) + 63) / 64 * 8 + 8;
-    if (workspace.size() < need) workspace.resize(need);
-    auto addr = reinterpret_cast<std::uintptr_t>(workspace.data());
-    p.workspace = reinterpret_cast<void*>((addr + 63) / 64 * 64);
+    p.workspace = thread_workspace(kc::w8a8_workspace_bytes(p.m, w_));
     kc::launch_w8a8_gemm(p, kc::ThreadPool::global());
   }
 
@@ -284,12 +289,7 @@ class A8Weight {
     p.out = out.data();
     p.num_threads = num_threads;
     nb::gil_scoped_release release;
-    // One workspace per calling thread, grown as needed (64-byte aligned).
-    thread_local std::vector<std::int64_t> workspace;
-    std::size_t const need = (kc::a8_workspace_bytes(p.m, w_) + 63) / 64 * 8 + 8;
-    if (workspace.size() < need) workspace.resize(need);
-    auto addr = reinterpret_cast<std::uintptr_t>(workspace.data());
-    p.workspace = reinterpret_cast<void*>((addr + 63) / 64 * 64);
+    p.workspace = thread_workspace(kc::a8_workspace_bytes(p.m, w_));
     kc::launch_a8_gemm(p, kc::ThreadPool::global());
   }
 

@@ -404,3 +404,30 @@ class PagedKV:
         for seq_id, tokens in batch:
             self.num_cached[seq_id] = self.num_cached.get(seq_id, 0) + len(tokens)
         return torch.tensor(ids, dtype=torch.int64), md.positions, md
+
+
+def write_dequantized_copy(src: Path, dst: Path, group_size: int) -> Path:
+    """A float checkpoint holding exactly the dequantised weights of a W4A16 (``inflight quantize``)
+    checkpoint ``src``: the reference model of its kernels."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from inflight.ops.reference.gemm import dequantize_w4
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".qweight"):
+            prefix = name[: -len("qweight")]
+            offsets = tensors.get(prefix + "offsets")
+            out[prefix + "weight"] = dequantize_w4(t, tensors[prefix + "scales"], offsets, group_size)
+        elif not name.endswith((".scales", ".offsets")):
+            out[name] = t
+    save_file(out, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(dst) / "config.json").read_text())
+    del cfg["quantization_config"]
+    (Path(dst) / "config.json").write_text(json.dumps(cfg))
+    return Path(dst)

@@ -5,13 +5,8 @@ stack and the Python layers; its quality on SmolLM2 (perplexity) and its errors.
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-
-from inflight.ops.reference.gemm import dequantize_w4
 
 
 def _fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -40,31 +35,10 @@ def _hf_int8_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[i
     return [hf_generate(hf, p, max_new_tokens=max_new, eos_token_id=None) for p in prompts]
 
 
-def _dequantised_copy(src, dst, group_size: int) -> None:
-    """A float checkpoint holding exactly the dequantised W4A16 weights."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".qweight"):
-            prefix = name[: -len("qweight")]
-            out[prefix + "weight"] = dequantize_w4(
-                t, tensors[prefix + "scales"], tensors.get(prefix + "offsets"), group_size
-            )
-        elif not name.endswith((".scales", ".offsets")):
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    del cfg["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["asym", "sym"])
 def w4_dirs(request, tmp_path_factory):
     """(the W4A16 checkpoint, its dequantised float copy) of a tiny Llama, groups of 32."""
-    from model_utils import make_tiny_model
+    from model_utils import make_tiny_model, write_dequantized_copy
 
     from inflight.cli import main
 
@@ -73,7 +47,7 @@ def w4_dirs(request, tmp_path_factory):
     out = base / "q"
     argv = ["quantize", "--model", str(src), "--out", str(out), "--group-size", "32"]
     assert main(argv + (["--symmetric"] if request.param else [])) == 0
-    _dequantised_copy(out, base / "deq", 32)
+    write_dequantized_copy(out, base / "deq", 32)
     return out, base / "deq"
 
 

@@ -341,31 +341,9 @@ def test_w4a16_linear_from_weight_matches_float_linear_roughly():
 # ---- `inflight quantize` checkpoints ----------------------------------------------------------------
 
 
-def _write_dequantized_copy(src, dst, group_size):
-    """A float checkpoint holding exactly the dequantised W4A16 weights (the reference model)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".qweight"):
-            prefix = name[: -len("qweight")]
-            offsets = tensors.get(prefix + "offsets")
-            out[prefix + "weight"] = dequantize_w4(t, tensors[prefix + "scales"], offsets, group_size)
-        elif not name.endswith((".scales", ".offsets")):
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    del cfg["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantize_cli_checkpoint_loads_and_generates(tmp_path, arch):
-    from model_utils import make_tiny_model
+    from model_utils import make_tiny_model, write_dequantized_copy
 
     from inflight import LLM, SamplingParams
     from inflight.cli import main
@@ -387,7 +365,7 @@ def test_quantize_cli_checkpoint_loads_and_generates(tmp_path, arch):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with LLM(str(out), dtype="float32") as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    _write_dequantized_copy(out, tmp_path / "deq", 64)
+    write_dequantized_copy(out, tmp_path / "deq", 64)
     with LLM(str(tmp_path / "deq"), dtype="float32") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want  # fp32 activations: the kernels compute what the dequantised weights would

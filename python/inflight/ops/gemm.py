@@ -128,7 +128,20 @@ def w8a16_gemm(
     return out
 
 
-class W4A16Weight:
+class _ImportedWeight:
+    """A C++ weight object (``self._w``, output features ``self.n``) called on x: ``weight(x, out=None)``
+    multiplies a contiguous CPU ``x [M, K]`` into ``out [M, N]`` (allocated when None)."""
+
+    _w: object
+    n: int
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out, out_cap = _out(out, x, self.n)
+        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
+        return out
+
+
+class W4A16Weight(_ImportedWeight):
     """int4 weights validated and imported once (CPU); ``weight(x, out=None)`` is :func:`w4a16_gemm`.
 
     The tensors' memory stays alive with this object and in-place changes to them are seen; build a new
@@ -152,13 +165,8 @@ class W4A16Weight:
         )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out, out_cap = _out(out, x, self.n)
-        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
-        return out
 
-
-class W8A16Weight:
+class W8A16Weight(_ImportedWeight):
     """int8 (or ``float8_e4m3fn``) weights validated and imported once (CPU); ``weight(x, out=None)`` is
     :func:`w8a16_gemm`."""
 
@@ -175,13 +183,8 @@ class W8A16Weight:
         )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out, out_cap = _out(out, x, self.n)
-        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
-        return out
 
-
-class W8A8Weight:
+class W8A8Weight(_ImportedWeight):
     """W8A8 (SmoothQuant) weights packed once for the CPU kernel: int8 ``qweight [N, K]``, fp32
     ``scales [N]`` per output channel, optional fp32 ``smooth [K]`` (multipliers of x: SmoothQuant's
     ``1 / s``) and ``bias [N]``. ``weight(x, out=None)`` quantises each row of x to int8 (its own
@@ -204,13 +207,8 @@ class W8A8Weight:
         )
         self.n, self.k = self._w.n, self._w.k
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out, out_cap = _out(out, x, self.n)
-        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
-        return out
 
-
-class A8Weight:
+class A8Weight(_ImportedWeight):
     """int4 or int8 weights in the W4A16 / W8A16 formats (``bits`` 4 or 8; ``offsets`` for asymmetric
     int4), packed once for the CPU's A8 GEMM: ``weight(x, out=None)`` quantises each group of 32
     elements of a row of x to int8 (16 for weights in groups of 16: GGUF Q6_K), sums each group's
@@ -238,11 +236,6 @@ class A8Weight:
         )
         self.n, self.k, self.bits, self.group_size = self._w.n, self._w.k, bits, group_size
         self.nbytes = self._w.nbytes
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out, out_cap = _out(out, x, self.n)
-        self._w.gemm(_cap(x), out_cap, torch.get_num_threads())
-        return out
 
 
 def dense_gemm(
