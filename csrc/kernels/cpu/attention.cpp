@@ -40,6 +40,20 @@ struct Vec1 {
   static Reg reduce_lanes(Reg const* v) { return v[0]; }
   static void transpose(Reg*) {}
 
+  // s[r * s_stride + i] = sq[r] * float(q[r * q_stride] . krows[i]) for r < rows, i < n: exact int32
+  // sums of int16 query codes times int8 key codes.
+  template <int kHd>
+  static void qk_codes(float* s, int s_stride, std::int16_t const* q, int q_stride, float const* sq, int rows,
+                       std::int8_t const* const* krows, int n, int hd) {
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < n; ++i) {
+        std::int32_t d = 0;
+        for (int c = 0; c < hd; ++c) d += std::int32_t(q[r * q_stride + c]) * krows[i][c];
+        s[r * s_stride + i] = float(d) * sq[r];
+      }
+    }
+  }
+
   template <class T>
   static Reg load_cvt(T const* p) {
     return to_float(*p);

@@ -64,6 +64,43 @@ struct Vec256 {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   }
 
+  // s[i] = sq * float(qi . krows[i]) for i < n (a whole vector of s is written per 8 keys): int16
+  // query codes times int8 key codes, 16 at a time by VPMADDWD, exact int32 sums (hd: a multiple of 32).
+  template <int kHd>
+  static void qk_codes_row(float* s, std::int16_t const* qi, float sq, std::int8_t const* const* krows, int n, int hd) {
+    int const nq = kHd ? kHd / 16 : hd / 16;
+    auto dot = [&](std::int8_t const* k) {  // two chains
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+      for (int c = 0; c < nq; c += 2) {
+        __m256i const k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(k + 16 * c)));
+        __m256i const k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(k + 16 * c + 16)));
+        __m256i const q0 = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(qi + 16 * c));
+        __m256i const q1 = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(qi + 16 * c + 16));
+        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(q0, k0));
+        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(q1, k1));
+      }
+      return _mm256_add_epi32(d0, d1);
+    };
+    Reg const f = _mm256_set1_ps(sq);
+    for (int w0 = 0; w0 < n; w0 += 8) {
+      __m256i v[8];
+      for (int i = 0; i < 8; ++i) v[i] = w0 + i < n ? dot(krows[w0 + i]) : _mm256_setzero_si256();
+      __m256i const t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+      __m256i const t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+      __m256i const u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+      __m256i const r =
+          _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+      _mm256_storeu_ps(s + w0, _mm256_mul_ps(_mm256_cvtepi32_ps(r), f));
+    }
+  }
+
+  // qk_codes_row for rows r < rows: s + r * s_stride, q + r * q_stride, sq[r].
+  template <int kHd>
+  static void qk_codes(float* s, int s_stride, std::int16_t const* q, int q_stride, float const* sq, int rows,
+                       std::int8_t const* const* krows, int n, int hd) {
+    for (int r = 0; r < rows; ++r) qk_codes_row<kHd>(s + r * s_stride, q + r * q_stride, sq[r], krows, n, hd);
+  }
+
   static void transpose(Reg* r) {
     Reg t[8], u[8];
     for (int i = 0; i < 4; ++i) {

@@ -69,6 +69,58 @@ struct Vec512 {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
   }
 
+  // The same tree over int32 lanes (exact: the int8 KV cache's query . key codes).
+  static __m512i reduce_lanes_epi32(__m512i const* v) {
+    __m512i a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                              _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88),
+                              _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+  }
+
+  // s[r * s_stride + i] = sq[r] * float(q[r * q_stride] . krows[i]) for r < rows, i < n (a whole vector
+  // of s is written per 16 keys): int16 query codes times int8 key codes, 32 at a time by VPDPWSSD,
+  // exact int32 sums (hd: a multiple of 32 up to kMaxHeadDim; kHd = hd when known at compile time, else
+  // 0). Each block of 16 keys is widened to int16 once for all the rows (a GQA group's query heads).
+  template <int kHd>
+  static void qk_codes(float* s, int s_stride, std::int16_t const* q, int q_stride, float const* sq, int rows,
+                       std::int8_t const* const* krows, int n, int hd) {
+    constexpr int kMaxQ = kHd ? kHd / 32 : kMaxHeadDim / 32;
+    int const nq = kHd ? kHd / 32 : hd / 32;
+    alignas(64) std::int16_t kw[16][kMaxQ * 32];
+    for (int w0 = 0; w0 < n; w0 += 16) {
+      int const m = std::min(16, n - w0);
+      for (int i = 0; i < m; ++i)
+        for (int c = 0; c < nq; ++c)
+          _mm512_store_si512(
+              kw[i] + 32 * c,
+              _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(krows[w0 + i] + 32 * c))));
+      for (int r = 0; r < rows; ++r) {
+        __m512i qr[kMaxQ];
+        for (int c = 0; c < nq; ++c) qr[c] = _mm512_loadu_si512(q + r * q_stride + 32 * c);
+        auto dot = [&](std::int16_t const* k) {  // two chains
+          __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qr[0], _mm512_load_si512(k));
+          __m512i d1 = _mm512_setzero_si512();
+          for (int c = 1; c < nq; c += 2) {
+            d1 = _mm512_dpwssd_epi32(d1, qr[c], _mm512_load_si512(k + 32 * c));
+            if (c + 1 < nq) d0 = _mm512_dpwssd_epi32(d0, qr[c + 1], _mm512_load_si512(k + 32 * (c + 1)));
+          }
+          return _mm512_add_epi32(d0, d1);
+        };
+        __m512i parts[16];
+        for (int i = 0; i < 16; ++i) parts[i] = i < m ? dot(kw[i]) : _mm512_setzero_si512();
+        _mm512_storeu_ps(s + r * s_stride + w0,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(reduce_lanes_epi32(parts)), _mm512_set1_ps(sq[r])));
+      }
+    }
+  }
+
   static void transpose(Reg* r) {
     Reg t[16], u[16];
     for (int i = 0; i < 8; ++i) {

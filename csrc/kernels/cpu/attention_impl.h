@@ -246,6 +246,41 @@ struct AttentionKernels {
     for (int c = 0; c < nvec; ++c) V::store(dst + c * W, V::mul(V::load_cvt(src + c * W), sb));
   }
 
+  // An int8 cache's scores come from integer dot products: the (scaled) query row as int16 codes with
+  // one scale, times the int8 key codes, exact int32 sums, then sq * sum * the key's scale. 15 bits
+  // for q cost nothing next to the keys' 7 (the reference, ops/reference/attention.py, quantises q the
+  // same way), and the sums are exact, so every ISA path and every batch gives the same bits. Head dims
+  // that are not a multiple of 32 keep the fp32 products.
+  static constexpr bool int_scores(int hd) { return kInt8 && hd % 32 == 0; }
+
+  // codes = round-half-even(x * (32767 / max|x|)), returns max|x| / 32767 (0 for an all-zero row).
+  static float quantize_query_row(std::int16_t* codes, float const* x, int hd) {
+    float amax = 0.0f;
+    for (int i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
+    if (!(amax > 0.0f) || !std::isfinite(amax)) {
+      std::fill(codes, codes + hd, std::int16_t(0));
+      return amax > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    }
+    float const inv = 32767.0f / amax;
+    for (int i = 0; i < hd; ++i) {
+      float const r = std::nearbyint(std::clamp(x[i] * inv, -32767.0f, 32767.0f));
+      codes[i] = static_cast<std::int16_t>(r == r ? r : 0.0f);
+    }
+    return amax / 32767.0f;
+  }
+
+  // Row r < rows of s (kKeyTile apart): s[i] = sq[r] * (qi[r * hd] . kcodes[i]) for i < n, the rest -inf.
+  static void code_scores(float* s, std::int16_t const* qi, float const* sq, int rows, C const* const* kcodes, int n,
+                          int hd) {
+    if constexpr (kInt8) {
+      V::template qk_codes<kHeadDim>(s, kKeyTile, qi, hd, sq, rows, kcodes, n, hd);
+    } else {
+      (void)qi, (void)sq, (void)kcodes, (void)hd;
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int i = n; i < kKeyTile; ++i) s[r * kKeyTile + i] = kNegInf;
+  }
+
   static void store_output_row(T* dst, float const* acc, float inv_l, int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     Reg const f = V::set1(inv_l);
@@ -360,9 +395,8 @@ struct AttentionKernels {
     // probabilities before P.V (l sums the unscaled p_j). [kv head][key]; 1 past the tile's keys.
     alignas(64) float kscale[kInt8 ? kMaxGroupSize * kKeyTile : 1];
     alignas(64) float vscale[kInt8 ? kMaxGroupSize * kKeyTile : 1];
-    // Prefetch distance in tiles: an int8 tile is half a 16-bit one's bytes, so it looks twice as far
-    // ahead to keep as many bytes in flight.
-    constexpr int kAhead = kNarrow ? 2 * kPrefetchTiles : kPrefetchTiles;
+    // Prefetch distance in tiles (an int8 tile looking twice as far ahead measured no faster on Zen 4).
+    constexpr int kAhead = kPrefetchTiles;
     int64_t rows[kKeyTile], pf_rows[kKeyTile];
     float const* krows[kKeyTile];
     // V rows as P.V reads them: fp32 (in place or packed), or an int8 / fp8 cache's bytes in place.
@@ -370,9 +404,16 @@ struct AttentionKernels {
     VRow const* vrows[kKeyTile];
     float m[kMaxGroupSize], l[kMaxGroupSize];
 
+    bool const codes = int_scores(hd);
+    alignas(64) std::int16_t qcodes[kInt8 ? kMaxGroupSize * kBufHd : 1];
+    float qscale[kInt8 ? kMaxGroupSize : 1];
+    C const* kcodes[kKeyTile];
     for (int h = 0; h < heads; ++h) {
       load_query_rows(qf + h * hd, q + b * p.q_token_stride + int64_t(h0 + h) * p.q_head_stride,
                       p.scale * kLog2e * k_factor(p), nvec);
+      if constexpr (kInt8) {
+        if (codes) qscale[h] = quantize_query_row(qcodes + h * hd, qf + h * hd, hd);
+      }
       std::fill(acc + h * hd, acc + (h + 1) * hd, 0.0f);
       m[h] = kNegInf;
       l[h] = 0.0f;
@@ -394,7 +435,7 @@ struct AttentionKernels {
       // Convert the tile in cache order (each token's rows for these KV heads are adjacent), so the
       // hardware prefetcher sees one stream per block.
       if constexpr (!kInPlace) {
-        for (int i = 0; i < n; ++i) {
+        for (int i = 0; i < n && !codes; ++i) {
           widen_row(kpack + i * row_floats, k_cache + (rows[i] + g0) * hd, row_floats);
           if constexpr (!kNarrow) widen_row(vpack + i * row_floats, v_cache + (rows[i] + g0) * hd, row_floats);
         }
@@ -414,14 +455,17 @@ struct AttentionKernels {
             vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
           } else if constexpr (kNarrow) {
             krows[i] = kpack + i * row_floats + gi * hd;
+            kcodes[i] = k_cache + (rows[i] + g0 + gi) * hd;
             vrows[i] = v_cache + (rows[i] + g0 + gi) * hd;
           } else {
             krows[i] = kpack + i * row_floats + gi * hd;
             vrows[i] = vpack + i * row_floats + gi * hd;
           }
         }
+        if (codes)
+          code_scores(s + gi * group * kKeyTile, qcodes + gi * group * hd, qscale + gi * group, group, kcodes, n, hd);
         for (int h = gi * group; h < (gi + 1) * group; ++h) {
-          decode_scores(s + h * kKeyTile, qf + h * hd, krows, n, nvec);
+          if (!codes) decode_scores(s + h * kKeyTile, qf + h * hd, krows, n, nvec);
           if constexpr (kInt8) mul_rows(s + h * kKeyTile, kscale + gi * kKeyTile, kTileVecs);
           if (t0 < key0) std::fill_n(s + h * kKeyTile, key0 - t0, kNegInf);  // before the window
           scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
@@ -535,6 +579,14 @@ struct AttentionKernels {
         load_query_rows(qf + (r * group + h) * hd,
                         q + int64_t(tok0 + r0 + r) * p.q_token_stride + (int64_t(g) * group + h) * p.q_head_stride,
                         p.scale * kLog2e * k_factor(p), nvec);
+    // Batch invariance over an int8 cache: integer scores as decode computes them.
+    bool const codes = invariant && int_scores(hd);
+    alignas(64) std::int16_t qcodes[kInt8 ? kMaxContextRows * kBufHd : 1];
+    float qscale[kInt8 ? kMaxContextRows : 1];
+    if constexpr (kInt8) {
+      if (codes)
+        for (int r = 0; r < rows; ++r) qscale[r] = quantize_query_row(qcodes + r * hd, qf + r * hd, hd);
+    }
     std::fill(o, o + rows * hd, 0.0f);
     std::fill(m, m + rows, kNegInf);
     std::fill(l, l + rows, 0.0f);
@@ -550,14 +602,17 @@ struct AttentionKernels {
           if (i >= n) continue;
           if constexpr (kInPlace) {
             krows[i] = k_cache + row * hd;
+          } else if (codes) {
+            ksrc[i] = k_cache + row * hd;
           } else {
             widen_row(kt + i * hd, k_cache + row * hd, hd);  // int8: the codes, scaled below
             krows[i] = kt + i * hd;
           }
           vrows[i] = row_f32(v_cache + row * hd, 1.0f, vbuf + i * hd, nvec);
         }
+        if (codes) code_scores(s, qcodes, qscale, rows, ksrc, n, hd);
         for (int r = 0; r < rows; ++r) {
-          decode_scores(s + r * kKeyTile, qf + r * hd, krows, n, nvec);
+          if (!codes) decode_scores(s + r * kKeyTile, qf + r * hd, krows, n, nvec);
           if constexpr (kInt8) mul_rows(s + r * kKeyTile, kscale, kTileVecs);
         }
       } else {

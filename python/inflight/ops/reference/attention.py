@@ -10,7 +10,10 @@ with fp32 tensors they are the ground truth the tests measure the low-precision 
 INT8 KV cache (an int8 ``kv_cache`` with ``kv_scales``): :func:`quantize_kv` is the kernels'
 quantiser bit for bit (the same codes and scales), and the attention twins read the dequantised cache
 (``codes.float() * scale``, then rounded to q's dtype), so called with fp32 q they are the fp32
-reference on the dequantised KV.
+reference on the dequantised KV. The CPU kernels multiply int16 codes of the query (each head row of
+``q * scale * log2(e)`` with one scale, :func:`quantize_query`) by the int8 key codes in exact integer
+sums where ``head_dim`` is a multiple of 32; the twins read that query too on CPU tensors, so they stay
+the kernels' math up to fp32 rounding (on CUDA tensors they read q as it is, as the CUDA kernels do).
 
 FP8 KV cache (a uint8 ``kv_cache`` of E4M3 bytes, or a ``torch.float8_e4m3fn`` one, with ``k_scale`` and
 ``v_scale``): :func:`quantize_kv_fp8` is the kernels' encoder bit for bit (``(x / scale).clamp(-448,
@@ -28,6 +31,7 @@ __all__ = [
     "paged_attention",
     "quantize_kv",
     "quantize_kv_fp8",
+    "quantize_query",
     "store_kv",
 ]
 
@@ -70,6 +74,27 @@ def dequantize_kv(
 ) -> torch.Tensor:
     """``codes [..., head_dim]`` int8 times ``scales [...]`` in fp32 (one rounding), then to ``dtype``."""
     return (codes.float() * scales[..., None]).to(dtype)
+
+
+LOG2E = 1.4426950408889634
+
+
+def quantize_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` as the CPU kernels read it against an int8 cache (``head_dim`` a multiple of 32): each
+    head row of ``x = q * (scale * log2 e)`` (one fp32 product) as int16 codes ``round(x * (32767 /
+    max|x|))`` (ties to even) with the scale ``max|x| / 32767``, returned dequantised and divided back
+    by ``scale * log2 e``, in q's dtype."""
+    mult = torch.tensor(scale * LOG2E, dtype=torch.float32)
+    x = q.float() * mult
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    codes = torch.round(x * (torch.tensor(32767.0) / safe)).clamp_(-32767, 32767)
+    return (codes * (amax / 32767.0) / mult).to(q.dtype)
+
+
+def _int_scores(kv_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether the CPU kernels score this cache with integer sums (the CUDA kernels never do)."""
+    return kv_cache.dtype == torch.int8 and head_dim % 32 == 0 and kv_cache.device.type == "cpu"
 
 
 def _flat_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
@@ -162,6 +187,8 @@ def paged_attention(
         kv_cache, block_tables, lens, kv_scales, q.dtype, (k_scale, v_scale)
     )  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
+    if _int_scores(kv_cache, head_dim):
+        q = quantize_query(q, scale)
     qh = q.reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qh, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group, max_kv]
     j = torch.arange(max_kv, device=q.device)[None, :]
@@ -203,6 +230,8 @@ def context_attention(
         kv_cache, block_tables, lens, kv_scales, q.dtype, (k_scale, v_scale)
     )  # [batch, max_kv, kvh, hd]
     max_kv = key.shape[1]
+    if _int_scores(kv_cache, head_dim):
+        q = quantize_query(q, scale)
 
     # Scatter the flattened queries into a padded [batch, max_q] layout.
     q_len_t = torch.tensor(q_lens, dtype=torch.int64)
