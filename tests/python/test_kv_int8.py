@@ -102,10 +102,22 @@ def _references(key, fn, q, *args, **kwargs):
     return _REF_CACHE[key]
 
 
-def _check_close(out: torch.Tensor, out_ref_lowp: torch.Tensor, ref32: torch.Tensor) -> None:
+def _atol(scales: torch.Tensor, head_dim: int) -> float:
+    """fp32 tolerance against the reference. Where head_dim is a multiple of 32 the kernels round each
+    tile's probabilities (times the V scales) to int16 codes, and so does the reference, but their
+    probabilities differ in the last bits (exp2 polynomial against torch's softmax), so a code can
+    land one step apart: up to max|v| / 32767 per flipped code (the weights sum to 1); allow 4."""
+    if head_dim % 32:
+        return 2e-5
+    return 2e-5 + 4 * 127 * scales[1].max().item() / 32767
+
+
+def _check_close(
+    out: torch.Tensor, out_ref_lowp: torch.Tensor, ref32: torch.Tensor, atol: float = 2e-5
+) -> None:
     assert torch.isfinite(out).all()
     if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref32, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref32, atol=atol, rtol=1e-5)
         return
     err = (out.float() - ref32).abs().max().item()
     err_ref = (out_ref_lowp.float() - ref32).abs().max().item()
@@ -199,7 +211,9 @@ def test_paged_attention_int8_matches_reference(isa, dtype, head_dim, num_heads,
     out = ops.paged_attention(q, *args, kv_scales=c.scales)
     assert out.shape == q.shape and out.dtype == dtype
     key = ("paged", dtype, head_dim, num_heads, num_kv_heads, batch)
-    _check_close(out, *_references(key, ref.paged_attention, q, *args, kv_scales=c.scales))
+    _check_close(
+        out, *_references(key, ref.paged_attention, q, *args, kv_scales=c.scales), _atol(c.scales, head_dim)
+    )
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 32, 256])
@@ -212,14 +226,14 @@ def test_int8_other_head_dims(isa, head_dim):
     torch.testing.assert_close(
         ops.context_attention(q, *args, kv_scales=c.scales),
         ref.context_attention(q, *args, kv_scales=c.scales),
-        atol=2e-5,
+        atol=_atol(c.scales, head_dim),
         rtol=1e-5,
     )
     pargs = (c.cache, c.md.block_tables, c.md.kv_lens, 0.3)
     torch.testing.assert_close(
         ops.paged_attention(q[:2], *pargs, kv_scales=c.scales),
         ref.paged_attention(q[:2], *pargs, kv_scales=c.scales),
-        atol=2e-5,
+        atol=_atol(c.scales, head_dim),
         rtol=1e-5,
     )
 
@@ -233,7 +247,7 @@ def test_int8_results_independent_of_thread_count(isa):
     for n in (1, 2, 4):
         torch.set_num_threads(n)
         got = ops.paged_attention(q, *args, kv_scales=c.scales)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, atol=_atol(c.scales, 64), rtol=1e-5)
 
 
 # ---- context_attention ------------------------------------------------------------------------------
@@ -263,7 +277,9 @@ def test_context_attention_int8_matches_reference(isa, dtype, head_dim, num_head
     out = ops.context_attention(q, *args, kv_scales=c.scales)
     assert out.shape == q.shape and out.dtype == dtype
     key = ("context", dtype, head_dim, num_heads, num_kv_heads, batch)
-    _check_close(out, *_references(key, ref.context_attention, q, *args, kv_scales=c.scales))
+    _check_close(
+        out, *_references(key, ref.context_attention, q, *args, kv_scales=c.scales), _atol(c.scales, head_dim)
+    )
 
 
 def test_int8_chunked_prefill_equals_one_pass(isa):
@@ -309,7 +325,7 @@ def test_int8_window_matches_reference(isa, dtype, window):
     out = ops.paged_attention(q, *args, window=window, kv_scales=c.scales)
     key = ("paged_window", dtype, window)
     refs = _references(key, ref.paged_attention, q, *args, window=window, kv_scales=c.scales)
-    _check_close(out, *refs)
+    _check_close(out, *refs, _atol(c.scales, 256))
 
     c = _Int8Cache(CONTEXT_BATCHES["long_prefix"], 1, 256, dtype, seed=2)
     ops.store_kv(c.new_k, c.new_v, c.cache, c.md.slot_mapping, kv_scales=c.scales)
@@ -318,7 +334,7 @@ def test_int8_window_matches_reference(isa, dtype, window):
     out = ops.context_attention(q, *args, window=window, kv_scales=c.scales)
     key = ("context_window", dtype, window)
     refs = _references(key, ref.context_attention, q, *args, window=window, kv_scales=c.scales)
-    _check_close(out, *refs)
+    _check_close(out, *refs, _atol(c.scales, 256))
 
 
 def test_int8_window_decode_split_over_threads(isa):
@@ -330,7 +346,7 @@ def test_int8_window_decode_split_over_threads(isa):
     for n in (1, 2, 4):
         torch.set_num_threads(n)
         got = ops.paged_attention(q, *args, window=300, kv_scales=c.scales)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, atol=_atol(c.scales, 256), rtol=1e-5)
 
 
 # ---- int8 against float KV --------------------------------------------------------------------------

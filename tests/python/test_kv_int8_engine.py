@@ -155,8 +155,12 @@ def test_native_backend_equals_torch_backend_int8(dtype, window):
         caches.append(cache)
     assert torch.equal(caches[0].kv, caches[1].kv) and torch.equal(caches[0].scales, caches[1].scales)
     assert outs[0].dtype == dtype
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+    # fp32: the native kernels round q and each tile's probabilities to int16 codes (head_dim 64), the
+    # torch backend does not: up to max|v| / 32767 per code, a few codes per output.
+    tol = 2e-5 + 8 * 127 * caches[0].scales[1].max().item() / 32767 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        outs[0].float(), outs[1].float(), atol=tol, rtol=1e-5 if dtype == torch.float32 else tol
+    )
 
 
 # ---- the fused CPU layer stack ----------------------------------------------------------------------

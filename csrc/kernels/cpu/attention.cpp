@@ -54,6 +54,29 @@ struct Vec1 {
     }
   }
 
+  // The vector paths' prob_codes and pv_codes one lane at a time (the same codes, the same int32 sums).
+  static float prob_codes(std::int16_t* codes, float const* p) {
+    float amax = 0.0f;
+    for (int i = 0; i < kKeyTile; ++i) amax = std::max(amax, p[i]);
+    float const f = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int i = 0; i < kKeyTile; ++i) codes[i] = static_cast<std::int16_t>(std::nearbyint(p[i] * f));
+    return amax / 32767.0f;
+  }
+
+  template <int kHd>
+  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
+                       int n, int hd) {
+    std::int16_t pc[kKeyTile];
+    for (int r = 0; r < rows; ++r) {
+      float const ps = prob_codes(pc, p + r * p_stride);
+      for (int c = 0; c < hd; ++c) {
+        std::int32_t sum = 0;
+        for (int i = 0; i < n; ++i) sum += std::int32_t(pc[i]) * vrows[i][c];
+        o[r * o_stride + c] = fmadd(float(sum), ps, o[r * o_stride + c]);
+      }
+    }
+  }
+
   template <class T>
   static Reg load_cvt(T const* p) {
     return to_float(*p);

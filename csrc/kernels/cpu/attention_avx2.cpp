@@ -1,6 +1,9 @@
 // Attention kernels, AVX2 path (compiled with -mavx2 -mfma -mf16c; chosen at run time).
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstring>
+
 #define INFLIGHT_ATTENTION_ISA avx2
 #include "attention_dispatch.h"
 
@@ -99,6 +102,88 @@ struct Vec256 {
   static void qk_codes(float* s, int s_stride, std::int16_t const* q, int q_stride, float const* sq, int rows,
                        std::int8_t const* const* krows, int n, int hd) {
     for (int r = 0; r < rows; ++r) qk_codes_row<kHd>(s + r * s_stride, q + r * q_stride, sq[r], krows, n, hd);
+  }
+
+  // prob_codes and pv_codes as the AVX-512 path computes them (the same codes, the same int32 sums):
+  // 16 columns at a time, key pairs by VPMADDWD.
+  static float prob_codes(std::int16_t* codes, float const* p) {
+    static_assert(kKeyTile == 32);
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+    __m256 const m8 = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float const amax = _mm_cvtss_f32(m4);
+    __m256 const f = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    for (int i = 0; i < 4; i += 2) {
+      __m256i const a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], f)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], f));
+      // packs saturates (a no-op here: |code| <= 32767) and interleaves the 128-bit lanes; undo that.
+      __m256i const packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 8 * i), packed);
+    }
+    return amax / 32767.0f;
+  }
+
+  template <int R>
+  static void pv_codes_block(float* o, int o_stride, std::int16_t const (*pc)[kKeyTile], float const* ps,
+                             std::int8_t const* const* vrows, int n, int nc) {
+    auto codes = [](std::int8_t const* v) {
+      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(v)));
+    };
+    for (int c = 0; c < nc; ++c) {
+      __m256i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      auto add_pair = [&](int i, __m256i a, __m256i b) {
+        __m256i const il = _mm256_unpacklo_epi16(a, b), ih = _mm256_unpackhi_epi16(a, b);
+        for (int r = 0; r < R; ++r) {
+          std::int32_t pair;
+          std::memcpy(&pair, pc[r] + i, sizeof(pair));
+          __m256i const pp = _mm256_set1_epi32(pair);
+          lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(pp, il));
+          hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(pp, ih));
+        }
+      };
+      int i = 0;
+      for (; i + 1 < n; i += 2) add_pair(i, codes(vrows[i] + 16 * c), codes(vrows[i + 1] + 16 * c));
+      if (i < n) add_pair(i, codes(vrows[i] + 16 * c), _mm256_setzero_si256());  // an odd last key
+      for (int r = 0; r < R; ++r) {
+        float* dst = o + r * o_stride + 16 * c;
+        __m256 const f = _mm256_set1_ps(ps[r]);
+        __m256i const first = _mm256_permute2x128_si256(lo[r], hi[r], 0x20);
+        __m256i const second = _mm256_permute2x128_si256(lo[r], hi[r], 0x31);
+        _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), f, _mm256_loadu_ps(dst)));
+        _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), f, _mm256_loadu_ps(dst + 8)));
+      }
+    }
+  }
+
+  template <int kHd>
+  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
+                       int n, int hd) {
+    int const nc = kHd ? kHd / 16 : hd / 16;
+    constexpr int R = 4;
+    alignas(32) std::int16_t pc[R][kKeyTile];
+    float ps[R];
+    for (int r0 = 0; r0 < rows; r0 += R) {
+      int const m = std::min(R, rows - r0);
+      for (int r = 0; r < m; ++r) ps[r] = prob_codes(pc[r], p + (r0 + r) * p_stride);
+      float* dst = o + r0 * o_stride;
+      switch (m) {
+        case 4:
+          pv_codes_block<4>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        case 3:
+          pv_codes_block<3>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        case 2:
+          pv_codes_block<2>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        default:
+          pv_codes_block<1>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+      }
+    }
   }
 
   static void transpose(Reg* r) {

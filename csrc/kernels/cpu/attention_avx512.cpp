@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <bit>
+#include <cstring>
 
 #define INFLIGHT_ATTENTION_ISA avx512
 #include "attention_dispatch.h"
@@ -117,6 +118,87 @@ struct Vec512 {
         for (int i = 0; i < 16; ++i) parts[i] = i < m ? dot(kw[i]) : _mm512_setzero_si512();
         _mm512_storeu_ps(s + r * s_stride + w0,
                          _mm512_mul_ps(_mm512_cvtepi32_ps(reduce_lanes_epi32(parts)), _mm512_set1_ps(sq[r])));
+      }
+    }
+  }
+
+  // A row of kKeyTile probabilities (times their keys' V scales, all >= 0) as int16 codes
+  // round(p * (32767 / max p)) (ties to even, the rounding mode's default); returns max p / 32767.
+  static float prob_codes(std::int16_t* codes, float const* p) {
+    static_assert(kKeyTile == 32);
+    __m512 const a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    float const amax = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    __m512 const f = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, f))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, f))));
+    return amax / 32767.0f;
+  }
+
+  // o[r] += ps[r] * float(sum_i pc[r][i] * vrows[i]) for R rows, 32 columns at a time: two keys' int16
+  // V codes interleaved per column (VPUNPCK{L,H}WD), so one VPDPWSSD adds a key pair's products for 16
+  // columns; the unpacks' column order is undone once per tile (VPERMT2D).
+  template <int R>
+  static void pv_codes_block(float* o, int o_stride, std::int16_t const (*pc)[kKeyTile], float const* ps,
+                             std::int8_t const* const* vrows, int n, int nc) {
+    __m512i const idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    __m512i const idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    auto codes = [](std::int8_t const* v) {
+      return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(v)));
+    };
+    for (int c = 0; c < nc; ++c) {
+      __m512i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      auto add_pair = [&](int i, __m512i a, __m512i b) {
+        __m512i const il = _mm512_unpacklo_epi16(a, b), ih = _mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < R; ++r) {
+          std::int32_t pair;
+          std::memcpy(&pair, pc[r] + i, sizeof(pair));
+          __m512i const pp = _mm512_set1_epi32(pair);
+          lo[r] = _mm512_dpwssd_epi32(lo[r], pp, il);
+          hi[r] = _mm512_dpwssd_epi32(hi[r], pp, ih);
+        }
+      };
+      int i = 0;
+      for (; i + 1 < n; i += 2) add_pair(i, codes(vrows[i] + 32 * c), codes(vrows[i + 1] + 32 * c));
+      if (i < n) add_pair(i, codes(vrows[i] + 32 * c), _mm512_setzero_si512());  // an odd last key (code 0 after it)
+      for (int r = 0; r < R; ++r) {
+        float* dst = o + r * o_stride + 32 * c;
+        __m512 const f = _mm512_set1_ps(ps[r]);
+        _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], idx0, hi[r])), f,
+                                              _mm512_loadu_ps(dst)));
+        _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], idx1, hi[r])), f,
+                                                   _mm512_loadu_ps(dst + 16)));
+      }
+    }
+  }
+
+  // P.V over an int8 cache's bare V codes for `rows` rows of p (p_stride apart; hd: a multiple of 32).
+  template <int kHd>
+  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
+                       int n, int hd) {
+    int const nc = kHd ? kHd / 32 : hd / 32;
+    constexpr int R = 4;
+    alignas(64) std::int16_t pc[R][kKeyTile];
+    float ps[R];
+    for (int r0 = 0; r0 < rows; r0 += R) {
+      int const m = std::min(R, rows - r0);
+      for (int r = 0; r < m; ++r) ps[r] = prob_codes(pc[r], p + (r0 + r) * p_stride);
+      float* dst = o + r0 * o_stride;
+      switch (m) {
+        case 4:
+          pv_codes_block<4>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        case 3:
+          pv_codes_block<3>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        case 2:
+          pv_codes_block<2>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
+        default:
+          pv_codes_block<1>(dst, o_stride, pc, ps, vrows, n, nc);
+          break;
       }
     }
   }

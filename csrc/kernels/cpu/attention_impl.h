@@ -281,6 +281,19 @@ struct AttentionKernels {
       for (int i = n; i < kKeyTile; ++i) s[r * kKeyTile + i] = kNegInf;
   }
 
+  // o[r] += P[r] . V for rows r < rows of p (kKeyTile apart, the probabilities times their keys' V
+  // scales) over the bare V codes, as integers: per row and tile the probabilities become int16 codes
+  // with one scale (round(p * 32767 / max p)), the sums of codes times V codes are exact int32, and the
+  // row gains sum * scale (VPDPWSSD / VPMADDWD over key pairs, or a scalar loop: the same sums). Half
+  // the work of widening V to fp32 for a GQA group; the reference twins round P the same way.
+  static void code_pv(float* o, float const* p, int rows, C const* const* vcodes, int n, int hd) {
+    if constexpr (kInt8) {
+      V::template pv_codes<kHeadDim>(o, hd, p, kKeyTile, rows, vcodes, n, hd);
+    } else {
+      (void)o, (void)p, (void)rows, (void)vcodes, (void)n, (void)hd;
+    }
+  }
+
   static void store_output_row(T* dst, float const* acc, float inv_l, int nvec_rt) {
     int const nvec = vecs(nvec_rt);
     Reg const f = V::set1(inv_l);
@@ -471,7 +484,11 @@ struct AttentionKernels {
           scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
           if constexpr (kInt8) mul_rows(s + h * kKeyTile, vscale + gi * kKeyTile, kTileVecs);
         }
-        pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
+        bool int_pv = false;
+        if constexpr (kInt8) {
+          if (codes) code_pv(acc + gi * group * hd, s + gi * group * kKeyTile, group, vrows, n, hd), int_pv = true;
+        }
+        if (!int_pv) pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
       }
     }
 
@@ -570,6 +587,7 @@ struct AttentionKernels {
     float const* vrows[kKeyTile];
     float const* krows[kKeyTile];  // batch invariance: fp32 key rows (in place, or widened into kt)
     C const* ksrc[kKeyTile];
+    C const* vsrc[kKeyTile];  // batch invariance over an int8 cache: the V codes in place
     alignas(64) float kscale[kKeyTile];
     alignas(64) float vscale[kKeyTile];
     float m[kMaxContextRows], l[kMaxContextRows];
@@ -579,7 +597,7 @@ struct AttentionKernels {
         load_query_rows(qf + (r * group + h) * hd,
                         q + int64_t(tok0 + r0 + r) * p.q_token_stride + (int64_t(g) * group + h) * p.q_head_stride,
                         p.scale * kLog2e * k_factor(p), nvec);
-    // Batch invariance over an int8 cache: integer scores as decode computes them.
+    // Batch invariance over an int8 cache: integer scores and P.V as decode computes them.
     bool const codes = invariant && int_scores(hd);
     alignas(64) std::int16_t qcodes[kInt8 ? kMaxContextRows * kBufHd : 1];
     float qscale[kInt8 ? kMaxContextRows : 1];
@@ -608,7 +626,11 @@ struct AttentionKernels {
             widen_row(kt + i * hd, k_cache + row * hd, hd);  // int8: the codes, scaled below
             krows[i] = kt + i * hd;
           }
-          vrows[i] = row_f32(v_cache + row * hd, 1.0f, vbuf + i * hd, nvec);
+          if (codes) {
+            vsrc[i] = v_cache + row * hd;
+          } else {
+            vrows[i] = row_f32(v_cache + row * hd, 1.0f, vbuf + i * hd, nvec);
+          }
         }
         if (codes) code_scores(s, qcodes, qscale, rows, ksrc, n, hd);
         for (int r = 0; r < rows; ++r) {
@@ -655,7 +677,11 @@ struct AttentionKernels {
         scale_row(o + r * hd, softmax_update(s + r * kKeyTile, m[r], l[r]), nvec);
         if (kInt8 && invariant) mul_rows(s + r * kKeyTile, vscale, kTileVecs);  // V holds the bare codes
       }
-      pv_rows(o, hd, s, kKeyTile, vrows, n, rows, nvec);
+      if (codes) {
+        code_pv(o, s, rows, vsrc, n, hd);
+      } else {
+        pv_rows(o, hd, s, kKeyTile, vrows, n, rows, nvec);
+      }
     }
 
     T* out = static_cast<T*>(p.out);

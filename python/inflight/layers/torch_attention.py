@@ -15,10 +15,7 @@ with a reference to its metadata object, so identity comparison cannot be fooled
 
 An :class:`~inflight.layers.attention.Int8KvCache` is written with the kernels' quantiser (the plain-
 torch twin, :func:`inflight.ops.reference.attention.quantize_kv`: the same codes and scales) and read
-dequantised to q's dtype, after which the attention is the float cache's, except that the queries are
-first rounded to the int16 codes the kernels multiply by the key codes
-(:func:`~inflight.ops.reference.attention.quantize_query`, head_dim a multiple of 32, CPU tensors; the
-kernels do that for context chunks only when batch-invariant, the default). An
+dequantised to q's dtype, after which the attention is the float cache's. An
 :class:`~inflight.layers.attention.Fp8KvCache` likewise: written with the kernels' encoder's twin
 (:func:`~inflight.ops.reference.attention.quantize_kv_fp8`, the same bytes) and read as
 ``kv.view(torch.float8_e4m3fn).float() * scale``.
@@ -38,13 +35,7 @@ from inflight.layers.attention import (
     Int8KvCache,
     KvCacheLike,
 )
-from inflight.ops.reference.attention import (
-    dequantize_kv,
-    dequantize_kv_fp8,
-    quantize_kv,
-    quantize_kv_fp8,
-    quantize_query,
-)
+from inflight.ops.reference.attention import dequantize_kv, dequantize_kv_fp8, quantize_kv, quantize_kv_fp8
 
 # SDPA grew enable_gqa in torch 2.5; older torches get repeat_interleave instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -212,8 +203,6 @@ class TorchAttentionBackend(AttentionBackend):
             flat[0].index_copy_(0, metadata.slot_mapping, k)
             flat[1].index_copy_(0, metadata.slot_mapping, v)
 
-        if isinstance(flat_scales, torch.Tensor) and head_dim % 32 == 0 and q.device.type == "cpu":
-            q = quantize_query(q, scale)  # the kernels' integer q.k scores
         outs = []
         for g in self._get_plan(metadata, q.device, window):
             if g.max_q == 1:

@@ -12,8 +12,11 @@ quantiser bit for bit (the same codes and scales), and the attention twins read 
 (``codes.float() * scale``, then rounded to q's dtype), so called with fp32 q they are the fp32
 reference on the dequantised KV. The CPU kernels multiply int16 codes of the query (each head row of
 ``q * scale * log2(e)`` with one scale, :func:`quantize_query`) by the int8 key codes in exact integer
-sums where ``head_dim`` is a multiple of 32; the twins read that query too on CPU tensors, so they stay
-the kernels' math up to fp32 rounding (on CUDA tensors they read q as it is, as the CUDA kernels do).
+sums where ``head_dim`` is a multiple of 32, and likewise P.V: each tile of :data:`KEY_TILE` keys'
+probabilities times their V scales as int16 codes with one scale per row (``round(p * 32767 / max)``)
+times the bare V codes. The twins do both on CPU tensors, so they stay the kernels' math up to fp32
+rounding and the odd code one step apart (on CUDA tensors they read q and P as they are, as the CUDA
+kernels do).
 
 FP8 KV cache (a uint8 ``kv_cache`` of E4M3 bytes, or a ``torch.float8_e4m3fn`` one, with ``k_scale`` and
 ``v_scale``): :func:`quantize_kv_fp8` is the kernels' encoder bit for bit (``(x / scale).clamp(-448,
@@ -77,6 +80,7 @@ def dequantize_kv(
 
 
 LOG2E = 1.4426950408889634
+KEY_TILE = 32  # the CPU kernels' keys per tile (each tile's probabilities share one int16 scale)
 
 
 def quantize_query(q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -140,6 +144,41 @@ def store_kv(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+def _slots(kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens_host: list[int]) -> torch.Tensor:
+    """The flat cache slot of each sequence's key j < max_kv, ``[batch * max_kv]``."""
+    tpb = kv_cache.shape[2]
+    batch, max_kv = len(kv_lens_host), max(kv_lens_host)
+    nblk = -(-max_kv // tpb)
+    tables = block_tables[:, :nblk].to(torch.int64)
+    offsets = torch.arange(tpb, device=kv_cache.device)
+    return (tables[:, :, None] * tpb + offsets).reshape(batch, nblk * tpb)[:, :max_kv].reshape(-1)
+
+
+def _int_pv(
+    probs: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens_host: list[int],
+    kv_scales: torch.Tensor,
+) -> torch.Tensor:
+    """``probs [batch, kvh, rows, max_kv]`` (fp32) times V as the CPU kernels multiply an int8 cache's
+    V: per row and tile of :data:`KEY_TILE` keys (from key 0), ``p * v_scale`` as int16 codes
+    ``round(p * (32767 / max))`` with the scale ``max / 32767``, times the bare V codes. Returns
+    ``[batch, kvh, rows, head_dim]`` fp32."""
+    _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
+    batch, kvh, rows, max_kv = probs.shape
+    slots = _slots(kv_cache, block_tables, kv_lens_host)
+    codes = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)[1].index_select(0, slots)
+    vscales = _flat_scales(kv_cache, kv_scales)[1].index_select(0, slots).view(batch, max_kv, kvh)
+    p = probs * vscales.permute(0, 2, 1)[:, :, None, :]
+    tiles = -(-max_kv // KEY_TILE)
+    p = torch.nn.functional.pad(p, (0, tiles * KEY_TILE - max_kv)).view(batch, kvh, rows, tiles, KEY_TILE)
+    amax = p.amax(-1, keepdim=True)
+    mult = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    pq = (torch.round(p * mult) * (amax / 32767.0)).view(batch, kvh, rows, tiles * KEY_TILE)[..., :max_kv]
+    return torch.matmul(pq, codes.view(batch, max_kv, kvh, head_dim).permute(0, 2, 1, 3).float())
+
+
 def _gather_kv(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -152,10 +191,7 @@ def _gather_kv(
     dtype, or for an int8 or fp8 cache dequantised to ``dtype``."""
     _, num_blocks, tpb, num_kv_heads, head_dim = kv_cache.shape
     batch, max_kv = len(kv_lens_host), max(kv_lens_host)
-    nblk = -(-max_kv // tpb)
-    tables = block_tables[:, :nblk].to(torch.int64)
-    offsets = torch.arange(tpb, device=kv_cache.device)
-    slots = (tables[:, :, None] * tpb + offsets).reshape(batch, nblk * tpb)[:, :max_kv].reshape(-1)
+    slots = _slots(kv_cache, block_tables, kv_lens_host)
     flat = kv_cache.view(2, num_blocks * tpb, num_kv_heads, head_dim)
     kv = flat.index_select(1, slots)
     if kv_cache.dtype == torch.int8:
@@ -197,8 +233,13 @@ def paged_attention(
     if window > 0:  # the query sits at kv_len - 1
         valid &= j > kv_len_t - 1 - window
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    result = torch.matmul(probs, value.transpose(1, 2)).reshape(batch, num_heads, head_dim)
+    if _int_scores(kv_cache, head_dim):
+        probs = torch.softmax(scores, dim=-1)
+        result = _int_pv(probs, kv_cache, block_tables, lens, kv_scales).to(q.dtype)
+        result = result.reshape(batch, num_heads, head_dim)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        result = torch.matmul(probs, value.transpose(1, 2)).reshape(batch, num_heads, head_dim)
     if out is None:
         return result
     out.copy_(result)
@@ -257,8 +298,12 @@ def context_attention(
 
     scores = torch.matmul(qp, key.permute(0, 2, 3, 1)).float() * scale  # [batch, kvh, group*max_q, max_kv]
     scores = scores.view(batch, num_kv_heads, group, max_q, max_kv).masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv_heads, group * max_q, max_kv)
-    res = torch.matmul(probs, value.transpose(1, 2))  # [batch, kvh, group * max_q, hd]
+    if _int_scores(kv_cache, head_dim):
+        probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group * max_q, max_kv)
+        res = _int_pv(probs, kv_cache, block_tables, lens, kv_scales).to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv_heads, group * max_q, max_kv)
+        res = torch.matmul(probs, value.transpose(1, 2))  # [batch, kvh, group * max_q, hd]
     res = res.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     res = res.reshape(batch * max_q, num_heads, head_dim).index_select(0, q_index)
     if out is None:
