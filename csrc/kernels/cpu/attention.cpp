@@ -54,7 +54,7 @@ struct Vec1 {
     }
   }
 
-  // The vector paths' prob_codes and pv_codes one lane at a time (the same codes, the same int32 sums).
+  // The vector paths' prob_codes and pv_codes_block one lane at a time (the same codes, the same int32 sums).
   static float prob_codes(std::int16_t* codes, float const* p) {
     float amax = 0.0f;
     for (int i = 0; i < kKeyTile; ++i) amax = std::max(amax, p[i]);
@@ -63,16 +63,14 @@ struct Vec1 {
     return amax / 32767.0f;
   }
 
-  template <int kHd>
-  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
-                       int n, int hd) {
-    std::int16_t pc[kKeyTile];
-    for (int r = 0; r < rows; ++r) {
-      float const ps = prob_codes(pc, p + r * p_stride);
+  template <int R>
+  static void pv_codes_block(float* o, int o_stride, std::int16_t const (*pc)[kKeyTile], float const* ps,
+                             std::int8_t const* const* vrows, int n, int hd) {
+    for (int r = 0; r < R; ++r) {
       for (int c = 0; c < hd; ++c) {
         std::int32_t sum = 0;
-        for (int i = 0; i < n; ++i) sum += std::int32_t(pc[i]) * vrows[i][c];
-        o[r * o_stride + c] = fmadd(float(sum), ps, o[r * o_stride + c]);
+        for (int i = 0; i < n; ++i) sum += std::int32_t(pc[r][i]) * vrows[i][c];
+        o[r * o_stride + c] = fmadd(float(sum), ps[r], o[r * o_stride + c]);
       }
     }
   }

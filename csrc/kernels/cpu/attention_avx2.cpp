@@ -104,7 +104,7 @@ struct Vec256 {
     for (int r = 0; r < rows; ++r) qk_codes_row<kHd>(s + r * s_stride, q + r * q_stride, sq[r], krows, n, hd);
   }
 
-  // prob_codes and pv_codes as the AVX-512 path computes them (the same codes, the same int32 sums):
+  // prob_codes and pv_codes_block as the AVX-512 path computes them (the same codes, the same int32 sums):
   // 16 columns at a time, key pairs by VPMADDWD.
   static float prob_codes(std::int16_t* codes, float const* p) {
     static_assert(kKeyTile == 32);
@@ -127,7 +127,8 @@ struct Vec256 {
 
   template <int R>
   static void pv_codes_block(float* o, int o_stride, std::int16_t const (*pc)[kKeyTile], float const* ps,
-                             std::int8_t const* const* vrows, int n, int nc) {
+                             std::int8_t const* const* vrows, int n, int hd) {
+    int const nc = hd / 16;
     auto codes = [](std::int8_t const* v) {
       return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i const*>(v)));
     };
@@ -154,34 +155,6 @@ struct Vec256 {
         __m256i const second = _mm256_permute2x128_si256(lo[r], hi[r], 0x31);
         _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), f, _mm256_loadu_ps(dst)));
         _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), f, _mm256_loadu_ps(dst + 8)));
-      }
-    }
-  }
-
-  template <int kHd>
-  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
-                       int n, int hd) {
-    int const nc = kHd ? kHd / 16 : hd / 16;
-    constexpr int R = 4;
-    alignas(32) std::int16_t pc[R][kKeyTile];
-    float ps[R];
-    for (int r0 = 0; r0 < rows; r0 += R) {
-      int const m = std::min(R, rows - r0);
-      for (int r = 0; r < m; ++r) ps[r] = prob_codes(pc[r], p + (r0 + r) * p_stride);
-      float* dst = o + r0 * o_stride;
-      switch (m) {
-        case 4:
-          pv_codes_block<4>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        case 3:
-          pv_codes_block<3>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        case 2:
-          pv_codes_block<2>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        default:
-          pv_codes_block<1>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
       }
     }
   }

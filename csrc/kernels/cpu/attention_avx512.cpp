@@ -136,12 +136,13 @@ struct Vec512 {
     return amax / 32767.0f;
   }
 
-  // o[r] += ps[r] * float(sum_i pc[r][i] * vrows[i]) for R rows, 32 columns at a time: two keys' int16
-  // V codes interleaved per column (VPUNPCK{L,H}WD), so one VPDPWSSD adds a key pair's products for 16
-  // columns; the unpacks' column order is undone once per tile (VPERMT2D).
+  // o[r] += ps[r] * float(sum_i pc[r][i] * vrows[i]) for R rows (hd: a multiple of 32), 32 columns at a time: two keys'
+  // int16 V codes interleaved per column (VPUNPCK{L,H}WD), so one VPDPWSSD adds a key pair's products for 16 columns;
+  // the unpacks' column order is undone once per tile (VPERMT2D).
   template <int R>
   static void pv_codes_block(float* o, int o_stride, std::int16_t const (*pc)[kKeyTile], float const* ps,
-                             std::int8_t const* const* vrows, int n, int nc) {
+                             std::int8_t const* const* vrows, int n, int hd) {
+    int const nc = hd / 32;
     __m512i const idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     __m512i const idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     auto codes = [](std::int8_t const* v) {
@@ -170,35 +171,6 @@ struct Vec512 {
                                               _mm512_loadu_ps(dst)));
         _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], idx1, hi[r])), f,
                                                    _mm512_loadu_ps(dst + 16)));
-      }
-    }
-  }
-
-  // P.V over an int8 cache's bare V codes for `rows` rows of p (p_stride apart; hd: a multiple of 32).
-  template <int kHd>
-  static void pv_codes(float* o, int o_stride, float const* p, int p_stride, int rows, std::int8_t const* const* vrows,
-                       int n, int hd) {
-    int const nc = kHd ? kHd / 32 : hd / 32;
-    constexpr int R = 4;
-    alignas(64) std::int16_t pc[R][kKeyTile];
-    float ps[R];
-    for (int r0 = 0; r0 < rows; r0 += R) {
-      int const m = std::min(R, rows - r0);
-      for (int r = 0; r < m; ++r) ps[r] = prob_codes(pc[r], p + (r0 + r) * p_stride);
-      float* dst = o + r0 * o_stride;
-      switch (m) {
-        case 4:
-          pv_codes_block<4>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        case 3:
-          pv_codes_block<3>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        case 2:
-          pv_codes_block<2>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
-        default:
-          pv_codes_block<1>(dst, o_stride, pc, ps, vrows, n, nc);
-          break;
       }
     }
   }

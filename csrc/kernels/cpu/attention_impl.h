@@ -286,9 +286,27 @@ struct AttentionKernels {
   // with one scale (round(p * 32767 / max p)), the sums of codes times V codes are exact int32, and the
   // row gains sum * scale (VPDPWSSD / VPMADDWD over key pairs, or a scalar loop: the same sums). Half
   // the work of widening V to fp32 for a GQA group; the reference twins round P the same way.
-  static void code_pv(float* o, float const* p, int rows, C const* const* vcodes, int n, int hd) {
+  // Rows go four at a time: their probability codes, then one pass over V for all four.
+  template <class E>
+  static void code_pv(float* o, float const* p, int rows, E const* const* vcodes, int n, int hd) {
     if constexpr (kInt8) {
-      V::template pv_codes<kHeadDim>(o, hd, p, kKeyTile, rows, vcodes, n, hd);
+      constexpr int R = 4;
+      alignas(64) std::int16_t pc[R][kKeyTile];
+      float ps[R];
+      for (int r0 = 0; r0 < rows; r0 += R) {
+        int const m = std::min(R, rows - r0);
+        for (int r = 0; r < m; ++r) ps[r] = V::prob_codes(pc[r], p + (r0 + r) * kKeyTile);
+        float* dst = o + r0 * hd;
+        if (m == 4) {
+          V::template pv_codes_block<4>(dst, hd, pc, ps, vcodes, n, hd);
+        } else if (m == 3) {
+          V::template pv_codes_block<3>(dst, hd, pc, ps, vcodes, n, hd);
+        } else if (m == 2) {
+          V::template pv_codes_block<2>(dst, hd, pc, ps, vcodes, n, hd);
+        } else {
+          V::template pv_codes_block<1>(dst, hd, pc, ps, vcodes, n, hd);
+        }
+      }
     } else {
       (void)o, (void)p, (void)rows, (void)vcodes, (void)n, (void)hd;
     }
@@ -497,11 +515,11 @@ struct AttentionKernels {
           scale_row(acc + h * hd, softmax_update(s + h * kKeyTile, m[h], l[h]), nvec);
           if constexpr (kInt8) mul_rows(s + h * kKeyTile, vscale + gi * kKeyTile, kTileVecs);
         }
-        bool int_pv = false;
-        if constexpr (kInt8) {
-          if (codes) code_pv(acc + gi * group * hd, s + gi * group * kKeyTile, group, vrows, n, hd), int_pv = true;
+        if (codes) {
+          code_pv(acc + gi * group * hd, s + gi * group * kKeyTile, group, vrows, n, hd);
+        } else {
+          pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
         }
-        if (!int_pv) pv_rows(acc + gi * group * hd, hd, s + gi * group * kKeyTile, kKeyTile, vrows, n, group, nvec);
       }
     }
 
