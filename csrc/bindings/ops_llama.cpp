@@ -168,7 +168,16 @@ class LlamaLayerStack {
   // window_pool (VSWA): per layer, whether its cache is in the window pool, whose caches all have one
   // num_blocks of their own (the others kv_caches[first global layer]'s).
   void set_kv_caches(std::vector<Tensor> caches, std::optional<std::vector<Tensor>> kv_scales,
-                     std::optional<std::vector<float>> fp8_scales, std::optional<std::vector<bool>> window_pool) {
+                     std::optional<std::vector<float>> fp8_scales, std::optional<std::vector<bool>> window_pool,
+                     int key_rotation) {
+    if (key_rotation != 0) {
+      if (!kv_scales) throw_value_error("key_rotation is for an int8 cache (with kv_scales)");
+      bool const pow2 = key_rotation > 0 && (key_rotation & (key_rotation - 1)) == 0;
+      if (!pow2 || shape_.head_dim % key_rotation != 0) {
+        throw_value_error("key_rotation must be 0 or a power of two dividing head_dim (" +
+                          std::to_string(shape_.head_dim) + "), got " + std::to_string(key_rotation));
+      }
+    }
     if (window_pool && window_pool->size() != caches.size()) {
       throw_value_error("window_pool must hold one bool per layer (" + std::to_string(caches.size()) + "), got " +
                         std::to_string(window_pool->size()));
@@ -236,6 +245,7 @@ class LlamaLayerStack {
       }
     }
     shape_.kv_dtype = fp8 ? ScalarType::kFloat8E4M3 : kv_dtype;
+    shape_.key_rotation = key_rotation;
     caches_ = std::move(caches);
     scales_ = kv_scales ? std::move(*kv_scales) : std::vector<Tensor>{};
     caches_set_ = true;
@@ -468,12 +478,14 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "window: the layer's attention window (keys p-window+1 .. p; 0: global). local_rope: the layer "
            "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a, "kv_scales"_a.none() = nb::none(),
-           "fp8_scales"_a.none() = nb::none(), "window_pool"_a.none() = nb::none(),
+           "fp8_scales"_a.none() = nb::none(), "window_pool"_a.none() = nb::none(), "key_rotation"_a = 0,
            "One cache per layer, in the model dtype; or int8 with kv_scales, one float32 [2, num_blocks, "
            "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache); or uint8 "
            "holding FP8 E4M3 bytes, with fp8_scales [k_scale_0, v_scale_0, k_scale_1, ...] (None: all 1). "
            "window_pool (VSWA): per layer, True when its cache is in the window pool (its own num_blocks; "
-           "forward's window_* slots and tables).")
+           "forward's window_* slots and tables). key_rotation (int8 only): after RoPE, rotate each q and k "
+           "head in blocks of this many channels by the Walsh-Hadamard matrix (inflight.layers.attention."
+           "key_rotation_matrices); 0: none.")
       .def("forward", &LlamaLayerStack::forward, "hidden"_a.noconvert(), "cos_sin"_a, "slot_mapping"_a,
            "num_ctx_tokens"_a, "ctx_block_tables"_a.none(), "ctx_cu_seqlens"_a.none(), "ctx_kv_lens"_a.none(),
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),

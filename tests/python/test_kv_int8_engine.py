@@ -19,7 +19,12 @@ from inflight.executor import kv_cache_creator
 from inflight.executor.kv_cache_creator import cpu_kv_budget, kv_bytes_per_token
 from inflight.executor.resource_manager import KVCacheResourceManager
 from inflight.executor.step_channel import allocate_caches
-from inflight.layers.attention import Int8KvCache
+from inflight.layers.attention import (
+    Int8KvCache,
+    key_rotation_block,
+    key_rotation_matrices,
+    key_rotation_shifts,
+)
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.native_attention import NativeAttentionBackend
 from inflight.layers.torch_attention import TorchAttentionBackend
@@ -200,6 +205,7 @@ def test_fused_stack_int8_matches_python_layers(tmp_path, arch, dtype):
     got = _run(model, kv_fused)
     assert isinstance(model.fused_layers(), FusedCpuLayers)
     assert model.fused_layers().accepts(kv_fused.kv_caches, dtype, 5)  # the fused path really ran
+    assert all(layer.key_rotation is not None for layer in model.layers)  # both paths rotate q and k
     model._fused = False
     want = _run(model, kv_ref)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -225,6 +231,90 @@ def test_fused_stack_int8_close_to_float_cache(tmp_path):
     for g, w in zip(got, want):
         rel = ((g - w).norm() / w.norm()).item()
         assert 0 < rel < 0.05, f"relative logits error {rel:.3g}"
+
+
+# ---- key rotation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head_dim, block", [(8, 8), (16, 16), (64, 64), (80, 16), (96, 32), (128, 128), (256, 128)]
+)
+def test_key_rotation_is_an_exact_orthogonal_pair(head_dim, block):
+    assert key_rotation_block(head_dim) == block
+    a, b = key_rotation_shifts(block)
+    assert 2 ** (a + b) == block and a - b in (0, 1)
+    q_mat, k_mat = key_rotation_matrices(head_dim, torch.float32)
+    # Entries +-2**-a / +-2**-b inside the diagonal blocks, zero elsewhere.
+    inside = torch.block_diag(*([torch.ones(block, block)] * (head_dim // block))).bool()
+    assert bool((q_mat.abs()[inside] == 2.0**-a).all()) and bool((q_mat[~inside] == 0).all())
+    assert bool((k_mat.abs()[inside] == 2.0**-b).all()) and bool((k_mat[~inside] == 0).all())
+    # (q Q) . (k K) = q . k: Q K^T is the identity, exactly (sums of powers of two).
+    assert torch.equal(q_mat @ k_mat.T, torch.eye(head_dim))
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, head_dim, generator=gen), torch.randn(7, head_dim, generator=gen)
+    torch.testing.assert_close((q @ q_mat) @ (k @ k_mat).T, q @ k.T, rtol=1e-5, atol=1e-5)
+
+
+def test_key_rotation_cuts_the_int8_logit_error_of_outlier_channels():
+    """Keys whose first channels are 20x the rest (as RoPE'd keys' slow channels are): one int8 scale
+    per row gives the other channels a coarse step; rotated, the logits' error is several times smaller."""
+    gen = torch.Generator().manual_seed(1)
+    head_dim = 64
+    k = torch.randn(512, 1, head_dim, generator=gen)
+    k[..., :4] *= 20
+    q = torch.randn(8, head_dim, generator=gen)
+    q_mat, k_mat = key_rotation_matrices(head_dim, torch.float32)
+
+    def logit_error(keys, queries):
+        codes, scales = ref.quantize_kv(keys)
+        deq = ref.dequantize_kv(codes, scales)[:, 0]
+        return ((queries @ deq.T) - (queries @ keys[:, 0].T)).pow(2).mean().sqrt().item()
+
+    plain = logit_error(k, q)
+    rotated = logit_error(k @ k_mat, q @ q_mat)
+    assert rotated < plain / 3, (plain, rotated)
+
+
+def test_int8_cache_holds_the_rotated_keys(tmp_path, monkeypatch):
+    """The fused stack with rotation on and off (``INFLIGHT_KV_KEY_ROTATION=0``): the cache's keys are
+    the unrotated ones times k_mat (to the codes' rounding), its values the same, the logits close."""
+    path = make_tiny_model(tmp_path, "llama", with_tokenizer=False)
+    runs = {}
+    first = None
+    for flag in ("1", "0"):
+        monkeypatch.setenv("INFLIGHT_KV_KEY_ROTATION", flag)
+        model = _load(path, torch.float32)
+        if first is None:  # both runs: the same blocks and the same garbage in the unwritten slots
+            first = PagedKV.for_model(model, num_blocks=32, tokens_per_block=4, dtype=torch.int8)
+        kv = copy.deepcopy(first)
+        logits = _run(model, kv)
+        assert model.fused_layers().accepts(kv.kv_caches, torch.float32, 5)
+        assert all((layer.key_rotation is not None) == (flag == "1") for layer in model.layers)
+        runs[flag] = (logits, kv)
+    _, k_mat = key_rotation_matrices(model.config.head_dim, torch.float32)
+    caches = zip(runs["1"][1].kv_caches, runs["0"][1].kv_caches, first.kv_caches)
+    for layer, (on, off, before) in enumerate(caches):
+        written = on.scales[0, ..., 0] != before.scales[0, ..., 0]  # [num_blocks, tokens_per_block]
+        assert int(written.sum()) == sum(len(ids) for batch in _STEPS for _, ids in batch)
+        d_on, d_off = ref.dequantize_kv(on.kv, on.scales), ref.dequantize_kv(off.kv, off.scales)
+        k_on, k_off = d_on[0][written], d_off[0][written] @ k_mat
+        rel = (k_on - k_off).norm(dim=(-2, -1)) / k_off.norm(dim=(-2, -1))
+        assert float(rel.max()) < 0.03, rel
+        if layer == 0:  # values are not rotated (later layers' differ by the attention above them)
+            torch.testing.assert_close(d_on[1], d_off[1], rtol=0, atol=0)
+    for g, w in zip(*(runs[f][0] for f in ("1", "0"))):
+        assert ((g - w).norm() / w.norm()).item() < 0.05
+
+
+def test_fused_stack_checks_key_rotation(tmp_path):
+    model = _load(make_tiny_model(tmp_path, "llama", with_tokenizer=False), torch.float32)
+    stack = FusedCpuLayers.build(model)._stack
+    ints = PagedKV.for_model(model, num_blocks=4, tokens_per_block=4, dtype=torch.int8).kv_caches
+    floats = PagedKV.for_model(model, num_blocks=4, tokens_per_block=4).kv_caches
+    with pytest.raises(ValueError, match="key_rotation is for an int8 cache"):
+        stack.set_kv_caches(floats, None, None, None, key_rotation=16)
+    with pytest.raises(ValueError, match=r"key_rotation must be 0 or a power of two dividing head_dim"):
+        stack.set_kv_caches([c.kv for c in ints], [c.scales for c in ints], None, None, key_rotation=3)
 
 
 # ---- the engine -------------------------------------------------------------------------------------

@@ -226,6 +226,22 @@ def test_a_file_that_does_not_belong_is_rebuilt(make_llm, long_model, tmp_path, 
     assert _stats(again)["reusable_num_secondary_blocks"] > 0
 
 
+def test_int8_keys_of_another_rotation_are_refused(make_llm, long_model, tmp_path, caplog, monkeypatch):
+    """An INT8 tier written without key rotation (``INFLIGHT_KV_KEY_ROTATION=0``) holds codes of
+    unrotated keys: an engine that rotates does not adopt them (nor the reverse), and names why."""
+    path = tmp_path / "kv-tier.bin"
+    monkeypatch.setenv("INFLIGHT_KV_KEY_ROTATION", "0")
+    _first_engine(make_llm, long_model, path, "int8")
+    monkeypatch.setenv("INFLIGHT_KV_KEY_ROTATION", "1")
+    with caplog.at_level(logging.INFO, logger="inflight"):
+        llm = make_llm(model=long_model, kv_cache_config=_kv_config(long_model, path, "int8"))
+    warnings = [r.getMessage() for r in caplog.records if "not adopted" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "another layout (kv_encoding: file {'int8_key_rotation': 'off'}, this engine " in warnings[0]
+    assert "'hadamard-v1'" in warnings[0], warnings
+    assert _stats(llm)["reusable_num_secondary_blocks"] == 0
+
+
 def test_a_foreign_model_of_the_same_shape_is_refused(make_llm, long_model, foreign_model, tmp_path, caplog):
     """Another checkpoint with weights of the same shapes, in a directory of the same name: the weights'
     digest tells them apart, and the foreign engine recomputes (its own tokens, not the prefix's KV of

@@ -1,6 +1,6 @@
 """INT8 KV cache on the default model (SmolLM2-135M-Instruct, its GGUF): greedy tokens against a bf16
-KV cache, and perplexity against an fp32 one (issue 16's acceptance bounds; the greedy one is not met,
-see the comment above its test). Gated like test_smollm2.py: skipped where the model package is not installed."""
+KV cache, and perplexity against an fp32 one (issue 16's acceptance bounds). Gated like test_smollm2.py:
+skipped where the model package is not installed."""
 
 from __future__ import annotations
 
@@ -50,14 +50,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-# Issue 16 asks for 6 of 8 prompts identical to bf16 KV over 32 tokens; the per-token scheme measures 4
-# of 8 (the others diverge after 9, 10, 16 and 25 tokens), where the same engine with a bf16 cache
-# is 8 of 8 identical to an fp32 one: a row's int8 step is max|x| / 127 and SmolLM2's keys have outlier
-# channels, so most channels get a coarse step. That bound is open (a better K quantiser), not tested.
-def test_int8_kv_greedy_diverges_late(greedy_tokens):
-    """What int8 KV does keep: at least half the prompts agree with bf16 KV on their first 16 tokens."""
+# Issue 16's bound: 6 of 8 prompts identical to bf16 KV over 32 tokens. A greedy run flips at the first
+# near-tie (SmolLM2 has top-2 margins of 0.0002 nats on these prompts), so this counts the rotated
+# keys' precision only roughly: unrotated keys (INFLIGHT_KV_KEY_ROTATION=0) give 4 of 8 on the same
+# machine; docs/architecture.md has the rates over 24 prompts and each CPU path.
+def test_int8_kv_greedy_matches_bf16_kv_on_6_of_8_prompts(greedy_tokens):
     prefixes = [_common_prefix(g, w) for g, w in zip(greedy_tokens["int8"], greedy_tokens["bfloat16"])]
-    assert sum(p >= 16 for p in prefixes) >= 4, prefixes
+    assert sum(p == MAX_TOKENS for p in prefixes) >= 6, prefixes
 
 
 def test_int8_kv_perplexity_within_2_percent_of_fp32_kv():

@@ -136,10 +136,38 @@ void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float 
 // RoPE (rotate-half) on the q and k heads of each qkv row, in place: x*cos + roll(x, hd/2)*signed_sin,
 // each product and the sum rounded to T (three torch ops in the Python layer). With q_norm / k_norm
 // (QK-norm) each head is first normalised (its rounding points kept: RoPE reads the rounded values).
+// The unnormalised Walsh-Hadamard transform (Sylvester order: x -> H x, H H^T = n I) of each block of n
+// values of x[0 .. len), in place, in float.
+inline void hadamard_blocks(float* x, int len, int n) {
+  for (int base = 0; base < len; base += n) {
+    float* b = x + base;
+    for (int h = 1; h < n; h <<= 1) {
+      for (int i = 0; i < n; i += 2 * h) {
+        for (int j = i; j < i + h; ++j) {
+          float const u = b[j], v = b[j + h];
+          b[j] = u + v;
+          b[j + h] = u - v;
+        }
+      }
+    }
+  }
+}
+
+// The scalings after hadamard_blocks of a block of n (a power of two): 2^-a on q, 2^-b on k, a + b = log2 n
+// (as inflight.layers.attention.key_rotation_shifts), so q . k is unchanged.
+inline void key_rotation_scales(int n, float* q_scale, float* k_scale) {
+  int log = 0;
+  while ((1 << log) < n) ++log;
+  *q_scale = std::ldexp(1.0f, -((log + 1) / 2));
+  *k_scale = std::ldexp(1.0f, -(log / 2));
+}
+
 template <class T, bool kGemma>
 void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int num_heads, int num_kv_heads,
-                  int head_dim, T const* q_norm, T const* k_norm, float eps, Threads threads) {
+                  int head_dim, T const* q_norm, T const* k_norm, float eps, int key_rotation, Threads threads) {
   int const half = head_dim / 2;
+  float q_rot_scale = 1.0f, k_rot_scale = 1.0f;
+  if (key_rotation > 0) key_rotation_scales(key_rotation, &q_rot_scale, &k_rot_scale);
   for_tokens(num_tokens, threads, [&](int t) {
     T const* cs = cos_sin + std::int64_t(t) * 2 * head_dim;
     float cosv[kMaxHeadDim], sinv[kMaxHeadDim], x[kMaxHeadDim];
@@ -160,6 +188,13 @@ void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tok
       for (int i = 0; i < head_dim; ++i) {
         int const src = i < half ? i + half : i - half;
         head[i] = from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i]));
+      }
+      if (key_rotation > 0) {  // an INT8 cache: rotate the RoPE'd head (rounded to T, as the Python layer)
+        float y[kMaxHeadDim];
+        for (int i = 0; i < head_dim; ++i) y[i] = to_float(head[i]);
+        hadamard_blocks(y, head_dim, key_rotation);
+        float const sc = h < num_heads ? q_rot_scale : k_rot_scale;
+        for (int i = 0; i < head_dim; ++i) head[i] = from_float<T>(y[i] * sc);
       }
     }
   });
@@ -410,7 +445,7 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
     linear(L.qkv, normed, qkv, nt, s.dtype, threads, scratch);
     qk_norm_rope<T, kGemma>(qkv, qkv_n, L.local_rope ? cos_sin_local : cos_sin, nt, s.num_heads, s.num_kv_heads,
                             s.head_dim, static_cast<T const*>(s.qk_norm ? L.q_norm : nullptr),
-                            static_cast<T const*>(L.k_norm), s.eps, threads);
+                            static_cast<T const*>(L.k_norm), s.eps, s.key_rotation, threads);
     // VSWA: a layer of the window pool stores and reads through that pool's slots and tables.
     int const num_blocks = L.window_pool ? L.num_blocks : s.num_blocks;
     store.slot_mapping = L.window_pool ? step.window_slot_mapping : step.slot_mapping;

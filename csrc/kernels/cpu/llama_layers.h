@@ -87,6 +87,10 @@ struct LlamaShape {
   bool a8 = false;                             // some projection is A8 (a8_gemm.h): likewise
   bool qk_norm = false;                        // q_norm / k_norm per head before RoPE (Qwen3, Gemma 3)
   bool gemma = false;                          // Gemma 3's layer (see the top of this file)
+  // INT8 KV key rotation (inflight.layers.attention.key_rotation_matrices): after RoPE each q and k head
+  // is rotated in blocks of key_rotation channels by the Sylvester Hadamard matrix (q scaled by 2^-a,
+  // k by 2^-b: key_rotation_shifts); 0: none.
+  int key_rotation = 0;
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };

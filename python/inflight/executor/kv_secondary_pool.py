@@ -111,7 +111,8 @@ class SecondaryKvPool:
     """``num_blocks`` secondary blocks shaped like the primary pool's tensors ``primary`` (see the module
     doc). With ``path`` and ``identity`` (a JSON-able dict naming the model: the engine's
     :func:`~inflight.executor.py_executor_creator.model_identity`) the tier is persistent: a matching file
-    is adopted (:attr:`adopted`) and :meth:`save` writes its index."""
+    is adopted (:attr:`adopted`) and :meth:`save` writes its index. ``encoding``: what the cache's bytes
+    stand for beyond their dtype (``{"int8_key_rotation": ...}``), recorded with the layout."""
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class SecondaryKvPool:
         num_blocks: int,
         path: str | None = None,
         identity: dict[str, Any] | None = None,
+        encoding: dict[str, str] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -149,6 +151,8 @@ class SecondaryKvPool:
                     "head_dim": int(primary[0].shape[5]) if primary[0].dim() > 5 else 0,
                     "num_blocks": num_blocks,
                     "file_bytes": self.nbytes,
+                    # What the bytes stand for beyond their dtype (INT8: keys rotated or not).
+                    "kv_encoding": encoding,
                 },
             }
             if len(self._meta_bytes()) > _META_MAX:

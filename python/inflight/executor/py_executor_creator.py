@@ -64,6 +64,7 @@ from inflight.executor.scheduler import (
 )
 from inflight.executor.speculative import NgramDrafter, Speculator
 from inflight.executor.step_channel import PipeLink
+from inflight.layers.attention import key_rotation_mode
 from inflight.llm_args import LlmArgs
 from inflight.models.config import ModelConfig
 from inflight.models.gguf_loader import resolve_known_model
@@ -258,6 +259,8 @@ def _create(
         num_secondary,
         kv_config.host_cache_path,
         identity,
+        # INT8: the codes are of rotated keys (or not), so a tier written under the other rule is refused.
+        kv_encoding={"int8_key_rotation": key_rotation_mode()} if kv_dtype == torch.int8 else None,
     )
     if windows is not None:
         logger.info("%s", windows.describe(kv_config.tokens_per_block))

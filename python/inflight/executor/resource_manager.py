@@ -243,13 +243,15 @@ class KVCacheResourceManager(BaseResourceManager):
         host_cache_path: str | None = None,
         identity: dict[str, Any] | None = None,
         attention_window: int = 0,
+        kv_encoding: dict[str, str] | None = None,
     ) -> KVCacheResourceManager:
         """A C++ KVCacheManager of ``num_blocks`` blocks and the zero-filled pool they index; with
         ``num_secondary_blocks``, its secondary level and that tier's memory (a file at
         ``host_cache_path``, else host memory). With the file, block reuse and the model's
         ``identity``, the tier is persistent: the cached prefixes a previous engine left in the file
         are adopted (docs/batch-manager.md §3.10) and the index is written again at shutdown.
-        ``attention_window``: the manager of the layers of one sliding window (VSWA, §3.11)."""
+        ``attention_window``: the manager of the layers of one sliding window (VSWA, §3.11).
+        ``kv_encoding``: what the pool's bytes stand for beyond their dtype, recorded by a persistent tier."""
         if attention_window:
             impl = KVCacheManager(
                 num_blocks,
@@ -269,7 +271,9 @@ class KVCacheResourceManager(BaseResourceManager):
         if num_secondary_blocks:
             tensors = [pool] if scales is None else [pool, scales]
             persistent = identity if enable_block_reuse else None
-            secondary = SecondaryKvPool(tensors, num_secondary_blocks, host_cache_path, persistent)
+            secondary = SecondaryKvPool(
+                tensors, num_secondary_blocks, host_cache_path, persistent, kv_encoding
+            )
         manager = cls(impl, pool, scales, secondary)
         manager._adopt()
         return manager

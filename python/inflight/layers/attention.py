@@ -15,14 +15,74 @@ A layer's cache is that tensor in a float dtype, an :class:`Int8KvCache` (``KvCa
 "int8")``): int8 codes in the same layout plus one fp32 scale per token per KV head, or an
 :class:`Fp8KvCache` (``KvCacheConfig(dtype="fp8")``): FP8 E4M3 bytes in the same layout and one scale
 per tensor for K and for V. Backends take any of them (``KvCacheLike``).
+
+INT8 key rotation: over an INT8 cache a layer rotates each query and key head by the same orthogonal
+Walsh-Hadamard matrix before the keys are stored (:func:`key_rotation_matrices`), so ``q . k`` is what
+it was while each key row's one scale no longer follows its few largest channels alone.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
+
+# The rotation INT8 KV keys carry: recorded by a persistent KV tier (its codes are rotated keys), so a
+# cache written under another rule is not adopted.
+KEY_ROTATION_VERSION = "hadamard-v1"
+KEY_ROTATION_MAX_BLOCK = 128
+
+
+def key_rotation_enabled() -> bool:
+    """INT8 KV key rotation, on unless ``INFLIGHT_KV_KEY_ROTATION=0`` (kept for comparisons)."""
+    return os.environ.get("INFLIGHT_KV_KEY_ROTATION", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def key_rotation_mode() -> str:
+    """:data:`KEY_ROTATION_VERSION`, or ``"off"`` under ``INFLIGHT_KV_KEY_ROTATION=0``."""
+    return KEY_ROTATION_VERSION if key_rotation_enabled() else "off"
+
+
+def key_rotation_block(head_dim: int) -> int:
+    """The Walsh-Hadamard block of a head: the largest power of two dividing ``head_dim``, at most
+    :data:`KEY_ROTATION_MAX_BLOCK` (64 for head_dim 64, 32 for 96, 128 for 128 and 256)."""
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    return min(head_dim & -head_dim, KEY_ROTATION_MAX_BLOCK)
+
+
+def key_rotation_shifts(block: int) -> tuple[int, int]:
+    """``(a, b)``: queries are scaled by ``2**-a`` and keys by ``2**-b`` after the unnormalised
+    transform (``H H^T = block * I``), ``a + b = log2(block)``, so ``(H q / 2**a) . (H k / 2**b) = q . k``
+    with scalings that round nothing."""
+    log = block.bit_length() - 1
+    return (log + 1) // 2, log // 2
+
+
+@functools.lru_cache(maxsize=16)
+def key_rotation_matrices(
+    head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_mat, k_mat)`` ``[head_dim, head_dim]`` in ``dtype``: ``q @ q_mat`` and ``k @ k_mat`` rotate
+    each head in blocks of :func:`key_rotation_block` by the Sylvester Hadamard matrix, scaled by
+    :func:`key_rotation_shifts` (entries +-2**-a and +-2**-b, exact in every float dtype).
+
+    Why: an INT8 cache stores each key row with one scale, ``max |k| / 127``; RoPE'd keys have a few
+    channels much larger than the rest, so most channels get a coarse step and ``q . k`` loses precision.
+    The rotation spreads each large channel over the whole block (SmolLM2: half the log-likelihood
+    noise of an unrotated INT8 cache); queries rotate the same way, so attention is unchanged but for
+    rounding."""
+    block = key_rotation_block(head_dim)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    a, b = key_rotation_shifts(block)
+    full = torch.block_diag(*([h] * (head_dim // block)))
+    # Transposed: x @ m applies H (symmetric) to each row x.
+    return (full * 2.0**-a).to(dtype=dtype, device=device), (full * 2.0**-b).to(dtype=dtype, device=device)
 
 
 @dataclass(frozen=True, eq=False)

@@ -190,17 +190,24 @@ class FusedCpuLayers:
             isinstance(c, torch.Tensor) and c.dtype == dtype and c.device.type == "cpu" for c in kv_caches
         )
 
-    def _bind_caches(self, kv_caches: list[KvCacheLike], window_pool: tuple[bool, ...] | None = None) -> None:
+    def _bind_caches(
+        self, kv_caches: list[KvCacheLike], window_pool: tuple[bool, ...] | None = None, key_rotation: int = 0
+    ) -> None:
         int8 = bool(kv_caches) and isinstance(kv_caches[0], Int8KvCache)
         fp8 = bool(kv_caches) and isinstance(kv_caches[0], Fp8KvCache)
         tensors = [c.kv for c in kv_caches] if int8 or fp8 else kv_caches
-        ids = (tuple(c.data_ptr() for c in tensors), window_pool)
+        key_rotation = key_rotation if int8 else 0
+        ids = (tuple(c.data_ptr() for c in tensors), window_pool, key_rotation)
         if self._caches is kv_caches and ids == self._cache_ids:
             return
         scales = [_dl(c.scales) for c in kv_caches] if int8 else None
         fp8_scales = [s for c in kv_caches for s in (float(c.k_scale), float(c.v_scale))] if fp8 else None
         self._stack.set_kv_caches(
-            [_dl(c) for c in tensors], scales, fp8_scales, list(window_pool) if window_pool else None
+            [_dl(c) for c in tensors],
+            scales,
+            fp8_scales,
+            list(window_pool) if window_pool else None,
+            key_rotation=key_rotation,
         )
         self._caches, self._cache_ids = kv_caches, ids
 
@@ -212,18 +219,20 @@ class FusedCpuLayers:
         kv_caches: list[KvCacheLike],
         tp=None,
         local_cos_sin: torch.Tensor | None = None,  # [T, 2, head_dim] of rotary_local (Gemma 3)
+        key_rotation: int = 0,
     ) -> torch.Tensor:
         """``tp``: the model's :class:`~inflight.parallel.comm.TensorParallel`; with more than one rank
         the stack calls back after each o_proj and down_proj to all-reduce the partial products.
         ``local_cos_sin``: the RoPE rows of the sliding layers' table, read when :attr:`local_rope`
-        (ignored otherwise)."""
+        (ignored otherwise). ``key_rotation``: over an INT8 cache, the Walsh-Hadamard block the layers
+        rotate q and k with after RoPE, as the Python layers' ``key_rotation`` (0: none)."""
         # VSWA (accepts: one window pool): its layers read it through its own slots and block tables.
         window_md = next(iter(metadata.window_metadata.values())) if metadata.window_metadata else None
         window_pool = None
         if window_md is not None:
             w = next(iter(metadata.window_metadata))
             window_pool = tuple(lw == w for lw in self.layer_windows)
-        self._bind_caches(kv_caches, window_pool)
+        self._bind_caches(kv_caches, window_pool, key_rotation)
         plan = plan_kernels(metadata)
         wplan = plan_kernels(window_md) if window_md is not None else None
         none = None

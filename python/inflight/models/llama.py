@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.layers.attention import AttentionBackend, AttentionMetadata, KvCacheLike
+from inflight.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Int8KvCache,
+    KvCacheLike,
+    key_rotation_block,
+    key_rotation_enabled,
+    key_rotation_matrices,
+)
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import GemmaRMSNorm, RMSNorm
@@ -122,6 +130,9 @@ class LlamaDecoderLayer(nn.Module):
         if experts is not None and all(cls is Linear for cls in experts):
             experts = None
         self.moe = make_moe_block(config, layer_idx, dtype, device, tp, experts)
+        # INT8 KV key rotation (attention.key_rotation_matrices): (q_mat, k_mat), set by the model on
+        # its first step over an INT8 cache; None: queries and keys attend as they are.
+        self.key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gate_up_proj = self.down_proj = None
         if self.moe is None:
             self.gate_up_proj = make("gate_up_proj")(
@@ -206,6 +217,8 @@ class LlamaDecoderLayer(nn.Module):
         # q and k rotate together: one RoPE application instead of two.
         qk = apply_rotary(qk, cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.key_rotation is not None and isinstance(kv_cache, Int8KvCache):
+            q, k = q @ self.key_rotation[0], k @ self.key_rotation[1]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.gemma:
             attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window)
@@ -323,6 +336,7 @@ class LlamaForCausalLM(nn.Module):
             )
         # FusedCpuLayers once built, False when unsupported, None: not decided yet.
         self._fused = None
+        self._key_rotation_set = False  # _set_key_rotation has run (on the first INT8-KV step)
         self.rotary = RotaryEmbedding(
             config.head_dim, max_seq_len, config.rope_theta, config.rope_scaling, dtype=dtype, device=device
         )
@@ -352,6 +366,15 @@ class LlamaForCausalLM(nn.Module):
         return (2, num_blocks, tokens_per_block, self.num_kv_heads, self.config.head_dim)
 
     # ---- forward ---------------------------------------------------------------------------------
+
+    def _set_key_rotation(self) -> None:
+        """On the first step over an INT8 cache: every layer rotates its queries and keys
+        (attention.key_rotation_matrices) unless ``INFLIGHT_KV_KEY_ROTATION=0``."""
+        self._key_rotation_set = True
+        if key_rotation_enabled():
+            mats = key_rotation_matrices(self.config.head_dim, self.dtype, self.rotary.cos_sin.device)
+            for layer in self.layers:
+                layer.key_rotation = mats
 
     def fused_layers(self):
         """The layer stack run from C++ (:class:`~inflight.layers.fused_cpu.FusedCpuLayers`), or None.
@@ -414,12 +437,22 @@ class LlamaForCausalLM(nn.Module):
                 hidden = F.embedding(input_ids, self.embed_tokens)
             if self.config.is_gemma:  # scaled by sqrt(hidden), the scale rounded to the model dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        if not self._key_rotation_set and kv_caches and isinstance(kv_caches[0], Int8KvCache):
+            self._set_key_rotation()
         fused = self.fused_layers()
         run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0], metadata)
         if run_fused:
             local = self.rotary_local.cos_sin.index_select(0, positions) if fused.local_rope else None
+            rotated = len(self.layers) > 0 and self.layers[0].key_rotation is not None
+            rotation = key_rotation_block(self.config.head_dim) if rotated else 0
             hidden = fused.forward(
-                hidden, self.rotary.cos_sin.index_select(0, positions), metadata, kv_caches, self.tp, local
+                hidden,
+                self.rotary.cos_sin.index_select(0, positions),
+                metadata,
+                kv_caches,
+                self.tp,
+                local,
+                key_rotation=rotation,
             )
         else:
             rope = self.rotary.lookup(positions)

