@@ -9,7 +9,12 @@ Per path (each a child process: ``INFLIGHT_CPU_ISA`` is read once per process), 
              second half of each scored, as `inflight perplexity`): the mean |NLL - NLL of fp32 KV| per
              token (the noise the cache adds; a bf16 cache's is the yardstick) and the perplexity
 
+With --speed instead: what the rotation costs, batched decode tok/s of an INT8-KV engine with rotation
+on and off, alternating per round in one process, for the fused CPU layer stack and the Python layers
+(``INFLIGHT_FUSED_LAYERS=0``).
+
     python benchmarks/kv_int8_quality.py [--isa default avx2 portable] [--windows 6] [--json out.json]
+    python benchmarks/kv_int8_quality.py --speed [--batch 16] [--tokens 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -111,6 +116,31 @@ def measure(windows: int, context: int) -> dict:
     return {"isa": cpu_info().get("isa", "?"), "rows": rows}
 
 
+def speed(batch: int, tokens: int, rounds: int) -> dict:
+    """Decode tok/s with rotation on / off, the engines built in turn each round (same prompts)."""
+    import time
+
+    from inflight import LLM, KvCacheConfig, SamplingParams
+
+    prompts = [(_prompts() * 4)[i] for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
+    rates: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for fused in ("1", "0"):
+            for rotate in ("1", "0"):
+                os.environ["INFLIGHT_FUSED_LAYERS"], os.environ["INFLIGHT_KV_KEY_ROTATION"] = fused, rotate
+                with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=8192, dtype="int8")) as llm:
+                    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    dt = time.perf_counter() - t0
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                rates.setdefault(f"{'fused' if fused == '1' else 'python'} rotate={rotate}", []).append(
+                    n / dt
+                )
+    return rates
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -123,7 +153,24 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--speed", action="store_true", help="decode tok/s with rotation on and off instead")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.speed:
+        print(cpu_header())
+        rates = speed(args.batch, args.tokens, args.rounds)
+        print(f"batch {args.batch} x {args.tokens} tokens, int8 KV, {args.rounds} rounds (median tok/s)")
+        print("| layers | rotation on | rotation off | on / off |")
+        print("|---|---:|---:|---:|")
+        for layers in ("fused", "python"):
+            on = sorted(rates[f"{layers} rotate=1"])[args.rounds // 2]
+            off = sorted(rates[f"{layers} rotate=0"])[args.rounds // 2]
+            print(f"| {layers} | {on:.1f} | {off:.1f} | {on / off:.3f} |")
+        if args.json:
+            args.json.write_text(json.dumps({"header": cpu_header(), "tok_per_s": rates}, indent=1) + "\n")
+        return 0
     if args.child:
         print(json.dumps(measure(args.windows, args.context)))
         return 0

@@ -195,7 +195,9 @@ def test_dense_models_run_large_prefills_in_python(tmp_path, monkeypatch, not_in
     calls = []
     real = fused_cpu.FusedCpuLayers.forward
     monkeypatch.setattr(
-        fused_cpu.FusedCpuLayers, "forward", lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a)
+        fused_cpu.FusedCpuLayers,
+        "forward",
+        lambda self, h, *a, **kw: calls.append(h.shape[0]) or real(self, h, *a, **kw),
     )
     kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
     n = fused_cpu.DENSE_MAX_TOKENS
@@ -220,7 +222,9 @@ def test_batch_invariant_models_run_every_step_fused(tmp_path, monkeypatch):
     calls = []
     real = fused_cpu.FusedCpuLayers.forward
     monkeypatch.setattr(
-        fused_cpu.FusedCpuLayers, "forward", lambda self, h, *a: calls.append(h.shape[0]) or real(self, h, *a)
+        fused_cpu.FusedCpuLayers,
+        "forward",
+        lambda self, h, *a, **kw: calls.append(h.shape[0]) or real(self, h, *a, **kw),
     )
     kv = PagedKV.for_model(model, num_blocks=64, tokens_per_block=4)
     n = fused_cpu.DENSE_MAX_TOKENS
@@ -431,7 +435,9 @@ def test_llm_greedy_matches_transformers_through_the_fused_stack(
     steps = []
     real = fused_cpu.FusedCpuLayers.forward
     monkeypatch.setattr(
-        fused_cpu.FusedCpuLayers, "forward", lambda self, h, *a: steps.append(h.shape[0]) or real(self, h, *a)
+        fused_cpu.FusedCpuLayers,
+        "forward",
+        lambda self, h, *a, **kw: steps.append(h.shape[0]) or real(self, h, *a, **kw),
     )
     kw = {"enable_chunked_prefill": True, "max_num_tokens": 32} if mode == "chunked" else {}
     llm = make_llm(arch, **kw)
