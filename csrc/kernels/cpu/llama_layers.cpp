@@ -137,16 +137,33 @@ void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float 
 // each product and the sum rounded to T (three torch ops in the Python layer). With q_norm / k_norm
 // (QK-norm) each head is first normalised (its rounding points kept: RoPE reads the rounded values).
 // The unnormalised Walsh-Hadamard transform (Sylvester order: x -> H x, H H^T = n I) of each block of n
-// values of x[0 .. len), in place, in float.
+// values of x[0 .. len), in place, in float: stage h adds and subtracts the values h apart. Blocks of 8 or
+// more run the first three stages as one 8-point butterfly (the same sums in the same order) and the rest
+// as loops over contiguous runs, which the compiler vectorises.
 inline void hadamard_blocks(float* x, int len, int n) {
   for (int base = 0; base < len; base += n) {
     float* b = x + base;
-    for (int h = 1; h < n; h <<= 1) {
+    int h = 1;
+    if (n >= 8) {
+      for (int i = 0; i < n; i += 8) {
+        float* p = b + i;
+        float const a0 = p[0] + p[1], a1 = p[0] - p[1], a2 = p[2] + p[3], a3 = p[2] - p[3];
+        float const a4 = p[4] + p[5], a5 = p[4] - p[5], a6 = p[6] + p[7], a7 = p[6] - p[7];
+        float const c0 = a0 + a2, c1 = a1 + a3, c2 = a0 - a2, c3 = a1 - a3;
+        float const c4 = a4 + a6, c5 = a5 + a7, c6 = a4 - a6, c7 = a5 - a7;
+        p[0] = c0 + c4, p[1] = c1 + c5, p[2] = c2 + c6, p[3] = c3 + c7;
+        p[4] = c0 - c4, p[5] = c1 - c5, p[6] = c2 - c6, p[7] = c3 - c7;
+      }
+      h = 8;
+    }
+    for (; h < n; h <<= 1) {
       for (int i = 0; i < n; i += 2 * h) {
-        for (int j = i; j < i + h; ++j) {
-          float const u = b[j], v = b[j + h];
-          b[j] = u + v;
-          b[j + h] = u - v;
+        float* lo = b + i;
+        float* hi = lo + h;
+        for (int j = 0; j < h; ++j) {
+          float const u = lo[j], v = hi[j];
+          lo[j] = u + v;
+          hi[j] = u - v;
         }
       }
     }
@@ -185,13 +202,17 @@ void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tok
       } else {
         for (int i = 0; i < head_dim; ++i) x[i] = to_float(head[i]);
       }
-      for (int i = 0; i < head_dim; ++i) {
-        int const src = i < half ? i + half : i - half;
-        head[i] = from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i]));
-      }
-      if (key_rotation > 0) {  // an INT8 cache: rotate the RoPE'd head (rounded to T, as the Python layer)
+      if (key_rotation == 0) {
+        for (int i = 0; i < head_dim; ++i) {
+          int const src = i < half ? i + half : i - half;
+          head[i] = from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i]));
+        }
+      } else {  // an INT8 cache: rotate the RoPE'd head (rounded to T, as the Python layer)
         float y[kMaxHeadDim];
-        for (int i = 0; i < head_dim; ++i) y[i] = to_float(head[i]);
+        for (int i = 0; i < head_dim; ++i) {
+          int const src = i < half ? i + half : i - half;
+          y[i] = to_float(from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i])));
+        }
         hadamard_blocks(y, head_dim, key_rotation);
         float const sc = h < num_heads ? q_rot_scale : k_rot_scale;
         for (int i = 0; i < head_dim; ++i) head[i] = from_float<T>(y[i] * sc);

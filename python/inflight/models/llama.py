@@ -27,6 +27,7 @@ from inflight.layers.attention import (
     key_rotation_block,
     key_rotation_enabled,
     key_rotation_matrices,
+    key_rotation_shifts,
 )
 from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
@@ -130,9 +131,9 @@ class LlamaDecoderLayer(nn.Module):
         if experts is not None and all(cls is Linear for cls in experts):
             experts = None
         self.moe = make_moe_block(config, layer_idx, dtype, device, tp, experts)
-        # INT8 KV key rotation (attention.key_rotation_matrices): (q_mat, k_mat), set by the model on
-        # its first step over an INT8 cache; None: queries and keys attend as they are.
-        self.key_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+        # INT8 KV key rotation (attention.key_rotation_matrices): (k_mat, q_mat / k_mat: 1 or 1/2), set
+        # by the model on its first step over an INT8 cache; None: queries and keys attend as they are.
+        self.key_rotation: tuple[torch.Tensor, float] | None = None
         self.gate_up_proj = self.down_proj = None
         if self.moe is None:
             self.gate_up_proj = make("gate_up_proj")(
@@ -216,9 +217,12 @@ class LlamaDecoderLayer(nn.Module):
             )
         # q and k rotate together: one RoPE application instead of two.
         qk = apply_rotary(qk, cos, signed_sin)
+        rotate = self.key_rotation is not None and isinstance(kv_cache, Int8KvCache)
+        if rotate:  # every head times k_mat (one matmul), then q by the rest of its scaling
+            qk = qk @ self.key_rotation[0]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        if self.key_rotation is not None and isinstance(kv_cache, Int8KvCache):
-            q, k = q @ self.key_rotation[0], k @ self.key_rotation[1]
+        if rotate and self.key_rotation[1] != 1.0:
+            q = q * self.key_rotation[1]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.gemma:
             attn = self.attention_backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window)
@@ -372,9 +376,10 @@ class LlamaForCausalLM(nn.Module):
         (attention.key_rotation_matrices) unless ``INFLIGHT_KV_KEY_ROTATION=0``."""
         self._key_rotation_set = True
         if key_rotation_enabled():
-            mats = key_rotation_matrices(self.config.head_dim, self.dtype, self.rotary.cos_sin.device)
+            _, k_mat = key_rotation_matrices(self.config.head_dim, self.dtype, self.rotary.cos_sin.device)
+            a, b = key_rotation_shifts(key_rotation_block(self.config.head_dim))
             for layer in self.layers:
-                layer.key_rotation = mats
+                layer.key_rotation = (k_mat, 2.0 ** (b - a))
 
     def fused_layers(self):
         """The layer stack run from C++ (:class:`~inflight.layers.fused_cpu.FusedCpuLayers`), or None.
