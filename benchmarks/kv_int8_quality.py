@@ -9,9 +9,10 @@ Per path (each a child process: ``INFLIGHT_CPU_ISA`` is read once per process), 
              second half of each scored, as `inflight perplexity`): the mean |NLL - NLL of fp32 KV| per
              token (the noise the cache adds; a bf16 cache's is the yardstick) and the perplexity
 
-With --speed instead: what the rotation costs, batched decode tok/s of an INT8-KV engine with rotation
-on and off, alternating per round in one process, for the fused CPU layer stack and the Python layers
-(``INFLIGHT_FUSED_LAYERS=0``).
+With --speed instead: batched decode tok/s of engines over each cache, built in turn round by round in one
+process (SPEED_ROWS): fp32, bf16 and int8 KV, int8 keys rotated or not, the fused CPU layer stack or the
+Python layers (``INFLIGHT_FUSED_LAYERS=0``; a bf16 cache under the fp32 model ran there before the stack
+took float caches of another dtype).
 
     python benchmarks/kv_int8_quality.py [--isa default avx2 portable] [--windows 6] [--json out.json]
     python benchmarks/kv_int8_quality.py --speed [--batch 16] [--tokens 128] [--rounds 3]
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -116,8 +118,20 @@ def measure(windows: int, context: int) -> dict:
     return {"isa": cpu_info().get("isa", "?"), "rows": rows}
 
 
-def speed(batch: int, tokens: int, rounds: int) -> dict:
-    """Decode tok/s with rotation on / off, the engines built in turn each round (same prompts)."""
+# --speed rows: (label, KV dtype, fused CPU layer stack, INT8 key rotation)
+SPEED_ROWS = [
+    ("fp32 KV", "float32", True, True),
+    ("bf16 KV", "bfloat16", True, True),
+    ("bf16 KV, Python layers", "bfloat16", False, True),
+    ("int8 KV, rotated keys", "int8", True, True),
+    ("int8 KV, keys as they are", "int8", True, False),
+    ("int8 KV, rotated keys, Python layers", "int8", False, True),
+    ("int8 KV, keys as they are, Python layers", "int8", False, False),
+]
+
+
+def speed(batch: int, tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Decode tok/s of each SPEED_ROWS engine, built in turn each round (same prompts)."""
     import time
 
     from inflight import LLM, KvCacheConfig, SamplingParams
@@ -126,18 +140,15 @@ def speed(batch: int, tokens: int, rounds: int) -> dict:
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
     rates: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for fused in ("1", "0"):
-            for rotate in ("1", "0"):
-                os.environ["INFLIGHT_FUSED_LAYERS"], os.environ["INFLIGHT_KV_KEY_ROTATION"] = fused, rotate
-                with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=8192, dtype="int8")) as llm:
-                    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-                    t0 = time.perf_counter()
-                    outs = llm.generate(prompts, params, use_tqdm=False)
-                    dt = time.perf_counter() - t0
-                n = sum(len(o.outputs[0].token_ids) for o in outs)
-                rates.setdefault(f"{'fused' if fused == '1' else 'python'} rotate={rotate}", []).append(
-                    n / dt
-                )
+        for label, dtype, fused, rotate in SPEED_ROWS:
+            os.environ["INFLIGHT_FUSED_LAYERS"] = "1" if fused else "0"
+            os.environ["INFLIGHT_KV_KEY_ROTATION"] = "1" if rotate else "0"
+            with LLM("smollm2", kv_cache_config=KvCacheConfig(max_tokens=8192, dtype=dtype)) as llm:
+                llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+            rates.setdefault(label, []).append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
     return rates
 
 
@@ -153,7 +164,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--speed", action="store_true", help="decode tok/s with rotation on and off instead")
+    ap.add_argument("--speed", action="store_true", help="decode tok/s per KV cache (SPEED_ROWS) instead")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -161,18 +172,15 @@ def main() -> int:
     if args.speed:
         print(cpu_header())
         rates = speed(args.batch, args.tokens, args.rounds)
-        print(f"batch {args.batch} x {args.tokens} tokens, int8 KV, {args.rounds} rounds (median tok/s)")
-        print("| layers | rotation on | rotation off | on / off |")
-        print("|---|---:|---:|---:|")
-        for layers in ("fused", "python"):
-            on = sorted(rates[f"{layers} rotate=1"])[args.rounds // 2]
-            off = sorted(rates[f"{layers} rotate=0"])[args.rounds // 2]
-            print(f"| {layers} | {on:.1f} | {off:.1f} | {on / off:.3f} |")
+        base = statistics.median(rates["fp32 KV"])
+        print(f"batch {args.batch} x {args.tokens} tokens, {args.rounds} rounds (median tok/s; vs fp32 KV)")
+        print("| engine | tok/s | vs fp32 KV |")
+        print("|---|---:|---:|")
+        for label, *_ in SPEED_ROWS:
+            med = statistics.median(rates[label])
+            print(f"| {label} | {med:.1f} | {med / base:.3f}x |")
         if args.json:
             args.json.write_text(json.dumps({"header": cpu_header(), "tok_per_s": rates}, indent=1) + "\n")
-        return 0
-    if args.child:
-        print(json.dumps(measure(args.windows, args.context)))
         return 0
     print(cpu_header())
     results = []

@@ -162,7 +162,8 @@ class LlamaLayerStack {
     caches_set_ = false;
   }
 
-  // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in the model dtype, or
+  // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in a float dtype (the
+  // model's, or another: q, k and v are then converted to it and the attention output back), or
   // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer, or
   // uint8 holding FP8 E4M3 bytes with fp8_scales (k_scale, v_scale of each layer in turn; all 1 when None).
   // window_pool (VSWA): per layer, whether its cache is in the window pool, whose caches all have one
@@ -202,7 +203,11 @@ class LlamaLayerStack {
         if (!(std::isfinite(f) && f > 0.0f)) throw_value_error("fp8_scales must be finite and > 0");
       }
     }
-    ScalarType const kv_dtype = kv_scales ? ScalarType::kInt8 : (fp8 ? ScalarType::kUInt8 : shape_.dtype);
+    // A float cache may have another float dtype than the model (attention then runs in the cache's).
+    bool const float_cache = !kv_scales && !fp8 && !caches.empty() && scalar_type_of(caches[0], &first) &&
+                             inflight::kernels::is_float_type(first);
+    ScalarType const kv_dtype =
+        kv_scales ? ScalarType::kInt8 : (fp8 ? ScalarType::kUInt8 : (float_cache ? first : shape_.dtype));
     bool seen_global = false, seen_window = false;
     window_blocks_ = 0;
     for (std::size_t i = 0; i < caches.size(); ++i) {
@@ -210,7 +215,8 @@ class LlamaLayerStack {
       std::string const name = "kv_caches[" + std::to_string(i) + "]";
       require_dtype_of(c, name.c_str(), kv_dtype,
                        kv_scales ? "the dtype of a cache with kv_scales"
-                                 : (fp8 ? "the dtype of kv_caches[0] (uint8: fp8 e4m3)" : kModelDtype));
+                                 : (fp8 ? "the dtype of kv_caches[0] (uint8: fp8 e4m3)"
+                                        : (float_cache ? "the dtype of kv_caches[0]" : kModelDtype)));
       require_ndim(c, name.c_str(), 5, kCacheLayout);
       std::int64_t const nb = std::int64_t(c.shape(1)), tpb = std::int64_t(c.shape(2));
       require_shape(c, name.c_str(), {2, nb, tpb, shape_.num_kv_heads, shape_.head_dim}, kCacheLayout);
@@ -479,7 +485,8 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "rotates with forward's cos_sin_local (Gemma 3's sliding layers).")
       .def("set_kv_caches", &LlamaLayerStack::set_kv_caches, "kv_caches"_a, "kv_scales"_a.none() = nb::none(),
            "fp8_scales"_a.none() = nb::none(), "window_pool"_a.none() = nb::none(), "key_rotation"_a = 0,
-           "One cache per layer, in the model dtype; or int8 with kv_scales, one float32 [2, num_blocks, "
+           "One cache per layer, in a float dtype (the model's or another: attention then runs in the cache's); or "
+           "int8 with kv_scales, one float32 [2, num_blocks, "
            "tokens_per_block, num_kv_heads] per layer (the per-token scales of an int8 KV cache); or uint8 "
            "holding FP8 E4M3 bytes, with fp8_scales [k_scale_0, v_scale_0, k_scale_1, ...] (None: all 1). "
            "window_pool (VSWA): per layer, True when its cache is in the window pool (its own num_blocks; "

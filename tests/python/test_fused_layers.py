@@ -290,7 +290,7 @@ def test_layer_stack_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match=r"kv_caches must hold one tensor per layer \(2\), got 1"):
         stack.set_kv_caches([to_dlpack(torch.zeros(2, 4, 4, c.num_key_value_heads, c.head_dim))])
     with pytest.raises(
-        TypeError, match=r"kv_caches\[1\] must have the model dtype \(float32\), got bfloat16"
+        TypeError, match=r"kv_caches\[1\] must have the dtype of kv_caches\[0\] \(float32\), got bfloat16"
     ):
         shape = (2, 4, 4, c.num_key_value_heads, c.head_dim)
         stack.set_kv_caches(

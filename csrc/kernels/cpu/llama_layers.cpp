@@ -4,6 +4,7 @@
 #include "llama_layers.h"
 
 #include "activation.h"
+#include "hadamard.h"
 
 #include "thread_pool.h"
 
@@ -136,49 +137,8 @@ void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float 
 // RoPE (rotate-half) on the q and k heads of each qkv row, in place: x*cos + roll(x, hd/2)*signed_sin,
 // each product and the sum rounded to T (three torch ops in the Python layer). With q_norm / k_norm
 // (QK-norm) each head is first normalised (its rounding points kept: RoPE reads the rounded values).
-// The unnormalised Walsh-Hadamard transform (Sylvester order: x -> H x, H H^T = n I) of each block of n
-// values of x[0 .. len), in place, in float: stage h adds and subtracts the values h apart. Blocks of 8 or
-// more run the first three stages as one 8-point butterfly (the same sums in the same order) and the rest
-// as loops over contiguous runs, which the compiler vectorises.
-inline void hadamard_blocks(float* x, int len, int n) {
-  for (int base = 0; base < len; base += n) {
-    float* b = x + base;
-    int h = 1;
-    if (n >= 8) {
-      for (int i = 0; i < n; i += 8) {
-        float* p = b + i;
-        float const a0 = p[0] + p[1], a1 = p[0] - p[1], a2 = p[2] + p[3], a3 = p[2] - p[3];
-        float const a4 = p[4] + p[5], a5 = p[4] - p[5], a6 = p[6] + p[7], a7 = p[6] - p[7];
-        float const c0 = a0 + a2, c1 = a1 + a3, c2 = a0 - a2, c3 = a1 - a3;
-        float const c4 = a4 + a6, c5 = a5 + a7, c6 = a4 - a6, c7 = a5 - a7;
-        p[0] = c0 + c4, p[1] = c1 + c5, p[2] = c2 + c6, p[3] = c3 + c7;
-        p[4] = c0 - c4, p[5] = c1 - c5, p[6] = c2 - c6, p[7] = c3 - c7;
-      }
-      h = 8;
-    }
-    for (; h < n; h <<= 1) {
-      for (int i = 0; i < n; i += 2 * h) {
-        float* lo = b + i;
-        float* hi = lo + h;
-        for (int j = 0; j < h; ++j) {
-          float const u = lo[j], v = hi[j];
-          lo[j] = u + v;
-          hi[j] = u - v;
-        }
-      }
-    }
-  }
-}
-
-// The scalings after hadamard_blocks of a block of n (a power of two): 2^-a on q, 2^-b on k, a + b = log2 n
-// (as inflight.layers.attention.key_rotation_shifts), so q . k is unchanged.
-inline void key_rotation_scales(int n, float* q_scale, float* k_scale) {
-  int log = 0;
-  while ((1 << log) < n) ++log;
-  *q_scale = std::ldexp(1.0f, -((log + 1) / 2));
-  *k_scale = std::ldexp(1.0f, -(log / 2));
-}
-
+// key_rotation > 0 (an INT8 cache): each rotated head is then turned by the Walsh-Hadamard block
+// (hadamard.h) and scaled, q by 2^-a and k by 2^-b, before one rounding to T.
 template <class T, bool kGemma>
 void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tokens, int num_heads, int num_kv_heads,
                   int head_dim, T const* q_norm, T const* k_norm, float eps, int key_rotation, Threads threads) {
@@ -218,6 +178,33 @@ void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, int num_tok
         for (int i = 0; i < head_dim; ++i) head[i] = from_float<T>(y[i] * sc);
       }
     }
+  });
+}
+
+// dst = src for rows x width values, each rounded to To as torch's .to() rounds (nearest even).
+template <class From, class To>
+void convert_n(From const* src, To* dst, int rows, int width, Threads threads) {
+  for_tokens(rows, threads, [&](int t) {
+    From const* a = src + std::int64_t(t) * width;
+    To* b = dst + std::int64_t(t) * width;
+    for (int i = 0; i < width; ++i) b[i] = from_float<To>(to_float(a[i]));
+  });
+}
+
+// A float cache of another dtype than the model's: rows of T into that dtype, and back.
+template <class T>
+void convert_rows(T const* src, void* dst, ScalarType dst_dtype, int rows, int width, Threads threads) {
+  dispatch_float_type(dst_dtype, [&](auto d) {
+    using D = decltype(d);
+    convert_n<T, D>(src, static_cast<D*>(dst), rows, width, threads);
+  });
+}
+
+template <class T>
+void convert_rows_back(void const* src, ScalarType src_dtype, T* dst, int rows, int width, Threads threads) {
+  dispatch_float_type(src_dtype, [&](auto d) {
+    using D = decltype(d);
+    convert_n<D, T>(static_cast<D const*>(src), dst, rows, width, threads);
   });
 }
 
@@ -347,7 +334,7 @@ P attention_params(LlamaShape const& s, std::int32_t const* block_tables, int ma
   p.num_kv_heads = s.num_kv_heads;
   p.head_dim = s.head_dim;
   p.scale = s.scale;
-  p.dtype = s.dtype;
+  p.dtype = s.attention_dtype();
   p.kv_dtype = s.kv_dtype;
   p.num_threads = num_threads;
   return p;
@@ -361,7 +348,9 @@ PagedAttentionParams decode_params(LlamaShape const& s, LlamaStep const& step, i
 
 // Bytes of the activation buffers and of the paged-attention workspace.
 struct Layout {
-  std::size_t sizes[6];
+  // normed, qkv, attn, gate_up, inter, tmp; then, with a float cache of another dtype than the model's,
+  // qkv and attn in the cache's dtype (else empty).
+  std::size_t sizes[8];
   std::size_t paged_bytes = 0;
   std::size_t total() const {
     std::size_t sum = aligned(paged_bytes);
@@ -380,6 +369,9 @@ Layout layout(LlamaLayersParams const& p) {
                                  std::size_t(s.q_size()),     std::size_t(2 * s.intermediate),
                                  std::size_t(s.intermediate), std::size_t(s.hidden)};
   for (int i = 0; i < 6; ++i) l.sizes[i] = aligned(t * widths[i] * e);
+  std::size_t const ea = s.attention_dtype() != s.dtype ? scalar_type_size(s.attention_dtype()) : 0;
+  l.sizes[6] = aligned(t * widths[1] * ea);
+  l.sizes[7] = aligned(t * widths[2] * ea);
   if (step.dec_batch > 0) {
     // The split depends on the window: room for the largest of the layers' windows' partials.
     PagedAttentionParams dec = decode_params(s, step, p.num_threads);
@@ -410,8 +402,8 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   Threads const threads{pool, params.num_threads};
   Layout const l = layout(params);
   auto* base = static_cast<unsigned char*>(params.workspace);
-  void* bufs[6];
-  for (int i = 0; i < 6; ++i) {
+  void* bufs[8];
+  for (int i = 0; i < 8; ++i) {
     bufs[i] = base;
     base += l.sizes[i];
   }
@@ -431,9 +423,16 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   auto const* cos_sin = static_cast<T const*>(step.cos_sin);
   auto const* cos_sin_local = static_cast<T const*>(step.cos_sin_local);
 
+  // Attention's q, k, v and output: qkv and attn, or (a float cache of another dtype) their copies in it.
+  ScalarType const adt = s.attention_dtype();
+  bool const convert = adt != s.dtype;
+  std::size_t const ae = scalar_type_size(adt);
+  auto* const qkv_a = static_cast<unsigned char*>(convert ? bufs[6] : static_cast<void*>(qkv));
+  auto* const attn_a = static_cast<unsigned char*>(convert ? bufs[7] : static_cast<void*>(attn));
+
   StoreKvParams store;
-  store.k = qkv + s.q_size();
-  store.v = qkv + s.q_size() + s.kv_size();
+  store.k = qkv_a + std::size_t(s.q_size()) * ae;
+  store.v = qkv_a + std::size_t(s.q_size() + s.kv_size()) * ae;
   store.k_token_stride = store.v_token_stride = qkv_n;
   store.k_head_stride = store.v_head_stride = s.head_dim;
   store.slot_mapping = step.slot_mapping;
@@ -441,20 +440,20 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
   store.num_tokens = nt;
   store.num_kv_heads = s.num_kv_heads;
   store.head_dim = s.head_dim;
-  store.dtype = s.dtype;
+  store.dtype = adt;
   store.kv_dtype = s.kv_dtype;
   store.num_threads = params.num_threads;
 
   auto ctx = attention_params<ContextAttentionParams>(s, step.ctx_block_tables, step.ctx_max_blocks, step.ctx_kv_lens,
                                                       step.ctx_batch, params.num_threads);
-  ctx.q = qkv;
+  ctx.q = qkv_a;
   ctx.cu_seqlens = step.ctx_cu_seqlens;
-  ctx.out = attn;
+  ctx.out = attn_a;
   ctx.num_tokens = step.num_ctx_tokens;
 
   PagedAttentionParams dec = decode_params(s, step, params.num_threads);
-  dec.q = qkv + std::int64_t(step.num_ctx_tokens) * qkv_n;
-  dec.out = attn + std::int64_t(step.num_ctx_tokens) * s.q_size();
+  dec.q = qkv_a + std::size_t(step.num_ctx_tokens) * std::size_t(qkv_n) * ae;
+  dec.out = attn_a + std::size_t(step.num_ctx_tokens) * std::size_t(s.q_size()) * ae;
   dec.workspace = l.paged_bytes ? base : nullptr;
   void* const scratch = l.paged_bytes ? base : nullptr;
   dec.workspace_bytes = std::int64_t(l.paged_bytes);
@@ -467,6 +466,7 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
     qk_norm_rope<T, kGemma>(qkv, qkv_n, L.local_rope ? cos_sin_local : cos_sin, nt, s.num_heads, s.num_kv_heads,
                             s.head_dim, static_cast<T const*>(s.qk_norm ? L.q_norm : nullptr),
                             static_cast<T const*>(L.k_norm), s.eps, s.key_rotation, threads);
+    if (convert) convert_rows(qkv, qkv_a, adt, nt, qkv_n, threads);
     // VSWA: a layer of the window pool stores and reads through that pool's slots and tables.
     int const num_blocks = L.window_pool ? L.num_blocks : s.num_blocks;
     store.slot_mapping = L.window_pool ? step.window_slot_mapping : step.slot_mapping;
@@ -496,6 +496,7 @@ void forward_t(LlamaLayersParams const& params, ThreadPool& pool) {
       dec.window = L.window;
       launch_paged_attention(dec, pool);
     }
+    if (convert) convert_rows_back(attn_a, adt, attn, nt, s.q_size(), threads);
     linear(L.o, attn, proj, nt, s.dtype, threads, scratch);
     if (params.reduce != nullptr) params.reduce(params.reduce_ctx);
     if constexpr (kGemma) {  // hidden += post_norm(o); the MLP between pre_ffn_norm and post_ffn_norm

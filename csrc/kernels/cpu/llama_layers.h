@@ -81,7 +81,7 @@ struct LlamaShape {
   float eps = 1e-6f;
   float scale = 1.0f;                          // attention softmax scale
   ScalarType dtype = ScalarType::kFloat32;     // the model dtype: float32, bfloat16 or float16
-  ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: dtype, kInt8 or kFloat8E4M3 (attention_params.h)
+  ScalarType kv_dtype = ScalarType::kFloat32;  // every layer's cache: a float type, kInt8 or kFloat8E4M3
   int num_blocks = 0, tokens_per_block = 0;    // of every layer's cache (but a window pool's, num_blocks)
   bool w8a8 = false;                           // some projection is W8A8: the workspace holds its scratch
   bool a8 = false;                             // some projection is A8 (a8_gemm.h): likewise
@@ -91,6 +91,9 @@ struct LlamaShape {
   // is rotated in blocks of key_rotation channels by the Sylvester Hadamard matrix (q scaled by 2^-a,
   // k by 2^-b: key_rotation_shifts); 0: none.
   int key_rotation = 0;
+  // The dtype attention runs in: a float cache's (q, k and v converted to it when it is not the model
+  // dtype, as the Python layers' native backend does; the output converted back), else the model's.
+  ScalarType attention_dtype() const { return is_float_type(kv_dtype) ? kv_dtype : dtype; }
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
 };

@@ -52,6 +52,9 @@ def fused_layers_enabled() -> bool:
     return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
 
 
+# The float cache dtypes the stack runs over, whatever the model dtype.
+_FLOAT_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 # Above this many tokens in a step, a model with dense (fp32 / bf16) projections runs the Python
 # layers: torch's GEMM (oneDNN) is the faster one for a large prefill, the fused kernels for decode.
 DENSE_MAX_TOKENS = 64
@@ -173,7 +176,7 @@ class FusedCpuLayers:
         num_tokens: int,
         metadata: AttentionMetadata | None = None,
     ) -> bool:
-        """Whether this step runs fused: caches on the CPU, all in the model dtype, all INT8 or all FP8,
+        """Whether this step runs fused: caches on the CPU, all of one float dtype, all INT8 or all FP8,
         not too many tokens, and (VSWA) at most one window pool, of a window of these layers."""
         windows = metadata.window_metadata if metadata is not None else None
         if windows and (len(windows) != 1 or next(iter(windows)) not in self.layer_windows):
@@ -186,8 +189,10 @@ class FusedCpuLayers:
             isinstance(c, Fp8KvCache) for c in kv_caches
         ):
             return all(c.device.type == "cpu" for c in kv_caches)
-        return all(
-            isinstance(c, torch.Tensor) and c.dtype == dtype and c.device.type == "cpu" for c in kv_caches
+        # A float cache of another dtype (bf16 under an fp32 model): the stack converts q, k, v to it.
+        first = kv_caches[0].dtype if kv_caches and isinstance(kv_caches[0], torch.Tensor) else None
+        return first in _FLOAT_CACHE_DTYPES and all(
+            isinstance(c, torch.Tensor) and c.dtype == first and c.device.type == "cpu" for c in kv_caches
         )
 
     def _bind_caches(
