@@ -118,6 +118,9 @@ def measure(windows: int, context: int) -> dict:
     return {"isa": cpu_info().get("isa", "?"), "rows": rows}
 
 
+# Set in each child's environment: a child that would spawn again stops instead.
+_CHILD_ENV = "INFLIGHT_KV_QUALITY_CHILD"
+
 # --speed rows: (label, KV dtype, fused CPU layer stack, INT8 key rotation)
 SPEED_ROWS = [
     ("fp32 KV", "float32", True, True),
@@ -169,6 +172,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.child:  # one CPU path, in this process (INFLIGHT_CPU_ISA set by the parent); never spawns
+        print(json.dumps(measure(args.windows, args.context)))
+        return 0
+    if os.environ.get(_CHILD_ENV):
+        raise SystemExit("kv_int8_quality.py: a child must be run with --child")
     if args.speed:
         print(cpu_header())
         rates = speed(args.batch, args.tokens, args.rounds)
@@ -185,7 +193,7 @@ def main() -> int:
     print(cpu_header())
     results = []
     for isa in args.isa:
-        env = dict(os.environ)
+        env = dict(os.environ, **{_CHILD_ENV: "1"})
         if isa != "default":
             env["INFLIGHT_CPU_ISA"] = isa
         cmd = [
