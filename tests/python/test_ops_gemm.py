@@ -296,6 +296,28 @@ def test_gemm_row_is_batch_invariant(isa, invariant, kind, dtype):
         _assert_rows_invariant(weight, x)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4_batched_rows_equal_decode_rows_across_blocks(isa, invariant, group_size, dtype):
+    """int4 at many rows with long K: on AVX-512 + BF16 the rows go through W4Dot's panels (weights
+    dequantised once per panel, x prepared per block of rows), which must give W4Dot's bits at one row.
+    K of ~4000 puts 6-30 rows in a block, so 80 rows cross block and panel boundaries; N = 37 ends in
+    a partial tile; scales of every float type, with offsets or without, and a bias."""
+    gen = torch.Generator().manual_seed(group_size + DTYPES.index(dtype))
+    k = {32: 4000, 64: 4032, 128: 3968}[group_size]  # a partial last 128-chunk for 32 and 64
+    n, m = 37, 80
+    for i, symmetric in enumerate((False, True)):
+        qweight, scales, offsets = _w4(n, k, group_size, symmetric, DTYPES[(i + group_size // 32) % 3], gen)
+        bias = torch.randn(n, generator=gen).to(dtype) if i == 0 else None
+        weight = ops.W4A16Weight(qweight, scales, offsets, group_size, bias)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = weight(x)
+        alone = torch.cat([weight(x[j : j + 1]) for j in range(m)])
+        bad = [j for j in range(m) if not torch.equal(got[j], alone[j])]
+        assert not bad, f"rows {bad[:8]} of {m} differ from the same rows computed alone"
+        _close(got, ref.w4a16_gemm(x, qweight, scales, offsets, group_size, bias=bias), dtype)
+
+
 def test_gemm_batch_invariance_switch_is_process_wide():
     before = _C.batch_invariant()
     try:

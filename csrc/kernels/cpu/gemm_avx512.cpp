@@ -12,9 +12,10 @@
 //    W4Bf16Dot (bf16 x).
 //  - int8: batched bf16 x through panels, other batches tiled, decode through W8Fma (one x row scales
 //    each group's sum once, several rows dequantise each weight vector once).
-//  - batch invariant (the default, cpu_features.h): the decode kernels at every m, so that no strategy
-//    depends on m: int4 through W4Dot (W4Bf16Dot / W4Fma for rows too long for it), int8 through W8Fma
-//    with group sums (gemm_impl.h), no panels and no tiles.
+//  - batch invariant (the default, cpu_features.h): the decode kernels' arithmetic at every m, so that
+//    no result depends on m: int4 through W4Dot, from 16 rows (bf16 x: 64) as W4DotPanel (the same
+//    operations per element, the nibbles dequantised once per panel; W4Bf16Dot / W4Fma for rows too
+//    long for them), int8 through W8Fma (gemm_impl.h), no bf16 panels and no tiles.
 #include "gemm_avx512.h"
 
 namespace inflight::kernels::cpu {
@@ -23,10 +24,11 @@ using gemm_avx512::Vec512;
 
 void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
   if (batch_invariant()) {
-    // One strategy per x dtype and shape of the weights, whatever m: W4Dot (its tiles of 1 to 3 rows
-    // sum each element alike), the decode kernel, so one row costs what it did; rows too long for its
-    // buffer take W4Bf16Dot (bf16 x) or W4Fma at every m.
-    if (gemm_avx512::w4a16_dot(p, pool)) return;
+    // One arithmetic per x dtype and shape of the weights, whatever m: W4Dot's (its tiles of 1 to 3
+    // rows sum each element alike; W4DotPanel, for many rows, sums them as W4Dot does), the decode
+    // kernel, so one row costs what it did; rows too long for its buffer take W4Bf16Dot (bf16 x) or
+    // W4Fma at every m.
+    if (gemm_avx512::w4a16_dot_panels(p, pool) || gemm_avx512::w4a16_dot(p, pool)) return;
     if (p.dtype == ScalarType::kBFloat16) {
       gemm_avx512::w4a16_bf16_dot(p, pool);
       return;

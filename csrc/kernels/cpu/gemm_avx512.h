@@ -7,11 +7,13 @@
 //   gemm_panel_avx512.cpp  batched bf16 x: dequantise an L2-sized panel into bf16, run the dense kernel
 //   gemm_tiled_avx512.cpp  batched fp32 / fp16 x (int8: any x): 8 x 3 register tiles of fp32 FMA, int4
 //                          dequantised by VPERMPS table lookup
-//   gemm_dot_avx512.cpp    int4 decode: bf16-exact nibbles and VDPBF16PS (W4Dot); bf16 x with rows too
-//                          long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
+//   gemm_dot_avx512.cpp    int4 decode: bf16-exact nibbles and VDPBF16PS (W4Dot); its batched form with
+//                          the nibbles dequantised once per panel (W4DotPanel, the same bits); bf16 x with
+//                          rows too long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
 //   gemm_impl.h            the rest: W4Fma (fp32 / fp16 x, long rows) and W8Fma (int8 decode)
-// Under batch invariance (cpu_features.h, the default) the choice may not depend on m: int4 runs W4Dot
-// (W4Bf16Dot / W4Fma for long rows) and int8 W8Fma dequantising each weight vector at every m; panels and tiles serve
+// Under batch invariance (cpu_features.h, the default) the result may not depend on m: int4 runs W4Dot,
+// from 16 rows (bf16 x: 64) as W4DotPanel, which sums every element as W4Dot does (W4Bf16Dot / W4Fma
+// for long rows) and int8 W8Fma dequantising each weight vector at every m; panels and tiles serve
 // only LLM(batch_invariant=False).
 //
 // gemm_avx512f.cpp includes it too, with INFLIGHT_AVX512F_ONLY defined (AVX-512 without BF16): the
@@ -196,6 +198,7 @@ bool w8a16_panels(W8A16GemmParams const& p, ThreadPool& pool);
 bool w4a16_tiled(W4A16GemmParams const& p, ThreadPool& pool);
 bool w8a16_tiled(W8A16GemmParams const& p, ThreadPool& pool);
 bool w4a16_dot(W4A16GemmParams const& p, ThreadPool& pool);
-void w4a16_bf16_dot(W4A16GemmParams const& p, ThreadPool& pool);  // bf16 x, any k
+bool w4a16_dot_panels(W4A16GemmParams const& p, ThreadPool& pool);  // W4Dot's bits, m >= 16 (bf16 x: 64)
+void w4a16_bf16_dot(W4A16GemmParams const& p, ThreadPool& pool);    // bf16 x, any k
 
 }  // namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA
