@@ -346,7 +346,8 @@ class LlamaLayerStack {
         if (main == nullptr) continue;
         if (!w->has_value()) throw_value_error(std::string("the window-pool layers need ") + name);
         require_dtype(**w, name, ScalarType::kInt32);
-        require_shape(**w, name, {main->shape(0), main->shape(1)}, "the shape of its main block tables");
+        require_shape(**w, name, {static_cast<std::int64_t>(main->shape(0)), static_cast<std::int64_t>(main->shape(1))},
+                      "the shape of its main block tables");
         require_cpu_contiguous({{&**w, name}});
         (main == ctx_tables ? wctx : wdec) = &**w;
       }

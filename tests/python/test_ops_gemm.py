@@ -298,24 +298,39 @@ def test_gemm_row_is_batch_invariant(isa, invariant, kind, dtype):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_w4_batched_rows_equal_decode_rows_across_blocks(isa, invariant, group_size, dtype):
-    """int4 at many rows with long K: on AVX-512 + BF16 the rows go through W4Dot's panels (weights
-    dequantised once per panel, x prepared per block of rows), which must give W4Dot's bits at one row.
-    K of ~4000 puts 6-30 rows in a block, so 80 rows cross block and panel boundaries; N = 37 ends in
-    a partial tile; scales of every float type, with offsets or without, and a bias."""
-    gen = torch.Generator().manual_seed(group_size + DTYPES.index(dtype))
+@pytest.mark.parametrize("kind", ["w4", "w8", "fp8"])
+def test_batched_rows_equal_decode_rows_across_blocks(isa, invariant, kind, group_size, dtype):
+    """Many rows with long K: on AVX-512 the rows go through panels (int4: W4Dot's nibbles dequantised
+    once per panel, x prepared per block of rows; int8 / fp8: W8Fma's q * scale once per panel, x
+    widened per block), which must give the one-row kernels' bits. K of ~4000 puts 6-30 rows in a
+    block, so 80 rows cross block and panel boundaries; N = 37 ends in a partial tile; scales of every
+    float type, with offsets or without (int4), and a bias."""
+    gen = torch.Generator().manual_seed(group_size + DTYPES.index(dtype) + 10 * len(kind))
     k = {32: 4000, 64: 4032, 128: 3968}[group_size]  # a partial last 128-chunk for 32 and 64
     n, m = 37, 80
-    for i, symmetric in enumerate((False, True)):
-        qweight, scales, offsets = _w4(n, k, group_size, symmetric, DTYPES[(i + group_size // 32) % 3], gen)
+    for i in range(2):
+        scale_dtype = DTYPES[(i + group_size // 32) % 3]
         bias = torch.randn(n, generator=gen).to(dtype) if i == 0 else None
-        weight = ops.W4A16Weight(qweight, scales, offsets, group_size, bias)
+        if kind == "w4":
+            qweight, scales, offsets = _w4(n, k, group_size, i == 1, scale_dtype, gen)
+            weight = ops.W4A16Weight(qweight, scales, offsets, group_size, bias)
+        else:
+            if kind == "fp8":
+                codes = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+            else:
+                codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+            scales = (torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.002).to(scale_dtype)
+            weight = ops.W8A16Weight(codes, scales, group_size, bias)
         x = torch.randn(m, k, generator=gen).to(dtype)
         got = weight(x)
         alone = torch.cat([weight(x[j : j + 1]) for j in range(m)])
         bad = [j for j in range(m) if not torch.equal(got[j], alone[j])]
         assert not bad, f"rows {bad[:8]} of {m} differ from the same rows computed alone"
-        _close(got, ref.w4a16_gemm(x, qweight, scales, offsets, group_size, bias=bias), dtype)
+        if kind == "w4":
+            want = ref.w4a16_gemm(x, qweight, scales, offsets, group_size, bias=bias)
+        else:
+            want = ref.w8a16_gemm(x, codes, scales, group_size, bias=bias)
+        _close(got, want, dtype)
 
 
 def test_gemm_batch_invariance_switch_is_process_wide():

@@ -36,6 +36,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <type_traits>
 
 #include "cpu_features.h"
@@ -163,6 +165,42 @@ void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_
   auto task = [&](int i, int count) {
     run_tile_range(kernel, m, max_mr, num_tiles * i / count, num_tiles * (i + 1) / count, chunk);
   };
+  pool.run(threads, TaskRef(task));
+}
+
+// A per-thread scratch buffer that grows and stays (the pool's threads live as long as the process:
+// no allocation, and no page faults, per call). Internal linkage: one per TU and thread.
+inline unsigned char* thread_buffer(std::size_t bytes) {
+  struct Buffer {
+    unsigned char* data = nullptr;
+    std::size_t size = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < bytes) {
+    std::free(buffer.data);
+    buffer.size = 0;
+    std::size_t const size = (bytes + 4095) / 4096 * 4096;
+    buffer.data = static_cast<unsigned char*>(std::aligned_alloc(64, size));
+    if (buffer.data == nullptr) throw std::bad_alloc();
+    buffer.size = size;
+  }
+  return buffer.data;
+}
+
+// Runs a panel kernel (kNR, run_range(t0, t1): N tiles [t0, t1), every row of M) with threads split as
+// run_tiles splits them: contiguous runs of N tiles, each weight byte read by one thread.
+template <class Kernel>
+void run_thread_ranges(Kernel const& kernel, std::int64_t n, std::int64_t weight_row_bytes, int num_threads,
+                       ThreadPool& pool) {
+  std::int64_t const num_tiles = (n + Kernel::kNR - 1) / Kernel::kNR;
+  std::int64_t const by_work = std::max<std::int64_t>(1, weight_row_bytes * n / kMinBytesPerThread);
+  int const threads = static_cast<int>(std::min<std::int64_t>({num_threads, num_tiles, by_work}));
+  auto task = [&](int i, int count) { kernel.run_range(num_tiles * i / count, num_tiles * (i + 1) / count); };
+  if (threads <= 1) {
+    task(0, 1);
+    return;
+  }
   pool.run(threads, TaskRef(task));
 }
 

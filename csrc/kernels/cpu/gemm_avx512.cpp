@@ -15,7 +15,8 @@
 //  - batch invariant (the default, cpu_features.h): the decode kernels' arithmetic at every m, so that
 //    no result depends on m: int4 through W4Dot, from 16 rows (bf16 x: 64) as W4DotPanel (the same
 //    operations per element, the nibbles dequantised once per panel; W4Bf16Dot / W4Fma for rows too
-//    long for them), int8 through W8Fma (gemm_impl.h), no bf16 panels and no tiles.
+//    long for them), int8 through W8Fma, from 16 rows as W8FmaPanel (gemm_impl.h: the same operations
+//    per element, each weight dequantised once per panel), no bf16 panels and no tiles.
 #include "gemm_avx512.h"
 
 namespace inflight::kernels::cpu {
@@ -57,6 +58,7 @@ void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
   // panels, which round the weights to bf16, and no tiles, which round otherwise).
   bool const invariant = batch_invariant();
   if (!invariant && (gemm_avx512::w8a16_panels(p, pool) || gemm_avx512::w8a16_tiled(p, pool))) return;
+  if (invariant && gemm_avx512::w8a16_fma_panels<Vec512>(p, pool)) return;  // W8Fma's bits, m >= 16
   // Decode, and bf16 x below the panels' rows (widened to fp32 exactly).
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
     gemm_detail::run_tiles(gemm_avx512::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p, invariant}, p.m, p.n, p.k,

@@ -75,6 +75,7 @@ struct Vec512 {
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
 
   static Reg load(float const* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static Reg load(Float16 const* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p))); }
   static Reg load(BFloat16 const* p) {
     __m512i const w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(p)));

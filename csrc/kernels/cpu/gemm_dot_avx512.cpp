@@ -2,8 +2,6 @@
 // W4Dot, the main int4 path (decode, and bf16 x below the panels' rows), and W4Bf16Dot, bf16 x with
 // rows too long for W4Dot's scratch buffer. gemm_avx512.h lists the other strategies.
 #include <bit>
-#include <cstdlib>
-#include <new>
 #include <type_traits>
 
 #include "gemm_avx512.h"
@@ -254,26 +252,6 @@ constexpr std::int64_t kDotPanelMinMBf16 = 64;
 constexpr std::size_t kDotPanelXBytes = 256 * 1024;  // prepared x rows of one M block (L2)
 constexpr std::size_t kDotPanelBytes = 24 * 1024;    // dequantised weight rows of one panel (L1)
 
-// A per-thread buffer that grows and stays (pool threads are long-lived; no allocation per call).
-unsigned char* thread_buffer(std::size_t bytes) {
-  struct Buffer {
-    unsigned char* data = nullptr;
-    std::size_t size = 0;
-    ~Buffer() { std::free(data); }
-  };
-  thread_local Buffer buffer;
-  if (buffer.size < bytes) {
-    std::free(buffer.data);
-    buffer.size = (bytes + 4095) / 4096 * 4096;
-    buffer.data = static_cast<unsigned char*>(std::aligned_alloc(64, buffer.size));
-    if (buffer.data == nullptr) {
-      buffer.size = 0;
-      throw std::bad_alloc();
-    }
-  }
-  return buffer.data;
-}
-
 template <class XT, class ST, bool kAsym>
 struct W4DotPanel {
   using Dot = W4Dot<XT, ST, kAsym>;
@@ -400,7 +378,7 @@ struct W4DotPanel {
         std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kDotPanelXBytes / x_row_bytes));
     std::int64_t const panel_tiles = std::max<std::int64_t>(1, kDotPanelBytes / (kNR * stride));
     std::size_t const x_bytes = static_cast<std::size_t>(block * x_row_bytes);
-    unsigned char* buf = thread_buffer(x_bytes + static_cast<std::size_t>(panel_tiles * kNR * stride));
+    unsigned char* buf = gemm_detail::thread_buffer(x_bytes + static_cast<std::size_t>(panel_tiles * kNR * stride));
     auto* xw = reinterpret_cast<std::uint16_t*>(buf);
     unsigned char* panel = buf + x_bytes;
     XT const* x = static_cast<XT const*>(p.x);
@@ -497,16 +475,7 @@ bool w4a16_dot_panels(W4A16GemmParams const& p, ThreadPool& pool) {
     Dot const dot(p);
     if (!dot.fits()) return;
     W4DotPanel<decltype(xt), decltype(st), asym> const kernel(dot);
-    // Threads as run_tiles splits them: contiguous runs of weight tiles, each byte read by one thread.
-    std::int64_t const num_tiles = (p.n + kernel.kNR - 1) / kernel.kNR;
-    std::int64_t const by_work = std::max<std::int64_t>(1, p.k / 2 * p.n / gemm_detail::kMinBytesPerThread);
-    int const threads = static_cast<int>(std::min<std::int64_t>({p.num_threads, num_tiles, by_work}));
-    auto task = [&](int i, int count) { kernel.run_range(num_tiles * i / count, num_tiles * (i + 1) / count); };
-    if (threads <= 1) {
-      task(0, 1);
-    } else {
-      pool.run(threads, TaskRef(task));
-    }
+    gemm_detail::run_thread_ranges(kernel, p.n, p.k / 2, p.num_threads, pool);
     done = true;
   });
   return done;
