@@ -15,7 +15,7 @@
 //  - batch invariant (the default, cpu_features.h): the decode kernels' arithmetic at every m, so that
 //    no result depends on m: int4 through W4Dot, from 16 rows (bf16 x: 64) as W4DotPanel (the same
 //    operations per element, the nibbles dequantised once per panel; W4Bf16Dot / W4Fma for rows too
-//    long for them), int8 through W8Fma, from 16 rows as W8FmaPanel (gemm_impl.h: the same operations
+//    long for them), int8 through W8Fma, from 16 rows as FmaPanel (gemm_impl.h: the same operations
 //    per element, each weight dequantised once per panel), no bf16 panels and no tiles.
 #include "gemm_avx512.h"
 

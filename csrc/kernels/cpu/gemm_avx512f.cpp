@@ -4,7 +4,10 @@
 // strategies (bf16 panels, VDPBF16PS dot products) are replaced by gemm_impl.h's FMA kernels.
 // Compiled with AVX-512 F/BW/VL/DQ flags; called only when selected_isa() is kAvx512F.
 //
-//  - int4 / int8, batched fp32 / fp16 x (int8: any x): the tiled kernels (8 x rows by 3 weight rows).
+//  - int4, from 12 rows (bf16 x: 8): FmaPanel (gemm_impl.h: W4Fma's products dequantised once per
+//    panel of weight rows into fp32, then DenseTile's 6 x 4 tile; W4Fma's bits).
+//  - int4 / int8, batched fp32 / fp16 x (int8: any x): the tiled kernels (8 x rows by 3 weight rows);
+//    int8 under batch invariance: FmaPanel from 16 rows (W8Fma's bits), W8Fma below.
 //  - int4 decode and bf16 x: W4Fma (nibbles widened in registers, 4 weight rows x 4 x rows).
 //  - int8 decode: W8Fma (one x row scales each group's sum once).
 //  - dense: DenseTile, bf16 widened to fp32 on load.
@@ -19,6 +22,9 @@ namespace inflight::kernels::cpu {
 using gemm_avx512f::Vec512;
 
 void w4a16_gemm_avx512f(W4A16GemmParams const& p, ThreadPool& pool) {
+  // W4Fma's bits at every m (batch-invariant in both modes): FmaPanel from 12 rows (bf16 x: 8), the
+  // tiles below (fp32 / fp16 x), W4Fma at one row and for bf16 x.
+  if (gemm_avx512f::w4a16_fma_panels<Vec512>(p, pool)) return;
   if (gemm_avx512f::w4a16_tiled(p, pool)) return;
   gemm_detail::dispatch_w4(p, [&](auto xt, auto st, auto asym) {
     gemm_detail::run_tiles(gemm_avx512f::W4Fma<Vec512, decltype(xt), decltype(st), asym>{p}, p.m, p.n, p.k / 2,

@@ -14,7 +14,7 @@
 //   kW8GroupSums     W8Fma with one x row sums q * x per group and scales once (prefetching ahead)
 //   zero, set1, mul, fmadd(a, b, c) = a * b + c
 //   load(T const*)          kWidth values of T (float, BFloat16, Float16) widened to fp32
-//   store(float*, Reg)      kWidth fp32 values (W8FmaPanel's buffers; AVX-512 only)
+//   store(float*, Reg)      kWidth fp32 values (FmaPanel's buffers; AVX-512 only)
 //   load_tail(T const*, n)  the first n < kWidth of them, zeros after; reads nothing past them
 //   bcast(T const*)         one value of T, widened and broadcast
 //   int8(int8_t const*)     kWidth int8 weights as fp32
@@ -286,32 +286,35 @@ struct W8Fma {
   }
 };
 
-// ---- W8FmaPanel: W8Fma's arithmetic with each weight dequantised once --------------------------------
+// ---- FmaPanel: the FMA kernels' arithmetic with each weight dequantised once -----------------------
 //
-// W8Fma dequantises every weight vector (q * scale) again for each tile of 4 x rows, and widens x
-// (bf16 / fp16) again for each weight row. From kW8PanelMinM rows, each thread dequantises a panel of
-// weight rows once into fp32 (the same q * scale products) and widens a block of x rows once, then runs
-// DenseTile's 6 x 4 fp32 tile over them: the multiply-adds of each element are W8Fma's, in W8Fma's
-// order (along k from 0, vector by vector, the same lane reduction), so the bits are W8Fma's at any m.
-// Against W8Fma on 2 Zen 4 threads (SmolLM2 / Gemma 3 shapes, interleaved calls): 16 rows 1.04-1.12x
-// with fp32 x and 1.15-1.31x with bf16 x (the 576 x 49152 LM head included, once the next panel is
-// prefetched as W8Fma prefetches its next tiles), 64 rows 1.20-1.41x; 8 rows 0.88-1.19x, 4 rows slower.
-// V: vector traits; XT: x/out storage type; ST: scale storage type; kFp8: E4M3 bytes.
-constexpr std::int64_t kW8PanelMinM = 16;
-constexpr std::size_t kW8PanelXBytes = 256 * 1024;  // widened x rows of one M block
-constexpr std::size_t kW8PanelBytes = 64 * 1024;    // dequantised weight rows of one panel (L2)
+// W8Fma dequantises every weight vector (q * scale) again for each tile of 4 x rows and widens x (bf16 /
+// fp16) again for each weight row; W4Fma / W4Tiled (AVX-512 without BF16) redo their nibble lookups per
+// M tile. From kFmaPanelMinM rows, each thread instead dequantises a panel of weight rows once into fp32
+// (the same products, in the order the kernel's lanes consume them) and converts a block of x rows once
+// (widened; for int4 split into even and odd k per 2 W values, as W4Fma splits them), then runs
+// DenseTile's 6 x 4 fp32 tile over both: each element gets the kernel's multiply-adds in the kernel's
+// order (along k from 0, vector by vector, the same lane reduction), so the bits are W8Fma's / W4Fma's
+// at any m. Against the kernels they replace on 2 Zen 4 threads (SmolLM2 / Gemma 3 shapes, interleaved
+// calls): int8 at 16 rows 1.04-1.12x with fp32 x and 1.15-1.31x with bf16 x (the 576 x 49152 LM head
+// included, once the next panel is prefetched as W8Fma prefetches its next tiles), 1.20-1.41x at 64;
+// 8 rows 0.88-1.19x, 4 rows slower. int4 on AVX-512 without BF16, against W4Tiled (fp32 / fp16 x) and
+// W4Fma (bf16 x): fp32 x 1.10x at 12 rows, 1.07-1.25x at 16-32, 1.26-1.34x at 64-256 (0.96x at 8);
+// bf16 x 1.23-1.28x at 8 rows, 1.5-1.8x from 16; either way about the dense fp32 kernel's time.
+constexpr std::int64_t kFmaPanelMinM = 16;           // int8
+constexpr std::int64_t kFmaPanelMinMInt4 = 12;       // int4, fp32 / fp16 x
+constexpr std::int64_t kFmaPanelMinMInt4Bf16 = 8;    // int4, bf16 x
+constexpr std::size_t kFmaPanelXBytes = 256 * 1024;  // converted x rows of one M block
+constexpr std::size_t kFmaPanelBytes = 64 * 1024;    // dequantised weight rows of one panel (L2)
 
-template <class V, class XT, class ST, bool kFp8 = false>
-struct W8FmaPanel {
-  using Reg = typename V::Reg;
-  static constexpr int W = V::kWidth;
-  static constexpr int kNR = 4;
-  static constexpr int kMaxMR = 6;
-  static_assert(kMaxMR * kNR + kMaxMR + 1 <= V::kRegs, "register tile does not fit the vector registers");
-  W8A16GemmParams const& p;
-
-  // Rows n0 .. n0 + rows - 1 (past n: the last row, computed and never stored), q * scale as fp32.
-  void dequantise(std::int64_t n0, std::int64_t rows, float* panel) const {
+// int8 / E4M3 weights as W8Fma dequantises them: q * scale, in k order. ST: scale storage type.
+template <class V, class ST, bool kFp8>
+struct W8PanelFormat {
+  using Params = W8A16GemmParams;
+  static constexpr bool kSplitEvenOdd = false;
+  static std::int64_t row_bytes(Params const& p) { return p.k; }
+  static void dequantise(Params const& p, std::int64_t n0, std::int64_t rows, float* panel) {
+    using Reg = typename V::Reg;
     std::int64_t const k_dim = p.k, groups = k_dim / p.group_size;
     int const g_size = p.group_size;
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -321,7 +324,7 @@ struct W8FmaPanel {
       float* dst = panel + r * k_dim;
       for (std::int64_t g = 0; g < groups; ++g) {
         Reg const s = V::bcast(sc + g);
-        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += W) {
+        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += V::kWidth) {
           // The next panel's rows follow: fetch them ahead (W8Fma does the same for its next tiles).
           if (kb % 64 == 0) _mm_prefetch(reinterpret_cast<char const*>(w + rows * k_dim + kb), _MM_HINT_T0);
           V::store(dst + kb, V::mul(V::template w8<kFp8>(w + kb), s));
@@ -329,6 +332,50 @@ struct W8FmaPanel {
       }
     }
   }
+};
+
+// int4 weights as W4Fma dequantises them: q * scale + offset (symmetric: q * scale - 8 scale) by one
+// FMA, per 2 W weights the W of even k, then the W of odd k. ST: scale/offset storage type.
+template <class V, class ST, bool kAsym>
+struct W4PanelFormat {
+  using Params = W4A16GemmParams;
+  static constexpr bool kSplitEvenOdd = true;
+  static std::int64_t row_bytes(Params const& p) { return p.k / 2; }
+  static void dequantise(Params const& p, std::int64_t n0, std::int64_t rows, float* panel) {
+    using Reg = typename V::Reg;
+    constexpr int W = V::kWidth;
+    std::int64_t const k_dim = p.k, groups = k_dim / p.group_size;
+    int const g_size = p.group_size;
+    Reg const minus8 = V::set1(-8.0f);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::int64_t const row = std::min(n0 + r, p.n - 1);
+      std::uint8_t const* w = p.qweight + row * (k_dim / 2);
+      ST const* sc = static_cast<ST const*>(p.scales) + row * groups;
+      float* dst = panel + r * k_dim;
+      for (std::int64_t g = 0; g < groups; ++g) {
+        Reg const s = V::bcast(sc + g);
+        Reg const of = kAsym ? V::bcast(static_cast<ST const*>(p.offsets) + row * groups + g) : V::mul(s, minus8);
+        for (std::int64_t kb = g * g_size; kb < (g + 1) * g_size; kb += 2 * W) {
+          if (kb % 128 == 0) _mm_prefetch(reinterpret_cast<char const*>(w + rows * (k_dim / 2) + kb / 2), _MM_HINT_T0);
+          Reg ql, qh;
+          V::nibbles(w + kb / 2, ql, qh);
+          V::store(dst + kb, V::fmadd(ql, s, of));
+          V::store(dst + kb + W, V::fmadd(qh, s, of));
+        }
+      }
+    }
+  }
+};
+
+// V: vector traits; XT: x/out storage type; F: the weight format (W8PanelFormat / W4PanelFormat).
+template <class V, class XT, class F>
+struct FmaPanel {
+  using Reg = typename V::Reg;
+  static constexpr int W = V::kWidth;
+  static constexpr int kNR = 4;
+  static constexpr int kMaxMR = 6;
+  static_assert(kMaxMR * kNR + kMaxMR + 1 <= V::kRegs, "register tile does not fit the vector registers");
+  typename F::Params const& p;
 
   template <int MR>
   void run(float const* panel, float const* x, std::int64_t m0, std::int64_t n0) const {
@@ -352,32 +399,48 @@ struct W8FmaPanel {
     store_quant_tile<V, XT>(acc, p, m0, n0);
   }
 
-  // One thread's share: N tiles [t0, t1). x rows are widened once per M block (fp32 x is read in
-  // place), weight rows dequantised once per panel, and every M tile of the block walks the panel.
+  // Rows [0, rows) of x from row mb into dst as fp32: widened, and for int4 split per 2 W values
+  // into the W of even k, then the W of odd k.
+  void convert_x(std::int64_t mb, std::int64_t rows, float* dst) const {
+    XT const* x = static_cast<XT const*>(p.x) + mb * p.k;
+    std::int64_t const count = rows * p.k;
+    if constexpr (F::kSplitEvenOdd) {
+      for (std::int64_t j = 0; j < count; j += 2 * W) {
+        Reg even, odd;
+        V::deinterleave(V::load(x + j), V::load(x + j + W), even, odd);
+        V::store(dst + j, even);
+        V::store(dst + j + W, odd);
+      }
+    } else {
+      for (std::int64_t j = 0; j < count; j += W) V::store(dst + j, V::load(x + j));
+    }
+  }
+
+  // One thread's share: N tiles [t0, t1). x rows are converted once per M block (fp32 x without the
+  // int4 split is read in place), weight rows dequantised once per panel, and every M tile of the
+  // block walks the panel.
   void run_range(std::int64_t t0, std::int64_t t1) const {
     std::int64_t const k_dim = p.k;
-    constexpr bool kWiden = !std::is_same_v<XT, float>;
+    constexpr bool kConvert = F::kSplitEvenOdd || !std::is_same_v<XT, float>;
     std::int64_t const row_bytes = k_dim * static_cast<std::int64_t>(sizeof(float));
     std::int64_t const block =
-        kWiden ? std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kW8PanelXBytes / row_bytes)) : p.m;
-    std::int64_t const panel_tiles = std::max<std::int64_t>(1, kW8PanelBytes / (kNR * row_bytes));
-    std::size_t const x_bytes = kWiden ? static_cast<std::size_t>(block * row_bytes) : 0;
+        kConvert ? std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kFmaPanelXBytes / row_bytes)) : p.m;
+    std::int64_t const panel_tiles = std::max<std::int64_t>(1, kFmaPanelBytes / (kNR * row_bytes));
+    std::size_t const x_bytes = kConvert ? static_cast<std::size_t>(block * row_bytes) : 0;
     unsigned char* buf = gemm_detail::thread_buffer(x_bytes + static_cast<std::size_t>(panel_tiles * kNR * row_bytes));
     float* panel = reinterpret_cast<float*>(buf + x_bytes);
     for (std::int64_t mb = 0; mb < p.m; mb += block) {
       std::int64_t const rows = std::min(block, p.m - mb);
       float const* xf = nullptr;
-      if constexpr (kWiden) {
-        float* wide = reinterpret_cast<float*>(buf);
-        XT const* x = static_cast<XT const*>(p.x) + mb * k_dim;
-        for (std::int64_t j = 0; j < rows * k_dim; j += W) V::store(wide + j, V::load(x + j));
-        xf = wide;
+      if constexpr (kConvert) {
+        convert_x(mb, rows, reinterpret_cast<float*>(buf));
+        xf = reinterpret_cast<float const*>(buf);
       } else {
         xf = static_cast<float const*>(p.x) + mb * k_dim;
       }
       for (std::int64_t pt = t0; pt < t1; pt += panel_tiles) {
         std::int64_t const pt1 = std::min(t1, pt + panel_tiles);
-        dequantise(pt * kNR, (pt1 - pt) * kNR, panel);
+        F::dequantise(p, pt * kNR, (pt1 - pt) * kNR, panel);
         for (std::int64_t m0 = 0; m0 < rows; m0 += kMaxMR) {
           int const mr = static_cast<int>(std::min<std::int64_t>(kMaxMR, rows - m0));
           for (std::int64_t t = pt; t < pt1; ++t) {
@@ -389,12 +452,24 @@ struct W8FmaPanel {
   }
 };
 
-// Runs W8FmaPanel where it applies (batch-invariant mode, m >= kW8PanelMinM); false otherwise.
+// W8Fma's bits from kFmaPanelMinM rows (FmaPanel); false (nothing run) below.
 template <class V>
 bool w8a16_fma_panels(W8A16GemmParams const& p, ThreadPool& pool) {
-  if (p.m < kW8PanelMinM) return false;
+  if (p.m < kFmaPanelMinM) return false;
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
-    gemm_detail::run_thread_ranges(W8FmaPanel<V, decltype(xt), decltype(st), fp8>{p}, p.n, p.k, p.num_threads, pool);
+    using Kernel = FmaPanel<V, decltype(xt), W8PanelFormat<V, decltype(st), fp8>>;
+    gemm_detail::run_thread_ranges(Kernel{p}, p.n, p.k, p.num_threads, pool);
+  });
+  return true;
+}
+
+// W4Fma's bits from kFmaPanelMinMInt4(Bf16) rows (FmaPanel); false (nothing run) below.
+template <class V>
+bool w4a16_fma_panels(W4A16GemmParams const& p, ThreadPool& pool) {
+  if (p.m < (p.dtype == ScalarType::kBFloat16 ? kFmaPanelMinMInt4Bf16 : kFmaPanelMinMInt4)) return false;
+  gemm_detail::dispatch_w4(p, [&](auto xt, auto st, auto asym) {
+    using Kernel = FmaPanel<V, decltype(xt), W4PanelFormat<V, decltype(st), asym>>;
+    gemm_detail::run_thread_ranges(Kernel{p}, p.n, p.k / 2, p.num_threads, pool);
   });
   return true;
 }
