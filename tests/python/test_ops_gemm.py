@@ -137,6 +137,23 @@ def not_invariant():
     _C.set_batch_invariant(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_not_invariant_batched_int4_rows_agree_with_each_other(isa, not_invariant, dtype):
+    """Not batch-invariant, fp32 / fp16 x: the tiles (2-11 rows) and, on AVX-512, FmaPanel (12 rows and
+    up) dequantise exactly as W4Fma does, so a row's bits are the same at every m >= 2; and they match
+    the reference."""
+    gen = torch.Generator().manual_seed(13)
+    n, k = 71, 640
+    for symmetric in (False, True):
+        qweight, scales, offsets = _w4(n, k, 32, symmetric, torch.bfloat16, gen)
+        x = torch.randn(40, k, generator=gen).to(dtype)
+        full = ops.w4a16_gemm(x, qweight, scales, offsets, 32)
+        _close(full, ref.w4a16_gemm(x, qweight, scales, offsets, 32), dtype)
+        for m in (2, 5, 11, 12, 17):
+            got = ops.w4a16_gemm(x[:m], qweight, scales, offsets, 32)
+            assert torch.equal(got, full[:m]), f"m={m}: rows differ from the same rows at m=40"
+
+
 def test_batched_bf16_equals_the_bf16_dequantised_weights(isa, not_invariant):
     # Not batch-invariant, bf16 x with many rows: the weights are dequantised (s * q + o in fp32), rounded
     # to bf16, and multiplied in fp32 (AVX-512: L2-sized panels through the dense bf16 kernel). That is the

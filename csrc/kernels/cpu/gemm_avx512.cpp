@@ -7,9 +7,9 @@
 // weight vectors by the MR x rows.
 //
 //  - int4: decode (fp32 x: one row) and bf16 x through W4Dot (bf16-exact nibbles, VDPBF16PS); batched fp32 /
-//    fp16 x through the tiled FMA kernels (VPERMPS lookup); batched bf16 x through bf16 panels and the
-//    dense kernel. Rows too long for W4Dot's buffer (k beyond ~16K): W4Fma (fp32 / fp16 x) and
-//    W4Bf16Dot (bf16 x).
+//    fp16 x through the tiled FMA kernels (VPERMPS lookup), from 12 rows through FmaPanel (the same bits); batched bf16
+//    x through bf16 panels and the dense kernel. Rows too long for W4Dot's buffer (k beyond ~16K): W4Fma (fp32 / fp16
+//    x) and W4Bf16Dot (bf16 x).
 //  - int8: batched bf16 x through panels, other batches tiled, decode through W8Fma (one x row scales
 //    each group's sum once, several rows dequantise each weight vector once).
 //  - batch invariant (the default, cpu_features.h): the decode kernels' arithmetic at every m, so that
@@ -35,7 +35,11 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
       return;
     }
   } else {
-    if (gemm_avx512::w4a16_panels(p, pool) || gemm_avx512::w4a16_tiled(p, pool) || gemm_avx512::w4a16_dot(p, pool)) {
+    // fp32 / fp16 x from 12 rows: W4Fma's products dequantised once per panel (FmaPanel, gemm_impl.h),
+    // the bits of the tiles below it and 1.07-1.34x their speed.
+    bool const fma_panel = p.dtype != ScalarType::kBFloat16 && gemm_avx512::w4a16_fma_panels<Vec512>(p, pool);
+    if (fma_panel || gemm_avx512::w4a16_panels(p, pool) || gemm_avx512::w4a16_tiled(p, pool) ||
+        gemm_avx512::w4a16_dot(p, pool)) {
       return;
     }
     // Rows too long for the scratch buffers: the in-register kernels, no reordering.
