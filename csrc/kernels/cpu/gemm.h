@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <new>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_features.h"
 #include "inflight/kernels/scalar_type.h"
@@ -168,35 +169,49 @@ void run_tiles(Kernel const& kernel, std::int64_t m, std::int64_t n, std::int64_
   pool.run(threads, TaskRef(task));
 }
 
-// A per-thread scratch buffer that grows and stays (the pool's threads live as long as the process:
-// no allocation, and no page faults, per call). Internal linkage: one per TU and thread.
-inline unsigned char* thread_buffer(std::size_t bytes) {
-  struct Buffer {
-    unsigned char* data = nullptr;
-    std::size_t size = 0;
-    ~Buffer() { std::free(data); }
+// Scratch buffers for the tasks of one parallel call, owned by the calling thread: they grow and stay
+// (no allocation, and no page faults, per call), and they are allocated here, before any task runs, so
+// that a failed allocation is an exception in the caller, never in a pool worker. Internal linkage: one
+// set per TU and calling thread.
+inline unsigned char* const* task_buffers(int count, std::size_t bytes) {
+  struct Buffers {
+    std::vector<unsigned char*> data;
+    std::vector<std::size_t> size;
+    ~Buffers() {
+      for (unsigned char* d : data) std::free(d);
+    }
   };
-  thread_local Buffer buffer;
-  if (buffer.size < bytes) {
-    std::free(buffer.data);
-    buffer.size = 0;
-    std::size_t const size = (bytes + 4095) / 4096 * 4096;
-    buffer.data = static_cast<unsigned char*>(std::aligned_alloc(64, size));
-    if (buffer.data == nullptr) throw std::bad_alloc();
-    buffer.size = size;
+  thread_local Buffers buffers;
+  if (buffers.data.size() < static_cast<std::size_t>(count)) {
+    buffers.data.resize(static_cast<std::size_t>(count), nullptr);
+    buffers.size.resize(static_cast<std::size_t>(count), 0);
   }
-  return buffer.data;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
+    if (buffers.size[i] >= bytes) continue;
+    std::free(buffers.data[i]);
+    buffers.data[i] = nullptr;
+    buffers.size[i] = 0;
+    std::size_t const size = (bytes + 4095) / 4096 * 4096;
+    buffers.data[i] = static_cast<unsigned char*>(std::aligned_alloc(64, size));
+    if (buffers.data[i] == nullptr) throw std::bad_alloc();
+    buffers.size[i] = size;
+  }
+  return buffers.data.data();
 }
 
-// Runs a panel kernel (kNR, run_range(t0, t1): N tiles [t0, t1), every row of M) with threads split as
-// run_tiles splits them: contiguous runs of N tiles, each weight byte read by one thread.
+// Runs a panel kernel (kNR; scratch_bytes(); run_range(t0, t1, scratch): N tiles [t0, t1), every row of
+// M) with threads split as run_tiles splits them: contiguous runs of N tiles, each weight byte read by
+// one thread, each task with its own scratch.
 template <class Kernel>
 void run_thread_ranges(Kernel const& kernel, std::int64_t n, std::int64_t weight_row_bytes, int num_threads,
                        ThreadPool& pool) {
   std::int64_t const num_tiles = (n + Kernel::kNR - 1) / Kernel::kNR;
   std::int64_t const by_work = std::max<std::int64_t>(1, weight_row_bytes * n / kMinBytesPerThread);
   int const threads = static_cast<int>(std::min<std::int64_t>({num_threads, num_tiles, by_work}));
-  auto task = [&](int i, int count) { kernel.run_range(num_tiles * i / count, num_tiles * (i + 1) / count); };
+  unsigned char* const* scratch = task_buffers(threads, kernel.scratch_bytes());
+  auto task = [&](int i, int count) {
+    kernel.run_range(num_tiles * i / count, num_tiles * (i + 1) / count, scratch[i]);
+  };
   if (threads <= 1) {
     task(0, 1);
     return;

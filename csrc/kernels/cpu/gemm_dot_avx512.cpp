@@ -369,16 +369,20 @@ struct W4DotPanel {
     dispatch_mr<kMaxMR>(*this, mr, t, xw, m0, n0);
   }
 
+  // Rows of x per M block (prepared once, in L2), weight tiles per panel (dequantised once, in L1).
+  std::int64_t block() const {
+    return std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(dot.p.m, kDotPanelXBytes / (dot.row_elems * 2)));
+  }
+  std::int64_t panel_tiles() const { return std::max<std::int64_t>(1, kDotPanelBytes / (kNR * stride)); }
+  std::size_t x_bytes() const { return static_cast<std::size_t>(block() * dot.row_elems * 2); }
+  std::size_t scratch_bytes() const { return x_bytes() + static_cast<std::size_t>(panel_tiles() * kNR * stride); }
+
   // One thread's share: N tiles [t0, t1). Per M block its x rows are prepared once; per panel the
   // weight rows are dequantised once and every M tile of the block walks them.
-  void run_range(std::int64_t t0, std::int64_t t1) const {
+  void run_range(std::int64_t t0, std::int64_t t1, unsigned char* buf) const {
     W4A16GemmParams const& p = dot.p;
-    std::int64_t const x_row_bytes = dot.row_elems * 2;
-    std::int64_t const block =
-        std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kDotPanelXBytes / x_row_bytes));
-    std::int64_t const panel_tiles = std::max<std::int64_t>(1, kDotPanelBytes / (kNR * stride));
-    std::size_t const x_bytes = static_cast<std::size_t>(block * x_row_bytes);
-    unsigned char* buf = gemm_detail::thread_buffer(x_bytes + static_cast<std::size_t>(panel_tiles * kNR * stride));
+    std::int64_t const block = this->block(), panel_tiles = this->panel_tiles();
+    std::size_t const x_bytes = this->x_bytes();
     auto* xw = reinterpret_cast<std::uint16_t*>(buf);
     unsigned char* panel = buf + x_bytes;
     XT const* x = static_cast<XT const*>(p.x);

@@ -416,18 +416,23 @@ struct FmaPanel {
     }
   }
 
-  // One thread's share: N tiles [t0, t1). x rows are converted once per M block (fp32 x without the
-  // int4 split is read in place), weight rows dequantised once per panel, and every M tile of the
-  // block walks the panel.
-  void run_range(std::int64_t t0, std::int64_t t1) const {
+  // Rows of x per M block (converted once; fp32 x without the int4 split is read in place) and weight
+  // tiles per panel (dequantised once, in L2).
+  static constexpr bool kConvert = F::kSplitEvenOdd || !std::is_same_v<XT, float>;
+  std::int64_t row_bytes() const { return p.k * static_cast<std::int64_t>(sizeof(float)); }
+  std::int64_t block() const {
+    return kConvert ? std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kFmaPanelXBytes / row_bytes())) : p.m;
+  }
+  std::int64_t panel_tiles() const { return std::max<std::int64_t>(1, kFmaPanelBytes / (kNR * row_bytes())); }
+  std::size_t x_bytes() const { return kConvert ? static_cast<std::size_t>(block() * row_bytes()) : 0; }
+  std::size_t scratch_bytes() const { return x_bytes() + static_cast<std::size_t>(panel_tiles() * kNR * row_bytes()); }
+
+  // One thread's share: N tiles [t0, t1): per M block its x rows are converted once, per panel the
+  // weight rows dequantised once, and every M tile of the block walks the panel.
+  void run_range(std::int64_t t0, std::int64_t t1, unsigned char* buf) const {
     std::int64_t const k_dim = p.k;
-    constexpr bool kConvert = F::kSplitEvenOdd || !std::is_same_v<XT, float>;
-    std::int64_t const row_bytes = k_dim * static_cast<std::int64_t>(sizeof(float));
-    std::int64_t const block =
-        kConvert ? std::max<std::int64_t>(kMaxMR, std::min<std::int64_t>(p.m, kFmaPanelXBytes / row_bytes)) : p.m;
-    std::int64_t const panel_tiles = std::max<std::int64_t>(1, kFmaPanelBytes / (kNR * row_bytes));
-    std::size_t const x_bytes = kConvert ? static_cast<std::size_t>(block * row_bytes) : 0;
-    unsigned char* buf = gemm_detail::thread_buffer(x_bytes + static_cast<std::size_t>(panel_tiles * kNR * row_bytes));
+    std::int64_t const block = this->block(), panel_tiles = this->panel_tiles();
+    std::size_t const x_bytes = this->x_bytes();
     float* panel = reinterpret_cast<float*>(buf + x_bytes);
     for (std::int64_t mb = 0; mb < p.m; mb += block) {
       std::int64_t const rows = std::min(block, p.m - mb);
