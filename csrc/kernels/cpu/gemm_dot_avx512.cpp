@@ -75,6 +75,55 @@ inline __m512 bf16_hi_to_ps(__m512i v) {  // words 16..31 -> fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
 }
 
+// W4Dot's weight side: a chunk's nibbles as bf16 128 + q, its lane scales, and the per-group offset
+// terms. W4Dot decodes with it per tile and W4DotPanel once per panel: their bits agree because both
+// decode here.
+struct W4DotDecode {
+  __m512i nib = _mm512_set1_epi16(0x000f);
+  __m512i bias = _mm512_set1_epi16(0x4300);  // bf16 128.0
+  __m512i sidx;                              // dword lane l (128-bit lane l / 4) -> its group in the chunk
+  int groups_per_chunk;
+  std::int64_t k_dim, groups;
+
+  W4DotDecode(std::int64_t k, int g_size)
+      : sidx(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                               g_size == 32 ? 2u : (g_size == 64 ? 3u : 4u))),
+        groups_per_chunk(kChunk / g_size),
+        k_dim(k),
+        groups(k / g_size) {}
+
+  // The bytes of chunk c (at k = c) that exist: all 64 but in the last chunk.
+  [[gnu::always_inline]] __mmask64 byte_mask(std::int64_t c) const {
+    std::int64_t const left = k_dim - c;
+    return left >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (left / 2)) - 1;
+  }
+  // The chunk's 64 weight bytes as four vectors of 32 bf16 (128 + q). 0xEA: (A & B) | C.
+  [[gnu::always_inline]] void nibbles(__m512i b, __m512bh (&q)[4]) const {
+    q[0] = (__m512bh)_mm512_ternarylogic_epi32(b, nib, bias, 0xea);
+    q[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nib, bias, 0xea);
+    q[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), nib, bias, 0xea);
+    q[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 12), bias);
+  }
+  // The groups of the chunk whose first group is g0 that exist.
+  [[gnu::always_inline]] __mmask8 scale_mask(std::int64_t g0) const {
+    return static_cast<__mmask8>((1u << std::min<std::int64_t>(groups_per_chunk, groups - g0)) - 1u);
+  }
+  // Each lane's group scale for that chunk (s: the row's scales; smask: scale_mask(g0)).
+  template <class ST>
+  [[gnu::always_inline]] __m512 lane_scales(ST const* s, std::int64_t g0, __mmask8 smask) const {
+    return _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(load_scales4(s + g0, smask)));
+  }
+  // Groups g .. g + 15 (masked past the last): + (offset - 128 scale) * sum(x), or - 136 scale * sum(x)
+  // when symmetric (o unused).
+  template <bool kAsym, class ST>
+  [[gnu::always_inline]] __m512 offset_terms(ST const* s, ST const* o, std::int64_t g) const {
+    __mmask16 const gm = mask16(groups - g);
+    __m512 const sv = load16_masked(s + g, gm);
+    if constexpr (kAsym) return _mm512_fmadd_ps(sv, _mm512_set1_ps(-128.0f), load16_masked(o + g, gm));
+    return _mm512_mul_ps(sv, _mm512_set1_ps(-136.0f));
+  }
+};
+
 // XT: x/out storage type; ST: scale/offset storage type; kAsym: offsets given.
 template <class XT, class ST, bool kAsym>
 struct W4Dot {
@@ -168,59 +217,43 @@ struct W4Dot {
     std::uint16_t const* xw = static_cast<std::uint16_t const*>(scratch);
     __m512 acc[MR][kNR];
     zero_tile<Vec512>(acc);
-    __m512i const nib = _mm512_set1_epi16(0x000f);
-    __m512i const bias = _mm512_set1_epi16(0x4300);  // bf16 128.0
-    // Dword lane l (128-bit lane l / 4) -> its group within the chunk.
-    unsigned const lanes_shift = g_size == 32 ? 2u : (g_size == 64 ? 3u : 4u);
-    __m512i const sidx =
-        _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), lanes_shift);
-    int const groups_per_chunk = kChunk / g_size;
+    W4DotDecode const dec(k_dim, g_size);
     std::int64_t g0 = 0;  // first group of the chunk
-    for (std::int64_t c = 0; c < kpad; c += kChunk, g0 += groups_per_chunk) {
-      std::int64_t const left = k_dim - c;  // weights of this chunk that exist (< 128 only in the last)
-      __mmask64 const bmask = left >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (left / 2)) - 1;
-      __mmask8 const smask = static_cast<__mmask8>((1u << std::min<std::int64_t>(groups_per_chunk, groups - g0)) - 1u);
+    for (std::int64_t c = 0; c < kpad; c += kChunk, g0 += dec.groups_per_chunk) {
+      __mmask64 const bmask = dec.byte_mask(c);
+      __mmask8 const smask = dec.scale_mask(g0);
 #pragma GCC unroll 4
       for (int r = 0; r < kNR; ++r) {
         __m512i const b = _mm512_maskz_loadu_epi8(bmask, t.w[r] + c / 2);
         // The next tiles' rows follow these in memory: fetch them ahead (the hardware prefetcher alone
         // leaves a single thread well below the memory bandwidth).
         _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + kPrefetchTiles * kNR * (k_dim / 2) + c / 2), _MM_HINT_T0);
-        // 0xEA: (A & B) | C.
-        __m512bh const q0 = (__m512bh)_mm512_ternarylogic_epi32(b, nib, bias, 0xea);
-        __m512bh const q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nib, bias, 0xea);
-        __m512bh const q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), nib, bias, 0xea);
-        __m512bh const q3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 12), bias);
-        __m512 const sv = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(load_scales4(t.s[r] + g0, smask)));
+        __m512bh q[4];
+        dec.nibbles(b, q);
+        __m512 const sv = dec.lane_scales(t.s[r], g0, smask);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
           std::uint16_t const* xp = xw + i * row_elems + c;
-          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_load_si512(xp));
-          d = _mm512_dpbf16_ps(d, q1, (__m512bh)_mm512_load_si512(xp + 32));
-          d = _mm512_dpbf16_ps(d, q2, (__m512bh)_mm512_load_si512(xp + 64));
-          d = _mm512_dpbf16_ps(d, q3, (__m512bh)_mm512_load_si512(xp + 96));
+          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_load_si512(xp));
+          d = _mm512_dpbf16_ps(d, q[1], (__m512bh)_mm512_load_si512(xp + 32));
+          d = _mm512_dpbf16_ps(d, q[2], (__m512bh)_mm512_load_si512(xp + 64));
+          d = _mm512_dpbf16_ps(d, q[3], (__m512bh)_mm512_load_si512(xp + 96));
           if constexpr (kParts == 2) {
             std::uint16_t const* xl = xp + kpad;
-            __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_load_si512(xl));
-            e = _mm512_dpbf16_ps(e, q1, (__m512bh)_mm512_load_si512(xl + 32));
-            e = _mm512_dpbf16_ps(e, q2, (__m512bh)_mm512_load_si512(xl + 64));
-            e = _mm512_dpbf16_ps(e, q3, (__m512bh)_mm512_load_si512(xl + 96));
+            __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_load_si512(xl));
+            e = _mm512_dpbf16_ps(e, q[1], (__m512bh)_mm512_load_si512(xl + 32));
+            e = _mm512_dpbf16_ps(e, q[2], (__m512bh)_mm512_load_si512(xl + 64));
+            e = _mm512_dpbf16_ps(e, q[3], (__m512bh)_mm512_load_si512(xl + 96));
             d = _mm512_add_ps(d, e);
           }
           acc[i][r] = _mm512_fmadd_ps(d, sv, acc[i][r]);
         }
       }
     }
-    // Per group: + (offset - 128 scale) * sum(x), or - 136 scale * sum(x) when symmetric.
-    __m512 const minus128 = _mm512_set1_ps(-128.0f);
-    __m512 const minus136 = _mm512_set1_ps(-136.0f);
 #pragma GCC unroll 4
     for (int r = 0; r < kNR; ++r) {
       for (std::int64_t g = 0; g < groups; g += 16) {
-        __mmask16 const gm = mask16(groups - g);
-        __m512 const sv = load16_masked(t.s[r] + g, gm);
-        __m512 const cv =
-            kAsym ? _mm512_fmadd_ps(sv, minus128, load16_masked(t.o[r] + g, gm)) : _mm512_mul_ps(sv, minus136);
+        __m512 const cv = dec.offset_terms<kAsym>(t.s[r], t.o[r], g);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
           float const* xs = reinterpret_cast<float const*>(xw + i * row_elems + kParts * kpad);
@@ -269,47 +302,25 @@ struct W4DotPanel {
   void dequantise(std::int64_t n0, std::int64_t rows, unsigned char* panel) const {
     W4A16GemmParams const& p = dot.p;
     std::int64_t const k_dim = p.k, groups = dot.groups;
-    int const g_size = p.group_size;
-    __m512i const nib = _mm512_set1_epi16(0x000f);
-    __m512i const bias = _mm512_set1_epi16(0x4300);
-    unsigned const lanes_shift = g_size == 32 ? 2u : (g_size == 64 ? 3u : 4u);
-    __m512i const sidx =
-        _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), lanes_shift);
-    int const groups_per_chunk = kChunk / g_size;
-    __m512 const minus128 = _mm512_set1_ps(-128.0f);
-    __m512 const minus136 = _mm512_set1_ps(-136.0f);
+    W4DotDecode const dec(k_dim, p.group_size);
     for (std::int64_t r = 0; r < rows; ++r) {
       std::int64_t const row = std::min(n0 + r, p.n - 1);
       std::uint8_t const* w = p.qweight + row * (k_dim / 2);
       ST const* s = static_cast<ST const*>(p.scales) + row * groups;
+      ST const* o = kAsym ? static_cast<ST const*>(p.offsets) + row * groups : nullptr;
       unsigned char* dst = panel + r * stride;
       std::int64_t g0 = 0;
-      for (std::int64_t c = 0; c < dot.kpad; c += kChunk, g0 += groups_per_chunk) {
-        std::int64_t const left = k_dim - c;
-        __mmask64 const bmask = left >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (left / 2)) - 1;
-        __mmask8 const smask =
-            static_cast<__mmask8>((1u << std::min<std::int64_t>(groups_per_chunk, groups - g0)) - 1u);
-        __m512i const b = _mm512_maskz_loadu_epi8(bmask, w + c / 2);
+      for (std::int64_t c = 0; c < dot.kpad; c += kChunk, g0 += dec.groups_per_chunk) {
+        __m512i const b = _mm512_maskz_loadu_epi8(dec.byte_mask(c), w + c / 2);
         _mm_prefetch(reinterpret_cast<char const*>(w + rows * (k_dim / 2) + c / 2), _MM_HINT_T0);
-        unsigned char* q = dst + (c / kChunk) * 256;
-        _mm512_store_si512(q, _mm512_ternarylogic_epi32(b, nib, bias, 0xea));
-        _mm512_store_si512(q + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nib, bias, 0xea));
-        _mm512_store_si512(q + 128, _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), nib, bias, 0xea));
-        _mm512_store_si512(q + 192, _mm512_or_si512(_mm512_srli_epi16(b, 12), bias));
-        _mm512_store_ps(dst + chunks * 256 + (c / kChunk) * 64,
-                        _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(load_scales4(s + g0, smask))));
+        __m512bh q[4];
+        dec.nibbles(b, q);
+        unsigned char* qd = dst + (c / kChunk) * 256;
+        for (int v = 0; v < 4; ++v) _mm512_store_si512(qd + 64 * v, (__m512i)q[v]);
+        _mm512_store_ps(dst + chunks * 256 + (c / kChunk) * 64, dec.lane_scales(s, g0, dec.scale_mask(g0)));
       }
       float* cv = reinterpret_cast<float*>(dst + chunks * 320);
-      for (std::int64_t g = 0; g < groups; g += 16) {
-        __mmask16 const gm = mask16(groups - g);
-        __m512 const sv = load16_masked(s + g, gm);
-        if constexpr (kAsym) {
-          ST const* o = static_cast<ST const*>(p.offsets) + row * groups;
-          _mm512_store_ps(cv + g, _mm512_fmadd_ps(sv, minus128, load16_masked(o + g, gm)));
-        } else {
-          _mm512_store_ps(cv + g, _mm512_mul_ps(sv, minus136));
-        }
-      }
+      for (std::int64_t g = 0; g < groups; g += 16) _mm512_store_ps(cv + g, dec.offset_terms<kAsym>(s, o, g));
     }
   }
 
@@ -479,7 +490,7 @@ bool w4a16_dot_panels(W4A16GemmParams const& p, ThreadPool& pool) {
     Dot const dot(p);
     if (!dot.fits()) return;
     W4DotPanel<decltype(xt), decltype(st), asym> const kernel(dot);
-    gemm_detail::run_thread_ranges(kernel, p.n, p.k / 2, p.num_threads, pool);
+    gemm_detail::run_thread_ranges(kernel, p.n, gemm_detail::row_bytes(p), p.num_threads, pool);
     done = true;
   });
   return done;

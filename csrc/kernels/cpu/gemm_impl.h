@@ -312,7 +312,6 @@ template <class V, class ST, bool kFp8>
 struct W8PanelFormat {
   using Params = W8A16GemmParams;
   static constexpr bool kSplitEvenOdd = false;
-  static std::int64_t row_bytes(Params const& p) { return p.k; }
   static void dequantise(Params const& p, std::int64_t n0, std::int64_t rows, float* panel) {
     using Reg = typename V::Reg;
     std::int64_t const k_dim = p.k, groups = k_dim / p.group_size;
@@ -340,7 +339,6 @@ template <class V, class ST, bool kAsym>
 struct W4PanelFormat {
   using Params = W4A16GemmParams;
   static constexpr bool kSplitEvenOdd = true;
-  static std::int64_t row_bytes(Params const& p) { return p.k / 2; }
   static void dequantise(Params const& p, std::int64_t n0, std::int64_t rows, float* panel) {
     using Reg = typename V::Reg;
     constexpr int W = V::kWidth;
@@ -463,7 +461,7 @@ bool w8a16_fma_panels(W8A16GemmParams const& p, ThreadPool& pool) {
   if (p.m < kFmaPanelMinM) return false;
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
     using Kernel = FmaPanel<V, decltype(xt), W8PanelFormat<V, decltype(st), fp8>>;
-    gemm_detail::run_thread_ranges(Kernel{p}, p.n, p.k, p.num_threads, pool);
+    gemm_detail::run_thread_ranges(Kernel{p}, p.n, gemm_detail::row_bytes(p), p.num_threads, pool);
   });
   return true;
 }
@@ -474,7 +472,7 @@ bool w4a16_fma_panels(W4A16GemmParams const& p, ThreadPool& pool) {
   if (p.m < (p.dtype == ScalarType::kBFloat16 ? kFmaPanelMinMInt4Bf16 : kFmaPanelMinMInt4)) return false;
   gemm_detail::dispatch_w4(p, [&](auto xt, auto st, auto asym) {
     using Kernel = FmaPanel<V, decltype(xt), W4PanelFormat<V, decltype(st), asym>>;
-    gemm_detail::run_thread_ranges(Kernel{p}, p.n, p.k / 2, p.num_threads, pool);
+    gemm_detail::run_thread_ranges(Kernel{p}, p.n, gemm_detail::row_bytes(p), p.num_threads, pool);
   });
   return true;
 }
