@@ -332,8 +332,9 @@ class LLM:
             for c in children:
                 self._handles[c.request_id] = handle
         try:
-            for c in children:
-                self.executor.enqueue_request(c)
+            with self.executor.arrivals():  # the n sequences start together
+                for c in children:
+                    self.executor.enqueue_request(c)
         except Exception:
             with self._lock:
                 for c in children:
@@ -444,7 +445,10 @@ class LLM:
         prepared = [self._tokenize(p) for p in plist]
         for (_, ids), sp in zip(prepared, params):
             self._validate(ids, sp if sp is not None else SamplingParams())
-        handles = [self._submit(p, sp, False, prepared=pre) for p, sp, pre in zip(plist, params, prepared)]
+        with self.executor.arrivals():  # one schedule for the batch, however fast this thread submits
+            handles = [
+                self._submit(p, sp, False, prepared=pre) for p, sp, pre in zip(plist, params, prepared)
+            ]
         outputs = self._wait_all(handles, use_tqdm)
         return outputs[0] if single else outputs
 

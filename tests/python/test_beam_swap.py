@@ -185,7 +185,8 @@ def test_swapped_beams_never_hold_the_pool_between_them(make_llm, hf, tiny_model
     # (prompt index, K, max_tokens); None: greedy.
     cases = [(2, 2, 12), (1, 2, 4), (1, 2, 5), (8, 4, 7), (9, None, 22), (9, 2, 12)]
     params = [greedy(m) if k is None else beam_params(k, 1, max_new=m, ignore_eos=True) for _, k, m in cases]
-    handles = [llm.generate_async(LLM_PROMPTS[i], p) for (i, _, _), p in zip(cases, params)]
+    with llm.executor.arrivals():  # the same schedule on every machine
+        handles = [llm.generate_async(LLM_PROMPTS[i], p) for (i, _, _), p in zip(cases, params)]
     outs = [h.result(timeout=TIMEOUT) for h in handles]  # a deadlock fails here instead of hanging
     for (i, k, m), out in zip(cases, outs):
         if k is None:
@@ -228,7 +229,8 @@ def test_beam_requests_that_hold_the_pool_restart_the_latest(make_llm, hf, tiny_
     params = [
         greedy(m) if k is None else beam_params(k, n, max_new=m, ignore_eos=True) for _, k, n, m in cases
     ]
-    handles = [llm.generate_async(LLM_PROMPTS[i], p) for (i, *_), p in zip(cases, params)]
+    with llm.executor.arrivals():  # the same schedule on every machine
+        handles = [llm.generate_async(LLM_PROMPTS[i], p) for (i, *_), p in zip(cases, params)]
     outs = [h.result(timeout=TIMEOUT) for h in handles]
     for (i, k, n, m), out in zip(cases, outs):
         if k is None:

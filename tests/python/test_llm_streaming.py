@@ -70,7 +70,8 @@ def test_streaming_with_preemption(make_llm, hf_greedy_refs):
     )
 
     async def main():
-        handles = [llm.generate_async(p, greedy(), streaming=True) for p in LLM_PROMPTS]
+        with llm.executor.arrivals():  # the same schedule on every machine
+            handles = [llm.generate_async(p, greedy(), streaming=True) for p in LLM_PROMPTS]
         return await asyncio.gather(*(_collect(h) for h in handles))
 
     streams = _run(main())

@@ -344,10 +344,11 @@ def test_a_rank_that_raises_mid_run_fails_every_request_with_its_error(models, m
     monkeypatch.setenv(FAULT_ENV, "rank=1,stage=step,after=6")
     llm = LLM(models["kv2"], dtype="float32", tensor_parallel_size=2)
     try:
-        handles = [
-            llm.generate_async(p, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
-            for p in PROMPTS[:3]
-        ]
+        with llm.executor.arrivals():  # all three before the 6th step, however slow this machine
+            handles = [
+                llm.generate_async(p, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+                for p in PROMPTS[:3]
+            ]
         _assert_all_failed_naming(handles, "rank 1 raised", within=10.0)
         assert "injected fault" in handles[0].result().outputs[0].error
         assert not llm.is_alive

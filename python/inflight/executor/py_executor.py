@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -75,6 +76,13 @@ class _Shutdown:
 
 class _Wake:
     """Queue item: something finished off the loop (a grammar compiled): look again."""
+
+
+@dataclass(frozen=True)
+class _Arrivals:
+    """Queue item: requests submitted together (:meth:`PyExecutor.arrivals`), taken in one pass."""
+
+    requests: tuple[ExecutorRequest, ...]
 
 
 @dataclass
@@ -140,6 +148,7 @@ class PyExecutor:
         # Called once per iteration with that iteration's responses, in order.
         self._callback = response_callback or self._put_responses
         self._queue: queue.Queue = queue.Queue()
+        self._arriving = threading.local()  # per thread: the requests an open arrivals() holds back
         self._waiting: collections.deque[ExecutorRequest] = collections.deque()
         self.active = RequestList()
         self.preemption.active = self.active  # the list it checks a beam request's swap against
@@ -187,8 +196,55 @@ class PyExecutor:
     def enqueue_request(self, request: ExecutorRequest) -> int:
         with self._lock:
             self._check_alive()
-            self._queue.put(request)
+            held = getattr(self._arriving, "requests", None)
+            if held is not None:
+                held.append(request)
+            else:
+                self._queue.put(request)
         return request.request_id
+
+    @contextlib.contextmanager
+    def arrivals(self):
+        """Requests this thread enqueues inside the block reach the loop together when it ends, so the
+        first step that sees one sees all of them: an offline batch (``LLM.generate``) or the ``n``
+        sequences of one request get the same schedule however fast the caller submits them (the loop
+        would otherwise start on the first while the rest are still being prepared). Nested blocks
+        join the outermost one. Cancels this thread sends inside the block follow the requests. If the
+        engine died or shut down meanwhile, the held requests end with that error (their waiters get
+        it) and the block raises it."""
+        outer = getattr(self._arriving, "requests", None) is None
+        if outer:
+            self._arriving.requests, self._arriving.cancels = [], []
+        try:
+            yield
+        finally:
+            if outer:
+                held, cancels = self._arriving.requests, self._arriving.cancels
+                self._arriving.requests = self._arriving.cancels = None
+                self._release_arrivals(held, cancels)
+
+    def _release_arrivals(self, held: list[ExecutorRequest], cancels: list[_Cancel]) -> None:
+        dead = None
+        with self._lock:
+            try:
+                self._check_alive()
+            except RuntimeError as exc:
+                dead = exc
+            else:
+                if held:
+                    self._queue.put(_Arrivals(tuple(held)))
+                for c in cancels:
+                    self._queue.put(c)
+        if dead is not None and held:
+            # Never queued: the loop will not answer them, so answer here (the loop's lists untouched).
+            error = str(dead)
+            self._callback(
+                [
+                    Response(r.request_id, [], 0, finished=True, finish_reason="error", error=error)
+                    for r in held
+                ]
+            )
+            raise dead
 
     def cancel_request(self, request_id: int) -> None:
         self.cancel_requests((request_id,))
@@ -197,7 +253,11 @@ class PyExecutor:
         """Cancels requests wherever they are (queued, waiting, running); unknown ids are ignored."""
         with self._lock:
             if self._error is None and not self._closing:
-                self._queue.put(_Cancel(frozenset(request_ids)))
+                held = getattr(self._arriving, "requests", None)
+                if held is not None:  # after the requests this thread holds back (they may be among them)
+                    self._arriving.cancels.append(_Cancel(frozenset(request_ids)))
+                else:
+                    self._queue.put(_Cancel(frozenset(request_ids)))
 
     def fail(self, error: BaseException) -> None:
         """Kills the engine from any thread (e.g. a parallel rank died while idle): the loop raises
@@ -570,8 +630,9 @@ class PyExecutor:
             elif isinstance(item, _Wake):
                 self._take_compiled()
             else:
-                self._waiting.append(item)
-                self.timelines.queued(item.request_id, item.prompt_len, item.py_arrival_time)
+                for req in item.requests if isinstance(item, _Arrivals) else (item,):
+                    self._waiting.append(req)
+                    self.timelines.queued(req.request_id, req.prompt_len, req.py_arrival_time)
         while self._waiting and len(self.active) < self.max_num_active_requests:
             req = self._waiting.popleft()
             if req.py_sampling_state.params.guided_decoding is not None and req.py_guided is None:
@@ -1005,6 +1066,8 @@ class PyExecutor:
                 break
             if isinstance(item, ExecutorRequest):
                 pending.append(item)
+            elif isinstance(item, _Arrivals):
+                pending.extend(item.requests)
         for req in pending:
             if not req.py_done:
                 try:

@@ -225,8 +225,9 @@ class ServerState:
         self.admit()
         handles = []
         try:
-            for ids, sp in zip(prompts, params):
-                handles.append(self.llm.generate_async(ids, sp, streaming=stream, priority=priority))
+            with self.llm.executor.arrivals():  # one HTTP request's prompts start together
+                for ids, sp in zip(prompts, params):
+                    handles.append(self.llm.generate_async(ids, sp, streaming=stream, priority=priority))
         except Exception as exc:
             for h in handles:
                 h.abort()
