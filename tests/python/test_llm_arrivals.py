@@ -33,11 +33,13 @@ def test_a_slowly_submitted_batch_starts_in_one_step(make_llm, monkeypatch, hf_g
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy_refs("llama")
     first = _first_busy_iteration(llm)
     assert first["num_active_requests"] == len(LLM_PROMPTS), first
-    # The contrast (the check can fail): submitted one by one outside a block, the loop starts early.
+    # The contrast (the check can fail): submitted one by one outside a block, the loop starts on the
+    # first before the others arrive.
     llm2 = make_llm()
-    for p in LLM_PROMPTS[:3]:
+    llm2.generate_async(LLM_PROMPTS[0], greedy())
+    wait_until(lambda: any(s["num_scheduled_requests"] for s in llm2.get_stats()), what="a first step")
+    for p in LLM_PROMPTS[1:3]:
         llm2.generate_async(p, greedy())
-        time.sleep(0.2)
     wait_idle(llm2)
     assert _first_busy_iteration(llm2)["num_active_requests"] == 1
     assert_kv_idle(llm)

@@ -72,7 +72,8 @@ def build_metadata(
     written into the reused host buffer ``tables``), each row's flattened tokens at ``positions``.
     The index arithmetic runs in numpy and the tensors wrap its arrays: this runs once per step right
     after the forward streamed the weights through the caches, where each torch op's dispatch costs
-    several times what it costs warm (measured: ~0.4 ms per decode step in torch ops, ~0.1 in numpy)."""
+    several times what it costs warm (measured in a SmolLM2 decode step: 0.31 ms as torch ops, 0.14
+    ms in numpy)."""
     n = len(seq_lens)
     tpb = kv.tokens_per_block
     rows = tables[:n]
