@@ -68,7 +68,7 @@ print('runtime', m.runtime_version(), 'driver', m.driver_version(), 'devices', m
 "
 
 stage pytest 120 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --durations=10 \
-  --junitxml="$OUT/pytest.xml" tests/python/test_ops_cuda.py tests/python/test_package.py
+  --junitxml="$OUT/pytest.xml" tests/python/test_ops_cuda.py tests/python/test_ops_w8a8.py tests/python/test_package.py
 
 stage bench 90 "$PY" benchmarks/gpu/bench_kernels.py --out "$OUT"
 

@@ -1,5 +1,7 @@
 """The W8A8 GEMM (int8 weights x per-token int8 activations, int32 sums) against its plain-torch twin:
-bit-identical on every ISA the machine has, for row counts 1-17, 64, 256 and awkward k."""
+bit-identical on every ISA the machine has, for row counts 1-17, 64, 256 and awkward k; the device
+path (ops.gemm.w8a8_gemm: int8 tensor cores on a GPU) bit-identical to both, here on CPU tensors and,
+marked ``cuda``, on a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 from inflight import _C
-from inflight.ops.gemm import W8A8Weight
+from inflight.ops.gemm import W8A8Weight, _int8_mm_float64, int8_mm
+from inflight.ops.gemm import w8a8_gemm as w8a8_gemm_any
 from inflight.ops.reference.gemm import quantize_w8a8_activations, w8a8_gemm
 
 ISAS = [isa for isa in ("portable", "avx2", "avx512f", "avx512") if _C.set_cpu_isa(isa) == isa]
@@ -92,3 +95,57 @@ def test_w8a8_bad_arguments():
     w = W8A8Weight(q, scales)
     with pytest.raises(ValueError, match="k"):
         w(torch.randn(2, 63))
+
+
+# ---- W8A8 off the CPU kernel (ops.gemm.w8a8_gemm: the GPU's path) -------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("n,k", [(80, 131), (576, 1536)], ids=["odd", "aligned"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_device_path_is_bit_identical_to_the_reference(m, n, k, dtype):
+    """Run here on CPU tensors (its int8 product through torch._int_mm): the same bits as the twin and
+    the C++ kernel."""
+    q, scales, smooth, bias = _weights(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 + m)).to(dtype)
+    if m > 2:
+        x[1] = 0
+    got = w8a8_gemm_any(x, q, scales, smooth, bias)
+    assert got.dtype == dtype and torch.equal(got, w8a8_gemm(x, q, scales, smooth, bias))
+    assert torch.equal(got, W8A8Weight(q, scales, smooth, bias)(x))
+    assert torch.equal(w8a8_gemm_any(x, q, scales), w8a8_gemm(x, q, scales))
+
+
+def test_int8_products_are_exact_on_every_branch():
+    """The extremes (-128 weights times 127 activations over a long K) summed exactly: cuBLAS's
+    branch and the CPU's (torch._int_mm), and the float64 one the GPU takes for unaligned shapes."""
+    k = 14336
+    q = torch.full((3, k), 127, dtype=torch.int8)
+    q[1] = -127
+    q[2, ::2] = -127
+    w = torch.full((8, k), -128, dtype=torch.int8)
+    w[3, 1::3] = 127
+    want = (q.long() @ w.long().T).to(torch.int32)
+    assert torch.equal(int8_mm(q, w), want)
+    assert torch.equal(_int8_mm_float64(q, w), want)
+    with pytest.raises(ValueError, match="K"):
+        int8_mm(q, w[:, :-1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 16, 17, 100])
+@pytest.mark.parametrize("n,k", [(80, 131), (576, 1536)], ids=["odd", "aligned"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_w8a8_equals_the_cpu_kernel(m, n, k, dtype):
+    """On a GPU: int8 tensor cores (aligned shapes; fewer than 17 rows padded) or float64 (odd ones),
+    bit for bit the CPU kernel's result."""
+    q, scales, smooth, bias = _weights(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3 + m)).to(dtype)
+    want = W8A8Weight(q, scales, smooth, bias)(x)
+    dev = [t.cuda() for t in (x, q, scales, smooth, bias)]
+    got = w8a8_gemm_any(*dev)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    acts = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=torch.Generator().manual_seed(m))
+    assert torch.equal(int8_mm(acts.cuda(), dev[1]).cpu(), (acts.long() @ q.long().T).to(torch.int32))

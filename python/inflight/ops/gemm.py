@@ -1,5 +1,6 @@
 """CPU GEMMs: weight-only-quantised (W4A16, W8A16), the same weights with int8 activations (A8), W8A8
-(int8 activations too) and dense; typed wrappers over the C++ kernels.
+(int8 activations too) and dense; typed wrappers over the C++ kernels. W8A8 off the CPU:
+:func:`w8a8_gemm` (int8 tensor cores on a GPU).
 
 Formats (the canonical interchange layout, shared with the CUDA kernels):
 
@@ -33,7 +34,17 @@ from inflight import _C
 from inflight.cuda import require_cuda_module
 from inflight.ops.reference import gemm as reference
 
-__all__ = ["A8Weight", "W4A16Weight", "W8A8Weight", "W8A16Weight", "dense_gemm", "w4a16_gemm", "w8a16_gemm"]
+__all__ = [
+    "A8Weight",
+    "W4A16Weight",
+    "W8A8Weight",
+    "W8A16Weight",
+    "dense_gemm",
+    "int8_mm",
+    "w4a16_gemm",
+    "w8a8_gemm",
+    "w8a16_gemm",
+]
 
 
 def _cuda(x: torch.Tensor) -> bool:
@@ -182,6 +193,56 @@ class W8A16Weight(_ImportedWeight):
             fp8,
         )
         self.n, self.k, self.group_size = self._w.n, self._w.k, group_size
+
+
+def int8_mm(q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """``q [M, K] int8 @ qweight [N, K] int8 .T`` summed exactly: ``[M, N] int32``. On a GPU through
+    cuBLASLt's int8 tensor-core GEMM (``torch._int_mm``; it needs K and N multiples of 8 and, in some
+    torch versions, more than 16 rows: fewer are padded with zero rows, which add nothing), else in
+    float64 there (exact: ``|sum| <= 127 * 128 * K < 2**53``); on the CPU ``torch._int_mm`` (exact).
+    Exact for K below 2**31 / (127 * 128) (~132 000; no model comes near)."""
+    m, k = q.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] != k:
+        raise ValueError(f"int8_mm: q has K = {k}, qweight has K = {qweight.shape[1]}")
+    if q.device.type == "cpu":
+        return torch._int_mm(q.contiguous(), qweight.t())
+    if q.is_cuda and k % 8 == 0 and n % 8 == 0 and k >= 16:
+        rows = max(m, 17)
+        qp = q.contiguous() if rows == m else torch.cat([q, q.new_zeros(rows - m, k)])
+        return torch._int_mm(qp, qweight.t())[:m]
+    return _int8_mm_float64(q, qweight)
+
+
+def _int8_mm_float64(q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    return (q.double() @ qweight.double().t()).to(torch.int32)
+
+
+def w8a8_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8 on any device (the GPU's path; the CPU has :class:`W8A8Weight`): x quantised per token to
+    int8, :func:`int8_mm`, then ``float(sum) * (row_scale * scale) (+ bias)`` rounded once to x's
+    dtype, each float operation one elementwise op as the C++ kernel orders them, so the bits equal
+    the CPU kernel's and :func:`inflight.ops.reference.gemm.w8a8_gemm`'s. Every division is tensor by
+    tensor: on a GPU torch turns a division by a Python scalar into a multiplication by its reciprocal,
+    which can differ in the last bit."""
+    xs = x.float()
+    if smooth is not None:
+        xs = xs * smooth.float()
+    amax = xs.abs().amax(dim=-1)
+    positive = amax > 0
+    inv = torch.where(positive, torch.full_like(amax, 127.0) / torch.where(positive, amax, 1.0), 0.0)
+    q = torch.round(xs * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    row_scales = amax / torch.full_like(amax, 127.0)
+    out = int8_mm(q, qweight).float() * (row_scales.unsqueeze(1) * scales.float().unsqueeze(0))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 class W8A8Weight(_ImportedWeight):
