@@ -23,6 +23,7 @@
 
 #include "gemm_weights.h"
 #include "llama_layers.h"
+#include "llama_stack_ends.h"
 #include "registry.h"
 #include "shm_comm.h"
 
@@ -162,6 +163,39 @@ class LlamaLayerStack {
     caches_set_ = false;
   }
 
+  // The model's end (llama_layers.h, LlamaHead): final_norm [hidden] and the LM head's weight object
+  // (hidden -> vocab rows). forward() then also computes the logits of the rows it is given.
+  void set_head(Tensor final_norm, nb::object head, std::int64_t vocab) {
+    require_dtype_of(final_norm, "final_norm", shape_.dtype, kModelDtype);
+    require_shape(final_norm, "final_norm", {shape_.hidden}, "[hidden_size]");
+    require_cpu_contiguous({{&final_norm, "final_norm"}});
+    require_at_least(vocab, 1, "vocab");
+    kc::LinearOp op = linear_op(head, "head", shape_.hidden, vocab);
+    if (op.kind == kc::LinearOp::Kind::kW8A8) {
+      throw_value_error("head: a W8A8 LM head does not run in the stack (its scratch would be tokens x vocab)");
+    }
+    head_.final_norm = final_norm.data();
+    head_.op = op;
+    shape_.a8 = shape_.a8 || op.kind == kc::LinearOp::Kind::kA8;
+    head_norm_ = std::move(final_norm);
+    head_weight_ = std::move(head);
+    has_head_ = true;
+  }
+
+  bool has_head() const { return has_head_; }
+
+  // The model's start (llama_layers.h, LlamaEmbed): table [vocab, hidden] in the model dtype, or int8 codes
+  // with scales [vocab, hidden / group] float16; scale: the factor the embeddings are multiplied by (Gemma),
+  // 0 for none. forward() given input_ids then embeds them into hidden first.
+  void set_embedding(Tensor table, std::optional<Tensor> scales, int group, float scale) {
+    embed_ = make_llama_embed(table, scales ? &*scales : nullptr, group, scale, shape_.hidden, shape_.dtype);
+    embed_tensors_ = {std::move(table)};
+    if (scales) embed_tensors_.push_back(std::move(*scales));
+    has_embed_ = true;
+  }
+
+  bool has_embedding() const { return has_embed_; }
+
   // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in a float dtype (the
   // model's, or another: q, k and v are then converted to it and the attention output back), or
   // int8 with kv_scales, one [2, num_blocks, tokens_per_block, num_kv_heads] float32 tensor per layer, or
@@ -263,7 +297,8 @@ class LlamaLayerStack {
                std::optional<Tensor> dec_kv_lens, int num_threads, std::optional<Tensor> reduce_buffer,
                std::optional<nb::object> reduce, double reduce_timeout_s, std::optional<Tensor> cos_sin_local,
                std::optional<Tensor> window_slot_mapping, std::optional<Tensor> window_ctx_block_tables,
-               std::optional<Tensor> window_dec_block_tables) {
+               std::optional<Tensor> window_dec_block_tables, std::optional<Tensor> positions,
+               std::optional<Tensor> logits_rows, std::optional<Tensor> logits, std::optional<Tensor> input_ids) {
     if (!caches_set_) {
       throw_value_error("set_kv_caches() must be called after the last add_layer() and before forward()");
     }
@@ -272,17 +307,31 @@ class LlamaLayerStack {
     require_ndim(hidden, "hidden", 2, "[num_tokens, hidden_size]");
     std::int64_t const nt = std::int64_t(hidden.shape(0));
     require_dim(hidden, "hidden", 1, shape_.hidden, "hidden_size");
-    require_dtype_of(cos_sin, "cos_sin", shape_.dtype, kModelDtype);
-    require_shape(cos_sin, "cos_sin", {nt, 2, shape_.head_dim}, "[num_tokens, 2, head_dim]");
+    // With positions, cos_sin and cos_sin_local are whole tables read at each token's position.
+    Tensor const* pos = positions ? &*positions : nullptr;
+    if (pos) {
+      require_vector(*pos, "positions", ScalarType::kInt64, nt, "[num_tokens]");
+      require_cpu_contiguous({{pos, "positions"}});
+    }
+    check_rope_table(cos_sin, "cos_sin", pos, nt, shape_.head_dim, shape_.dtype);
     bool const local_rope = std::any_of(layers_.begin(), layers_.end(), [](auto const& l) { return l.local_rope; });
     if (local_rope != cos_sin_local.has_value()) {
       throw_value_error(local_rope ? "the layers with local_rope need cos_sin_local"
                                    : "cos_sin_local is for layers with local_rope (this stack has none)");
     }
-    if (cos_sin_local) {
-      require_dtype_of(*cos_sin_local, "cos_sin_local", shape_.dtype, kModelDtype);
-      require_shape(*cos_sin_local, "cos_sin_local", {nt, 2, shape_.head_dim}, "[num_tokens, 2, head_dim]");
+    if (cos_sin_local) check_rope_table(*cos_sin_local, "cos_sin_local", pos, nt, shape_.head_dim, shape_.dtype);
+    // The step's token ids (set_embedding), embedded into hidden before the layers; the head's rows
+    // (set_head): logits [len(logits_rows), vocab] in the model dtype.
+    if (input_ids) {
+      if (!has_embed_) throw_value_error("input_ids need an embedding: call set_embedding() first");
+      check_token_ids(*input_ids, nt, embed_.vocab);
     }
+    if (logits.has_value() != logits_rows.has_value()) {
+      throw_value_error("logits and logits_rows go together: pass both or neither");
+    }
+    if (logits && !has_head_) throw_value_error("logits need a head: call set_head() first");
+    std::int64_t const num_logits_rows =
+        logits ? check_logits_rows(*logits_rows, *logits, nt, head_.op.n, shape_.dtype) : 0;
     require_vector(slot_mapping, "slot_mapping", ScalarType::kInt64, nt, "[num_tokens]");
     if (num_ctx_tokens < 0 || num_ctx_tokens > nt) {
       throw_value_error("num_ctx_tokens must be in 0 .. " + std::to_string(nt) + ", got " +
@@ -359,6 +408,13 @@ class LlamaLayerStack {
     kc::LlamaStep step;
     step.hidden = hidden.data();
     step.num_tokens = int(nt);
+    step.positions = positions ? static_cast<std::int64_t const*>(positions->data()) : nullptr;
+    step.input_ids = input_ids ? static_cast<std::int64_t const*>(input_ids->data()) : nullptr;
+    if (logits) {
+      step.logits_rows = static_cast<std::int64_t const*>(logits_rows->data());
+      step.num_logits_rows = int(num_logits_rows);
+      step.logits = logits->data();
+    }
     step.cos_sin = cos_sin.data();
     step.cos_sin_local = cos_sin_local ? cos_sin_local->data() : nullptr;
     step.slot_mapping = static_cast<std::int64_t const*>(slot_mapping.data());
@@ -405,7 +461,8 @@ class LlamaLayerStack {
     }
     try {
       nb::gil_scoped_release release;
-      run(step, num_threads, reduce_buffer ? reduce_buffer->data() : nullptr, reduce_fn, reduce_ctx);
+      run(step, input_ids ? &embed_ : nullptr, logits ? &head_ : nullptr, num_threads,
+          reduce_buffer ? reduce_buffer->data() : nullptr, reduce_fn, reduce_ctx);
     } catch (ReduceFailed const&) {
       throw nb::python_error();  // the reduction's own exception
     }
@@ -418,13 +475,16 @@ class LlamaLayerStack {
     void operator()(unsigned char* p) const { std::free(p); }
   };
 
-  void run(kc::LlamaStep const& step, int num_threads, void* reduce_buf, void (*reduce)(void*), void* reduce_ctx) {
+  void run(kc::LlamaStep const& step, kc::LlamaEmbed const* embed, kc::LlamaHead const* head, int num_threads,
+           void* reduce_buf, void (*reduce)(void*), void* reduce_ctx) {
     std::lock_guard<std::mutex> lock(mutex_);
     kc::LlamaLayersParams p;
     p.shape = shape_;
     p.layers = layers_.data();
     p.num_layers = int(layers_.size());
     p.step = step;
+    p.embed = embed;
+    p.head = head;
     p.num_threads = num_threads;
     std::size_t const need = std::size_t(kc::llama_layers_workspace_size(p));
     if (need > workspace_bytes_) {
@@ -452,6 +512,13 @@ class LlamaLayerStack {
   std::vector<nb::object> weights_;  // the W4A16Weight / W8A16Weight / DenseWeight objects, kept alive
   std::vector<Tensor> caches_;
   std::vector<Tensor> scales_;  // an int8 cache's per-layer scales (empty otherwise), kept alive
+  kc::LlamaHead head_;          // set_head(): the final norm and the LM head
+  Tensor head_norm_;            // kept alive
+  nb::object head_weight_;      // kept alive
+  bool has_head_ = false;
+  kc::LlamaEmbed embed_;               // set_embedding(): the token embedding
+  std::vector<Tensor> embed_tensors_;  // kept alive
+  bool has_embed_ = false;
   bool caches_set_ = false;
   int window_blocks_ = 0;  // VSWA: num_blocks of the window-pool layers' caches (0: none)
   std::mutex mutex_;       // one forward at a time (the workspace is shared)
@@ -499,12 +566,29 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "dec_block_tables"_a.none(), "dec_kv_lens"_a.none(), "num_threads"_a, "reduce_buffer"_a.none() = nb::none(),
            "reduce"_a.none() = nb::none(), "reduce_timeout_s"_a = 120.0, "cos_sin_local"_a.none() = nb::none(),
            "window_slot_mapping"_a.none() = nb::none(), "window_ctx_block_tables"_a.none() = nb::none(),
-           "window_dec_block_tables"_a.none() = nb::none(),
+           "window_dec_block_tables"_a.none() = nb::none(), "positions"_a.none() = nb::none(),
+           "logits_rows"_a.none() = nb::none(), "logits"_a.none() = nb::none(), "input_ids"_a.none() = nb::none(),
            "Runs every layer over the step's flattened batch, in place on hidden [num_tokens, hidden_size]. "
            "Tokens 0 .. num_ctx_tokens-1 are context chunks (ctx_*), the rest single-token decodes (dec_*). "
            "Tensor parallelism: after each layer's o_proj and down_proj the partial product is written to "
            "reduce_buffer [num_tokens, hidden_size] and reduced over the ranks in place: by reduce, a ShmComm "
            "(all_reduce in C++, no GIL) or a callable reduce() (called with the GIL). cos_sin_local: the RoPE "
-           "rows of the layers added with local_rope.")
+           "rows of the layers added with local_rope. positions [num_tokens] int64: cos_sin and cos_sin_local are "
+           "then whole tables [max_positions, 2, head_dim], read at each token's position. logits_rows "
+           "[num_logits_rows] int64 and logits [num_logits_rows, vocab] (model dtype; needs set_head): after the "
+           "layers, the final norm of those tokens' hidden states and the LM head into logits. input_ids "
+           "[num_tokens] int64 (needs set_embedding): hidden is first overwritten with their embeddings.")
+      .def("set_embedding", &LlamaLayerStack::set_embedding, "table"_a, "scales"_a.none(), "group"_a = 0,
+           "scale"_a = 0.0f,
+           "The model's start, run by forward() when it is given input_ids: table [vocab, hidden_size] in the "
+           "model dtype (F.embedding), or int8 codes with scales [vocab, hidden_size / group] float16 (code x "
+           "scale in fp32, rounded to the model dtype); scale != 0: then multiplied by it (Gemma's sqrt(hidden) "
+           "in the model dtype).")
+      .def_prop_ro("has_embedding", &LlamaLayerStack::has_embedding)
+      .def("set_head", &LlamaLayerStack::set_head, "final_norm"_a, "head"_a, "vocab"_a,
+           "The model's end, run by forward() when it is given logits: the final RMSNorm (Gemma's with gemma=True) "
+           "[hidden_size] in the model dtype, then the LM head, a W4A16Weight / W8A16Weight / A8Weight / "
+           "DenseWeight mapping hidden_size -> vocab (W8A8: ValueError).")
+      .def_prop_ro("has_head", &LlamaLayerStack::has_head)
       .def_prop_ro("num_layers", &LlamaLayerStack::num_layers);
 }

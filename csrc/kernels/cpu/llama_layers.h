@@ -5,9 +5,11 @@
 // kernels. This runs every layer of a step — RMSNorm, fused q/k/v GEMM, (QK-norm,) RoPE, store_kv,
 // context and paged attention, o_proj + residual, RMSNorm, fused gate/up GEMM, SiLU·up, down_proj +
 // residual — from C++ with no Python in between, over the same flattened batch, weights and paged KV
-// cache the Python path uses (so the two can alternate step by step). The cache is in the model
-// dtype, int8 with per-token scales, or fp8 E4M3 with per-layer K and V scales (LlamaShape::kv_dtype;
-// store_kv quantises, attention dequantises).
+// cache the Python path uses (so the two can alternate step by step). Optionally it runs the model's
+// ends as well (LlamaEmbed, LlamaHead): the token embedding before the layers, the final norm and the
+// LM head after them, and RoPE rows read from the whole table by position (LlamaStep::positions). The cache is in the
+// model dtype, int8 with per-token scales, or fp8 E4M3 with per-layer K and V scales (LlamaShape::kv_dtype; store_kv
+// quantises, attention dequantises).
 //
 // Two variants of the layer, as the Python layer's two branches:
 //   qk_norm (Qwen3, Gemma 3)  an RMSNorm over head_dim on every q head (q_norm) and every k head
@@ -120,6 +122,41 @@ struct LlamaStep {
   std::int64_t const* window_slot_mapping = nullptr;
   std::int32_t const* window_ctx_block_tables = nullptr;
   std::int32_t const* window_dec_block_tables = nullptr;
+  // null: cos_sin / cos_sin_local hold one row per token. Else [num_tokens] positions, and cos_sin /
+  // cos_sin_local are whole tables ([max_positions, 2, head_dim]) that token t reads at row positions[t]
+  // (the Python model's index_select, done in place).
+  std::int64_t const* positions = nullptr;
+  // With LlamaLayersParams::embed: [num_tokens] token ids, embedded into hidden before the layers.
+  std::int64_t const* input_ids = nullptr;
+  // With LlamaLayersParams::head: the tokens whose logits are wanted (indices into the step, in the
+  // order of the logits rows) and the output, [num_logits_rows, head.n] in the model dtype.
+  std::int64_t const* logits_rows = nullptr;
+  int num_logits_rows = 0;
+  void* logits = nullptr;
+};
+
+// The model's start (the first pipeline stage's), before the layers: step.hidden's rows are the
+// embeddings of step.input_ids, as the Python model computes them. kDense: a row of the table in the
+// model dtype (F.embedding); kInt8: int8 codes times their group's fp16 scale in fp32, rounded to the model
+// dtype (W8A16Embedding.embed). With scale != 0 (Gemma: sqrt(hidden) rounded to the model dtype) each
+// value is then multiplied by it and rounded again.
+struct LlamaEmbed {
+  enum class Kind : int { kDense = 0, kInt8 = 1 };
+  Kind kind = Kind::kDense;
+  void const* table = nullptr;   // [vocab, hidden]: model dtype (kDense) or int8 (kInt8)
+  void const* scales = nullptr;  // kInt8: [vocab, hidden / group] float16
+  int group = 0;                 // kInt8
+  std::int64_t vocab = 0;
+  float scale = 0.0f;  // 0: none
+};
+
+// The model's end (the last pipeline stage's), after the layers: the final RMSNorm of the rows whose
+// logits are wanted (gathered from the step's hidden states, the Python model's index_select + norm,
+// Gemma's (1 + w) norm with LlamaShape::gemma) and the LM head GEMM. W8A8 heads are not supported (their
+// scratch would be num_tokens x vocab int32).
+struct LlamaHead {
+  void const* final_norm = nullptr;  // [hidden], model dtype
+  LinearOp op;                       // hidden -> op.n (the padded vocabulary)
 };
 
 // The op's params: layers[0 .. num_layers) run over the step, in place on step.hidden.
@@ -128,6 +165,8 @@ struct LlamaLayersParams {
   LlamaLayerWeights const* layers = nullptr;  // [num_layers]
   int num_layers = 0;
   LlamaStep step;
+  LlamaEmbed const* embed = nullptr;  // null: hidden comes in (step.input_ids is not read)
+  LlamaHead const* head = nullptr;    // null: no head (step.logits_rows / logits are not read)
   // llama_layers_workspace_size(params) bytes, 64-byte aligned: the activations of one layer and the
   // paged-attention partials (their split depends on num_threads).
   void* workspace = nullptr;

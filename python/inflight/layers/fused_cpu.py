@@ -4,7 +4,13 @@ A Python decoder layer is ~15 torch ops; at SmolLM2's size each costs more in di
 arithmetic (30 layers x 15 ops x ~15 us is ~7 ms per step, against ~3 ms of GEMM for one token in
 4-bit). :class:`FusedCpuLayers` hands the whole layer stack of a step to C++ instead: same weights,
 same paged KV cache, same numerics (every rounding point of the Python layer is kept), no Python
-between the ops. The final norm and the LM head stay in Python (a few ops per step, not per layer).
+between the ops. The same call reads each token's RoPE row from the model's whole table by position and
+runs the model's ends too: on the first pipeline stage the token embedding (the model-dtype table, or
+the int8 rows of a GGUF embedding), on the last the final norm of the rows whose logits are wanted and
+the LM head (the tied int8 embedding or a dense head in the model dtype: the same kernels as the
+Python model's head). Both give the Python model's bits. Each op left in Python costs more than its
+arithmetic on a decode step, because the forward has just streamed the weights through the caches and
+every host op around it runs cold (``INFLIGHT_FUSED_ENDS=0`` keeps the ends in Python).
 
 Both branches of :class:`~inflight.models.llama.LlamaDecoderLayer` run fused: the Llama one (with
 Qwen3's QK-norm) and Gemma 3's (``gemma=True``: (1 + w) norms, the sandwich norms, GeGLU, the
@@ -52,6 +58,12 @@ def fused_layers_enabled() -> bool:
     return os.environ.get("INFLIGHT_FUSED_LAYERS", "1") != "0"
 
 
+def fused_ends_enabled() -> bool:
+    """``INFLIGHT_FUSED_ENDS=0`` keeps the model's ends in Python: the embedding, the final norm and the
+    LM head (for A/B measurements)."""
+    return os.environ.get("INFLIGHT_FUSED_ENDS", "1") != "0"
+
+
 # The float cache dtypes the stack runs over, whatever the model dtype.
 _FLOAT_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -87,6 +99,11 @@ class FusedCpuLayers:
         # Some layer rotates with the model's second RoPE table (rotary_local): forward needs local_cos_sin.
         self.local_rope = False
         self.layer_windows: tuple[int, ...] = (0,) * num_layers  # each layer's attention window (0: global)
+        # The stack also runs the model's end (final norm and LM head, forward(logits_rows=...)) when
+        # this is the width of its logits (0: the model runs its head in Python).
+        self.head_vocab = 0
+        # It embeds the step's tokens itself (forward(input_ids=...)): the model's start.
+        self.has_embedding = False
 
     @staticmethod
     def unsupported_reason(model) -> str | None:
@@ -166,8 +183,67 @@ class FusedCpuLayers:
         )
         fused = cls(stack, len(model.layers), DENSE_MAX_TOKENS if dense else None)
         fused.local_rope = local_rope
+        fused.head_vocab = cls._set_head(stack, model)
+        fused.has_embedding = cls._set_embedding(stack, model)
         fused.layer_windows = tuple(layer.window if gemma else 0 for layer in model.layers)
         return fused
+
+    @staticmethod
+    def _set_head(stack, model) -> int:
+        """Gives the stack the model's end (final norm, LM head) when the last stage's head has a kernel
+        the stack runs: the tied int8 embedding (or its TP shard), or a dense head in the model dtype (the
+        Python model's CPU head is then the same dense kernel). Returns the head's rows (the logits'
+        width), 0 when the head stays in Python."""
+        if not model.stage.last or model.norm is None or not fused_ends_enabled():
+            return 0
+        head = model.lm_head_shard if model.lm_head_shard is not None else model.embedding
+        if isinstance(head, (W4A16Linear, W8A16Linear)):
+            if head.qweight.device.type != "cpu":
+                return 0
+            weight, vocab = _kernel_weight(head), head.out_features
+        elif head is None and model.lm_head is not None:
+            w = model.lm_head.detach()
+            if w.dtype != model.dtype or w.device.type != "cpu" or not w.is_contiguous():
+                return 0
+            weight, vocab = _C.DenseWeight(_dl(w), None), w.shape[0]
+        else:
+            return 0
+        stack.set_head(_dl(model.norm.weight.detach()), weight, vocab)
+        return vocab
+
+    @staticmethod
+    def _set_embedding(stack, model) -> bool:
+        """Gives the first stage's stack the token embedding when it has a form the stack reads: the
+        model-dtype table, or a W8A16Embedding of int8 codes with float16 scales. False: Python embeds."""
+        if not model.stage.first or not fused_ends_enabled():
+            return False
+        scale = (
+            float(torch.tensor(model.config.hidden_size**0.5, dtype=model.dtype))
+            if model.config.is_gemma
+            else 0.0
+        )
+        emb = model.embedding
+        if emb is not None:
+            q, s = emb.qweight.detach(), emb.scales.detach()
+            if q.dtype != torch.int8 or s.dtype != torch.float16 or q.device.type != "cpu":
+                return False
+            stack.set_embedding(_dl(q), _dl(s.contiguous()), emb.group_size, scale)
+            return True
+        table = model.embed_tokens
+        if (
+            table is None
+            or table.dtype != model.dtype
+            or table.device.type != "cpu"
+            or not table.is_contiguous()
+        ):
+            return False
+        stack.set_embedding(_dl(table.detach()), None, 0, scale)
+        return True
+
+    @property
+    def has_head(self) -> bool:
+        """Whether forward can run the final norm and the LM head too (``logits_rows``)."""
+        return self.head_vocab > 0
 
     def accepts(
         self,
@@ -225,12 +301,22 @@ class FusedCpuLayers:
         tp=None,
         local_cos_sin: torch.Tensor | None = None,  # [T, 2, head_dim] of rotary_local (Gemma 3)
         key_rotation: int = 0,
+        positions: torch.Tensor | None = None,  # [T] int64: cos_sin / local_cos_sin are whole tables
+        logits_rows: torch.Tensor | None = None,  # [R] int64 (needs has_head)
+        input_ids: torch.Tensor | None = None,  # [T] int64 (needs has_embedding)
     ) -> torch.Tensor:
         """``tp``: the model's :class:`~inflight.parallel.comm.TensorParallel`; with more than one rank
         the stack calls back after each o_proj and down_proj to all-reduce the partial products.
         ``local_cos_sin``: the RoPE rows of the sliding layers' table, read when :attr:`local_rope`
         (ignored otherwise). ``key_rotation``: over an INT8 cache, the Walsh-Hadamard block the layers
-        rotate q and k with after RoPE, as the Python layers' ``key_rotation`` (0: none)."""
+        rotate q and k with after RoPE, as the Python layers' ``key_rotation`` (0: none).
+        ``positions``: the tokens' positions; ``cos_sin`` and ``local_cos_sin`` are then the whole RoPE
+        tables (``[max_positions, 2, head_dim]``), read at each position in C++. ``input_ids``: the
+        stack first overwrites ``hidden`` with their embeddings (an id outside the vocabulary is a
+        ValueError naming it).
+
+        Returns ``hidden``; with ``logits_rows`` (the step's tokens whose logits are wanted), the logits
+        ``[R, vocab]`` in the model dtype of the final norm and the LM head over those rows instead."""
         # VSWA (accepts: one window pool): its layers read it through its own slots and block tables.
         window_md = next(iter(metadata.window_metadata.values())) if metadata.window_metadata else None
         window_pool = None
@@ -249,6 +335,12 @@ class FusedCpuLayers:
             timeout = tp.timeout
             # Shared memory: the stack calls the all-reduce itself; otherwise back into Python (gloo).
             reduce = tp.shm if tp.shm is not None else (lambda: tp.all_reduce(buf))
+        if positions is not None:
+            positions = positions.to(torch.int64).contiguous()
+        logits = None
+        if logits_rows is not None:
+            logits_rows = logits_rows.to(torch.int64).contiguous()
+            logits = hidden.new_empty((logits_rows.shape[0], self.head_vocab))
         self._stack.forward(
             _dl(hidden),
             _dl(cos_sin),
@@ -267,5 +359,9 @@ class FusedCpuLayers:
             _dl(window_md.slot_mapping) if wplan is not None else none,
             _dl(wplan.ctx_block_tables) if wplan is not None and wplan.ctx_block_tables is not None else none,
             _dl(wplan.dec_block_tables) if wplan is not None and wplan.dec_block_tables is not None else none,
+            _dl(positions) if positions is not None else none,
+            _dl(logits_rows) if logits is not None else none,
+            _dl(logits) if logits is not None else none,
+            _dl(input_ids.to(torch.int64).contiguous()) if input_ids is not None else none,
         )
-        return hidden
+        return hidden if logits is None else logits

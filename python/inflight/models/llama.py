@@ -46,7 +46,7 @@ from inflight.parallel.sharding import (
     column_shard,
     head_rows,
     padded_vocab_size,
-    row_range,
+    row_parallel_slicer,
     vocab_shard,
 )
 from inflight.utils.dtypes import SUPPORTED_DTYPES
@@ -56,21 +56,6 @@ _LinearTarget = tuple[nn.Module, int, str]
 _Target = _LinearTarget | nn.Parameter
 # Tensor parallelism: what this rank keeps of a checkpoint tensor (applied before it is loaded).
 _Slicer = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _row_parallel_slicer(module: nn.Module, tensor_name: str, tp: TensorParallel) -> _Slicer:
-    """This rank's input columns of a row-parallel projection's tensor ``tensor_name``: whole
-    quantisation groups of a 4-/8-bit weight; the bias only on TP rank 0 (the others add zeros, so the
-    all-reduced sum holds it once)."""
-    group = getattr(module, "group_size", 1)
-    lo, hi = row_range(module.in_features * tp.size, tp.rank, tp.size, group_size=group)
-    if tensor_name == "bias":
-        return lambda t: t if tp.rank == 0 else torch.zeros_like(t)
-    if tensor_name in ("scales", "offsets"):
-        return lambda t: t[:, lo // group : hi // group]
-    if tensor_name == "qweight" and module.qweight.dtype == torch.uint8:  # int4, 2 per byte
-        return lambda t: t[:, lo // 2 : hi // 2]
-    return lambda t: t[:, lo:hi]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -196,7 +181,9 @@ class LlamaDecoderLayer(nn.Module):
                 slicers[f"{prefix}.{hf_name}.{tensor_name}"] = fn
         for hf_name, module in row:
             for tensor_name in module.checkpoint_tensor_names():
-                slicers[f"{prefix}.{hf_name}.{tensor_name}"] = _row_parallel_slicer(module, tensor_name, tp)
+                slicers[f"{prefix}.{hf_name}.{tensor_name}"] = row_parallel_slicer(
+                    module, tensor_name, tp.rank, tp.size
+                )
         return slicers
 
     def forward(
@@ -433,32 +420,43 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"kv_caches must hold one tensor per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
+        fused = self.fused_layers()
+        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0], metadata)
+        embed_ids = None  # the stack embeds these itself
         if hidden is None:
             if not self.stage.first:
                 raise ValueError("a pipeline stage after the first needs the previous stage's hidden states")
-            if self.embedding is not None:
+            if run_fused and fused.has_embedding:
+                embed_ids = input_ids
+                hidden = torch.empty(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype)
+            elif self.embedding is not None:
                 hidden = self.embedding.embed(input_ids)
             else:
                 hidden = F.embedding(input_ids, self.embed_tokens)
-            if self.config.is_gemma:  # scaled by sqrt(hidden), the scale rounded to the model dtype
+            if self.config.is_gemma and embed_ids is None:  # scaled by sqrt(hidden), rounded to the dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         if not self._key_rotation_set and kv_caches and isinstance(kv_caches[0], Int8KvCache):
             self._set_key_rotation()
-        fused = self.fused_layers()
-        run_fused = fused is not None and fused.accepts(kv_caches, self.dtype, input_ids.shape[0], metadata)
         if run_fused:
-            local = self.rotary_local.cos_sin.index_select(0, positions) if fused.local_rope else None
             rotated = len(self.layers) > 0 and self.layers[0].key_rotation is not None
             rotation = key_rotation_block(self.config.head_dim) if rotated else 0
-            hidden = fused.forward(
+            # Then the stack returns the logits (its buffers hold at most one row per token).
+            head = self.stage.last and fused.has_head and len(metadata.logits_indices) <= input_ids.shape[0]
+            out = fused.forward(
                 hidden,
-                self.rotary.cos_sin.index_select(0, positions),
+                self.rotary.cos_sin,  # read at each position in C++
                 metadata,
                 kv_caches,
                 self.tp,
-                local,
+                self.rotary_local.cos_sin if fused.local_rope else None,
                 key_rotation=rotation,
+                positions=positions,
+                logits_rows=metadata.logits_indices if head else None,
+                input_ids=embed_ids,
             )
+            if head:
+                return self.tp.gather_logits(out.float(), self.config.vocab_size)
+            hidden = out
         else:
             rope = self.rotary.lookup(positions)
             local = self.rotary_local.lookup(positions) if self.rotary_local is not None else rope

@@ -162,3 +162,19 @@ def vocab_shard(weight: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tenso
     real = max(0, min(hi, vocab) - lo)
     out[:real] = weight[lo : lo + real]
     return out
+
+
+def row_parallel_slicer(module, tensor_name: str, tp_rank: int, tp_size: int):
+    """What rank ``tp_rank`` keeps of a row-parallel projection's checkpoint tensor ``tensor_name`` (a
+    function of the tensor): its input columns, in whole quantisation groups of a 4-/8-bit weight
+    (``module.group_size``; int4 codes two per byte); the bias only on rank 0 (the others add zeros, so
+    the all-reduced sum holds it once)."""
+    group = getattr(module, "group_size", 1)
+    lo, hi = row_range(module.in_features * tp_size, tp_rank, tp_size, group_size=group)
+    if tensor_name == "bias":
+        return lambda t: t if tp_rank == 0 else torch.zeros_like(t)
+    if tensor_name in ("scales", "offsets"):
+        return lambda t: t[:, lo // group : hi // group]
+    if tensor_name == "qweight" and module.qweight.dtype == torch.uint8:  # int4, 2 per byte
+        return lambda t: t[:, lo // 2 : hi // 2]
+    return lambda t: t[:, lo:hi]
