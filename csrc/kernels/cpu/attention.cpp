@@ -116,8 +116,8 @@ PagedAttentionPlan make_plan(PagedAttentionParams const& p, bool split) {
   PagedAttentionPlan plan;
   plan.partition_size = std::max(max_kv, 1);
   plan.max_partitions = 1;
-  int64_t const macs = total * p.num_heads * p.head_dim * 2;  // q.k and p.v
-  plan.num_threads = int(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(p.num_threads, 1)));
+  int64_t const bytes = total * p.num_kv_heads * p.head_dim * 2 * int64_t(scalar_type_size(p.kv_dtype));  // K and V
+  plan.num_threads = int(std::clamp<int64_t>(bytes / kMinDecodeBytesPerThread, 1, std::max(p.num_threads, 1)));
   int const per_item = decode_kv_heads_per_item(p.num_heads, p.num_kv_heads, p.head_dim);
   plan.kv_heads_per_item = per_item;
   int64_t const kv_chunks = (p.num_kv_heads + per_item - 1) / per_item;

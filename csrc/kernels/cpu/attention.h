@@ -101,6 +101,12 @@ struct PagedAttentionPlan {
 // Multiply-adds below which one more thread costs more (wake-up, join) than it saves: ~10 us of work.
 inline constexpr int64_t kMinMacsPerThread = int64_t(1) << 18;
 
+// Decode is bound by reading its keys and values, which come from DRAM (between two layers' attention
+// the weights streamed through the caches): below this many bytes of K/V one more thread costs more than
+// it saves (~2 us of one thread's reads). SmolLM2's single-stream decode attention (3 KV heads, fp32
+// cache, 60-320 keys) ran on one thread under the multiply-add rule above: 1.4x slower than on two.
+inline constexpr int64_t kMinDecodeBytesPerThread = int64_t(32) << 10;
+
 PagedAttentionPlan plan_paged_attention(PagedAttentionParams const& params);
 
 // A decode work item's KV heads x head_dim (floats per token it packs): bounds its tile buffers.
