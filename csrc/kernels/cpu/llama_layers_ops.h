@@ -263,7 +263,7 @@ void act_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads)
 // scratch: the step's shared scratch (the paged-attention partials' region, not in use during a
 // projection), large enough for a W8A8 or A8 projection of the step's tokens.
 inline void linear(LinearOp const& op, void const* x, void* out, std::int64_t m, ScalarType dtype, Threads threads,
-            void* scratch) {
+                   void* scratch) {
   switch (op.kind) {
     case LinearOp::Kind::kW8A8: {
       W8A8GemmParams p = op.w8a8;
