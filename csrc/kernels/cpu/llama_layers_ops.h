@@ -2,7 +2,8 @@
 // torch's summation order, QK-norm + RoPE, dtype conversions, residual adds, the gated activations, the
 // token embedding, and one projection through its kernel's launcher. Internal to the CPU kernels: plain
 // C++ that the compiler vectorises for the baseline ISA (the activations call activation.h's AVX-512
-// code where the CPU has it).
+// code where the CPU has it). Include it only from files built for the baseline ISA (llama_layers.cpp):
+// the norms match torch bit for bit only without FMA contraction, which -mavx512f / -mfma would allow.
 #pragma once
 
 #include <algorithm>
