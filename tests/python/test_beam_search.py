@@ -5,11 +5,10 @@ the C++ capacity planner)."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
-from llm_utils import LLM_PROMPTS, LLM_TPB, TIMEOUT, assert_kv_idle
+from llm_utils import LLM_PROMPTS, LLM_TPB, TIMEOUT, assert_kv_idle, wait_until
 from model_utils import load_hf_reference
 
 from inflight import LLM, KvCacheConfig, SchedulerConfig
@@ -338,8 +337,14 @@ def test_llm_beam_search_api(llm, hf):
 
 
 def test_cancel_returns_the_beams_so_far_and_frees_the_kv(llm):
+    stats = llm.get_stats()
+    last_iter = stats[-1]["iter"] if stats else -1
     handle = llm.generate_async(LLM_PROMPTS[3], beam_params(4, 2, max_new=400, ignore_eos=True))
-    threading.Event().wait(0.3)
+    # Abort as soon as an iteration has run it (a fixed sleep let a fast CPU finish all 400 steps).
+    wait_until(
+        lambda: any(s["iter"] > last_iter and s["num_scheduled_requests"] for s in llm.get_stats()),
+        what="the beam request to run",
+    )
     handle.abort()
     out = handle.result(timeout=TIMEOUT)
     assert all(c.finish_reason == "cancelled" for c in out.outputs)
