@@ -5,7 +5,6 @@ the C++ capacity planner)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from llm_utils import LLM_PROMPTS, LLM_TPB, TIMEOUT, assert_kv_idle, wait_until
