@@ -1,6 +1,7 @@
 // CPU kernel pieces that have no Python entry point of their own: the vectorised gated-MLP activations
-// (activation.h) against float64, and the A8 GEMM's two activation quantisers (a8_gemm.h) against each
-// other, bit for bit. Tests of a path the CPU lacks are skipped.
+// (activation.h) against float64, the A8 GEMM's two activation quantisers (a8_gemm.h) against each
+// other, bit for bit, and the fused layer stack's glue (llama_glue.h) built for AVX-512 against its
+// baseline copy (this file's own instantiation), bit for bit. Tests of a path the CPU lacks are skipped.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,9 @@
 #include "a8_gemm.h"
 #include "activation.h"
 #include "cpu_features.h"
+#include "llama_glue.h"
+#include "llama_glue_isa.h"
+#include "thread_pool.h"
 
 namespace kc = inflight::kernels::cpu;
 
@@ -118,4 +122,143 @@ TEST(A8Quantize, VectorAndPortableGiveTheSameBits) {
     EXPECT_EQ(0, std::memcmp(d1.data(), d2.data(), d1.size() * 4));
     EXPECT_EQ(0, std::memcmp(ds1.data(), ds2.data(), ds1.size() * 4));
   }
+}
+
+// ---- the layer stack's glue: AVX-512 copy against the baseline copy ----------------------------------
+
+namespace {
+
+using inflight::kernels::BFloat16;
+using inflight::kernels::Float16;
+using inflight::kernels::ScalarType;
+namespace glue = kc::llama_glue;
+
+// Values over many octaves, both signs, some exact zeros: what rounding and the norms' sums see.
+template <class T>
+std::vector<T> random_values(std::size_t n, std::uint32_t seed, float scale = 3.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    float const x = i % 37 == 5 ? 0.0f : normal(rng) * scale * std::pow(unit(rng), 3.0f) * 8.0f;
+    v[i] = inflight::kernels::from_float<T>(x);
+  }
+  return v;
+}
+
+using kc::glue_avx512f::dtype_of;
+
+template <class T>
+bool same_bits(std::vector<T> const& a, std::vector<T> const& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+constexpr int kThreads = 2;
+
+template <class T, bool kGemma, bool kAdd>
+void check_rms_norm(int tokens, int d, bool gather) {
+  kc::ThreadPool& pool = kc::ThreadPool::global();
+  auto const x = random_values<T>(std::size_t(tokens) * d, 11 + d);
+  auto const w = random_values<T>(std::size_t(d), 12 + d, 0.5f);
+  std::vector<std::int64_t> rows;
+  for (int t = 0; t < tokens; ++t) rows.push_back((t * 7 + 3) % tokens);
+  auto want = random_values<T>(std::size_t(tokens) * d, 13 + d);  // kAdd adds into it
+  auto got = want;
+  std::int64_t const* r = gather ? rows.data() : nullptr;
+  glue::rms_norm<T, kGemma, kAdd>(x.data(), w.data(), want.data(), tokens, d, 1e-6f, kc::Threads{pool, kThreads}, r);
+  kc::glue_avx512f::rms_norm(dtype_of<T>(), kGemma, kAdd, x.data(), w.data(), got.data(), tokens, d, 1e-6f, pool,
+                             kThreads, r);
+  EXPECT_TRUE(same_bits(want, got)) << "rms_norm gemma=" << kGemma << " add=" << kAdd << " tokens=" << tokens
+                                    << " d=" << d << " gather=" << gather;
+}
+
+template <class T>
+void check_glue_type() {
+  for (int tokens : {1, 5, 40}) {
+    for (int d : {576, 100, 7, 2304}) {
+      for (bool gather : {false, true}) {
+        check_rms_norm<T, false, false>(tokens, d, gather);
+        check_rms_norm<T, true, false>(tokens, d, gather);
+        check_rms_norm<T, true, true>(tokens, d, gather);
+        check_rms_norm<T, false, true>(tokens, d, gather);
+      }
+    }
+  }
+  kc::ThreadPool& pool = kc::ThreadPool::global();
+  for (int tokens : {1, 3, 33}) {
+    for (int d : {576, 13}) {
+      auto const y = random_values<T>(std::size_t(tokens) * d, 21);
+      auto want = random_values<T>(std::size_t(tokens) * d, 22);
+      auto got = want;
+      glue::add_into<T>(want.data(), y.data(), tokens, d, kc::Threads{pool, kThreads});
+      kc::glue_avx512f::add_into(dtype_of<T>(), got.data(), y.data(), tokens, d, pool, kThreads);
+      EXPECT_TRUE(same_bits(want, got)) << "add_into tokens=" << tokens << " d=" << d;
+    }
+    for (int n : {1536, 100}) {
+      auto const gate_up = random_values<T>(std::size_t(tokens) * 2 * n, 23);
+      for (bool gelu : {false, true}) {
+        std::vector<T> want(std::size_t(tokens) * n), got(std::size_t(tokens) * n);
+        if (gelu) {
+          glue::act_mul<T, true>(gate_up.data(), want.data(), tokens, n, kc::Threads{pool, kThreads});
+        } else {
+          glue::act_mul<T, false>(gate_up.data(), want.data(), tokens, n, kc::Threads{pool, kThreads});
+        }
+        kc::glue_avx512f::act_mul(dtype_of<T>(), gelu, gate_up.data(), got.data(), tokens, n, pool, kThreads);
+        EXPECT_TRUE(same_bits(want, got)) << "act_mul gelu=" << gelu << " tokens=" << tokens << " n=" << n;
+      }
+    }
+  }
+  // QK-norm + RoPE over fused qkv rows (3 q heads, 1 k head, then v), positions read from a table.
+  int const heads = 3, kv_heads = 1;
+  for (int hd : {64, 128}) {
+    for (int tokens : {1, 4, 35}) {
+      std::int64_t const stride = std::int64_t(heads + 2 * kv_heads) * hd;
+      auto const qkv = random_values<T>(std::size_t(tokens) * stride, 31 + hd);
+      auto const table = random_values<T>(std::size_t(64) * 2 * hd, 32, 0.4f);
+      auto const q_norm = random_values<T>(std::size_t(hd), 33, 0.5f);
+      auto const k_norm = random_values<T>(std::size_t(hd), 34, 0.5f);
+      std::vector<std::int64_t> positions;
+      for (int t = 0; t < tokens; ++t) positions.push_back((t * 13 + 5) % 64);
+      for (int variant = 0; variant < 4; ++variant) {
+        bool const qk_norm = variant >= 1;
+        bool const gemma = variant == 2;
+        int const rotation = variant == 3 ? 32 : 0;
+        auto want = qkv;
+        auto got = qkv;
+        T const* qn = qk_norm ? q_norm.data() : nullptr;
+        T const* kn = qk_norm ? k_norm.data() : nullptr;
+        if (gemma) {
+          glue::qk_norm_rope<T, true>(want.data(), stride, table.data(), positions.data(), tokens, heads, kv_heads, hd,
+                                      qn, kn, 1e-6f, rotation, kc::Threads{pool, kThreads});
+        } else {
+          glue::qk_norm_rope<T, false>(want.data(), stride, table.data(), positions.data(), tokens, heads, kv_heads, hd,
+                                       qn, kn, 1e-6f, rotation, kc::Threads{pool, kThreads});
+        }
+        kc::glue_avx512f::qk_norm_rope(dtype_of<T>(), gemma, got.data(), stride, table.data(), positions.data(), tokens,
+                                       heads, kv_heads, hd, qn, kn, 1e-6f, rotation, pool, kThreads);
+        EXPECT_TRUE(same_bits(want, got))
+            << "qk_norm_rope variant=" << variant << " head_dim=" << hd << " tokens=" << tokens;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// The glue's AVX-512 copy (llama_glue_avx512f.cpp, -ffp-contract=off) must compute the bits of the
+// baseline copy: the norms' sums in torch's order, every rounding point kept, no FMA contraction.
+TEST(LayerGlue, Avx512CopyGivesTheBaselineBitsFp32) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  check_glue_type<float>();
+}
+
+TEST(LayerGlue, Avx512CopyGivesTheBaselineBitsBf16) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  check_glue_type<BFloat16>();
+}
+
+TEST(LayerGlue, Avx512CopyGivesTheBaselineBitsFp16) {
+  if (!has_avx512f()) GTEST_SKIP() << "no AVX-512F";
+  check_glue_type<Float16>();
 }

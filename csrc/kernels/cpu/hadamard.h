@@ -5,6 +5,8 @@
 #include <cmath>
 
 namespace inflight::kernels::cpu {
+// Internal linkage: llama_glue_avx512f.cpp includes this with its own -m flags (see scalar_type.h).
+namespace {
 
 // The unnormalised Walsh-Hadamard transform (Sylvester order: x -> H x, H H^T = n I) of each block of n
 // values of x[0 .. len), in place, in float: stage h adds and subtracts the values h apart. Blocks of 8 or
@@ -49,4 +51,5 @@ inline void key_rotation_scales(int n, float* q_scale, float* k_scale) {
   *k_scale = std::ldexp(1.0f, -(log / 2));
 }
 
+}  // namespace
 }  // namespace inflight::kernels::cpu

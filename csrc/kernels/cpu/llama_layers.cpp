@@ -1,6 +1,6 @@
 // The decoder-layer stack in one call (see llama_layers.h). The heavy parts are the existing
 // launchers (W4A16/W8A16/dense GEMM, store_kv, context/paged attention), each picking its ISA at run time;
-// the elementwise glue (llama_layers_ops.h) is plain C++ that the compiler vectorises for the baseline ISA.
+// the elementwise glue (llama_layers_ops.h over llama_glue.h) runs its AVX-512 copy where the CPU has it.
 #include "llama_layers.h"
 
 #include "llama_layers_ops.h"

@@ -1,9 +1,8 @@
-// The elementwise glue of the fused layer stack (llama_layers.cpp) and of the MoE experts: RMSNorm in
-// torch's summation order, QK-norm + RoPE, dtype conversions, residual adds, the gated activations, the
-// token embedding, and one projection through its kernel's launcher. Internal to the CPU kernels: plain
-// C++ that the compiler vectorises for the baseline ISA (the activations call activation.h's AVX-512
-// code where the CPU has it). Include it only from files built for the baseline ISA (llama_layers.cpp):
-// the norms match torch bit for bit only without FMA contraction, which -mavx512f / -mfma would allow.
+// The fused layer stack's (llama_layers.cpp) and the MoE experts' steps between the kernels: the
+// elementwise glue (llama_glue.h: norms, QK-norm + RoPE, residual adds, gated activations, dtype
+// conversions), run through its AVX-512 copy where the CPU has it, the token embedding, and one
+// projection through its kernel's launcher. Internal to the CPU kernels; include it only from files
+// built for the baseline ISA (llama_layers.cpp).
 #pragma once
 
 #include <algorithm>
@@ -12,254 +11,68 @@
 #include <cstring>
 
 #include "a8_gemm.h"
-#include "activation.h"
 #include "dense_gemm.h"
 #include "gemm.h"
-#include "hadamard.h"
+#include "llama_glue.h"
+#include "llama_glue_isa.h"
 #include "llama_layers.h"
 #include "thread_pool.h"
 #include "w8a8_gemm.h"
 
 namespace inflight::kernels::cpu::llama_ops {
 
-// Rounds an fp32 value to the storage type and back: the value torch would hold after an op.
-template <class T>
-inline float rnd(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return to_float(from_float<T>(v));
-  }
-}
+using llama_glue::for_tokens;
+using llama_glue::rnd;
 
-// Tokens per thread below which the elementwise glue stays on one thread.
-constexpr int kMinTokensPerThread = 16;
+// The glue's ISA: AVX-512 (llama_glue_avx512f.cpp, the same bits) where the selected ISA has it.
+inline bool avx512_glue() { return selected_isa() >= Isa::kAvx512F; }
 
-// The step's threads: at most `num` of the pool's.
-struct Threads {
-  ThreadPool& pool;
-  int num;
-};
-
-template <class F>
-void for_tokens(int num_tokens, Threads t, F&& f) {
-  int const threads = std::max(1, std::min(t.num, num_tokens / kMinTokensPerThread));
-  pool_detail::parallel_for(t.pool, num_tokens, threads, false, [&](std::int64_t i, int) { f(int(i)); });
-}
-
-// sum(x * x) over a row of d values in fp32, in the order torch sums a contiguous row
-// (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum), so that
-// the normalisation agrees bit for bit with F.rms_norm (on the CPU x * rsqrt(mean(x.pow(2)) + eps)):
-// vectors of 8 floats (torch runs its AVX2 sum kernel on AVX-512 machines too), 4 accumulators over
-// interleaved vectors, cascaded in levels of 16 (or more) steps for long rows; then the vectors past the
-// last whole step into the first accumulator, the accumulators in order, and the row's scalar tail
-// followed by the 8 lanes in order. No FMA here (this file is built for the baseline ISA): each square
-// is rounded before it is added, as x.pow(2) is.
-template <class T>
-inline float sum_squares(T const* row, int d) {
-  constexpr int kW = 8, kIlp = 4, kLevels = 4;
-  int const nvec = d / kW;
-  int const steps = nvec / kIlp;
-  int ceil_log2 = 0;
-  while ((1 << ceil_log2) < steps) ++ceil_log2;
-  int const level_power = std::max(4, ceil_log2 / kLevels);
-  int const level_step = 1 << level_power;
-  int const level_mask = level_step - 1;
-  float acc[kLevels][kIlp][kW] = {};
-  auto add_vec = [&](float* dst, int v) {
-    for (int l = 0; l < kW; ++l) {
-      float const x = to_float(row[v * kW + l]);
-      dst[l] += x * x;
-    }
-  };
-  int i = 0;
-  while (i + level_step <= steps) {
-    for (int j = 0; j < level_step; ++j, ++i)
-      for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], i * kIlp + k);
-    for (int lv = 1; lv < kLevels; ++lv) {
-      for (int k = 0; k < kIlp; ++k)
-        for (int l = 0; l < kW; ++l) {
-          acc[lv][k][l] += acc[lv - 1][k][l];
-          acc[lv - 1][k][l] = 0.0f;
-        }
-      if ((i & (level_mask << (lv * level_power))) != 0) break;
-    }
-  }
-  for (; i < steps; ++i)
-    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], i * kIlp + k);
-  for (int lv = 1; lv < kLevels; ++lv)
-    for (int k = 0; k < kIlp; ++k)
-      for (int l = 0; l < kW; ++l) acc[0][k][l] += acc[lv][k][l];
-  for (int v = steps * kIlp; v < nvec; ++v) add_vec(acc[0][0], v);
-  for (int k = 1; k < kIlp; ++k)
-    for (int l = 0; l < kW; ++l) acc[0][0][l] += acc[0][k][l];
-  float sum = 0.0f;
-  for (int j = nvec * kW; j < d; ++j) {
-    float const x = to_float(row[j]);
-    sum += x * x;
-  }
-  for (int l = 0; l < kW; ++l) sum += acc[0][0][l];
-  return sum;
-}
-
-// 1 / rms(x) of a row of d values in fp32: rsqrt(mean(x^2) + eps), the mean a division by d.
-template <class T>
-inline float inv_rms(T const* row, int d, float eps) {
-  return 1.0f / std::sqrt(sum_squares(row, d) / float(d) + eps);
-}
-
-// One normalised element, x * r the fp32 normalisation. Llama's (inflight.layers.norm.rms_norm):
-// rounded to T, then scaled by the weight (one more rounding). Gemma's (GemmaRMSNorm): scaled by
-// 1 + weight in fp32, then rounded once.
-template <class T, bool kGemma>
-inline T norm_elem(float x, float r, T w) {
-  if constexpr (kGemma) {
-    float const normed = x * r;
-    return from_float<T>(normed * (1.0f + to_float(w)));
-  } else {
-    return from_float<T>(to_float(w) * rnd<T>(x * r));
-  }
-}
-
-// out = norm(x) (kAdd: out += norm(x), the residual add of a normed branch, one more rounding). rows:
-// out's row t is the norm of x's row rows[t] (a gather); null: of row t.
+// The glue of llama_glue.h, through the AVX-512 copy where the CPU has it.
 template <class T, bool kGemma, bool kAdd = false>
 void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float eps, Threads threads,
               std::int64_t const* rows = nullptr) {
-  for_tokens(num_tokens, threads, [&](int t) {
-    T const* row = x + (rows != nullptr ? rows[t] : std::int64_t(t)) * d;
-    T* dst = out + std::int64_t(t) * d;
-    float const r = inv_rms(row, d, eps);
-    for (int i = 0; i < d; ++i) {
-      T const y = norm_elem<T, kGemma>(to_float(row[i]), r, weight[i]);
-      dst[i] = kAdd ? from_float<T>(to_float(dst[i]) + to_float(y)) : y;
-    }
-  });
+  if (avx512_glue()) {
+    glue_avx512f::rms_norm(glue_avx512f::dtype_of<T>(), kGemma, kAdd, x, weight, out, num_tokens, d, eps, threads.pool,
+                           threads.num, rows);
+  } else {
+    llama_glue::rms_norm<T, kGemma, kAdd>(x, weight, out, num_tokens, d, eps, threads, rows);
+  }
 }
 
-// RoPE (rotate-half) on the q and k heads of each qkv row, in place: x*cos + roll(x, hd/2)*signed_sin,
-// each product and the sum rounded to T (three torch ops in the Python layer). With q_norm / k_norm
-// (QK-norm) each head is first normalised (its rounding points kept: RoPE reads the rounded values).
-// key_rotation > 0 (an INT8 cache): each rotated head is then turned by the Walsh-Hadamard block
-// (hadamard.h) and scaled, q by 2^-a and k by 2^-b, before one rounding to T. positions: token t
-// reads cos_sin's row positions[t] (a whole table); null: row t.
 template <class T, bool kGemma>
 void qk_norm_rope(T* qkv, std::int64_t row_stride, T const* cos_sin, std::int64_t const* positions, int num_tokens,
                   int num_heads, int num_kv_heads, int head_dim, T const* q_norm, T const* k_norm, float eps,
                   int key_rotation, Threads threads) {
-  int const half = head_dim / 2;
-  float q_rot_scale = 1.0f, k_rot_scale = 1.0f;
-  if (key_rotation > 0) key_rotation_scales(key_rotation, &q_rot_scale, &k_rot_scale);
-  for_tokens(num_tokens, threads, [&](int t) {
-    T const* cs = cos_sin + (positions != nullptr ? positions[t] : std::int64_t(t)) * 2 * head_dim;
-    float cosv[kMaxHeadDim], sinv[kMaxHeadDim], x[kMaxHeadDim];
-    for (int i = 0; i < head_dim; ++i) {
-      cosv[i] = to_float(cs[i]);
-      sinv[i] = to_float(cs[head_dim + i]);
-    }
-    T* row = qkv + std::int64_t(t) * row_stride;
-    for (int h = 0; h < num_heads + num_kv_heads; ++h) {
-      T* head = row + std::int64_t(h) * head_dim;
-      if (q_norm != nullptr) {
-        T const* w = h < num_heads ? q_norm : k_norm;
-        float const r = inv_rms(head, head_dim, eps);
-        for (int i = 0; i < head_dim; ++i) x[i] = to_float(norm_elem<T, kGemma>(to_float(head[i]), r, w[i]));
-      } else {
-        for (int i = 0; i < head_dim; ++i) x[i] = to_float(head[i]);
-      }
-      if (key_rotation == 0) {
-        for (int i = 0; i < head_dim; ++i) {
-          int const src = i < half ? i + half : i - half;
-          head[i] = from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i]));
-        }
-      } else {  // an INT8 cache: rotate the RoPE'd head (rounded to T, as the Python layer)
-        float y[kMaxHeadDim];
-        for (int i = 0; i < head_dim; ++i) {
-          int const src = i < half ? i + half : i - half;
-          y[i] = to_float(from_float<T>(rnd<T>(x[i] * cosv[i]) + rnd<T>(x[src] * sinv[i])));
-        }
-        hadamard_blocks(y, head_dim, key_rotation);
-        float const sc = h < num_heads ? q_rot_scale : k_rot_scale;
-        for (int i = 0; i < head_dim; ++i) head[i] = from_float<T>(y[i] * sc);
-      }
-    }
-  });
-}
-
-// dst = src for rows x width values, each rounded to To as torch's .to() rounds (nearest even).
-template <class From, class To>
-void convert_n(From const* src, To* dst, int rows, int width, Threads threads) {
-  for_tokens(rows, threads, [&](int t) {
-    From const* a = src + std::int64_t(t) * width;
-    To* b = dst + std::int64_t(t) * width;
-    for (int i = 0; i < width; ++i) b[i] = from_float<To>(to_float(a[i]));
-  });
-}
-
-// A float cache of another dtype than the model's: rows of T into that dtype, and back.
-template <class T>
-void convert_rows(T const* src, void* dst, ScalarType dst_dtype, int rows, int width, Threads threads) {
-  dispatch_float_type(dst_dtype, [&](auto d) {
-    using D = decltype(d);
-    convert_n<T, D>(src, static_cast<D*>(dst), rows, width, threads);
-  });
-}
-
-template <class T>
-void convert_rows_back(void const* src, ScalarType src_dtype, T* dst, int rows, int width, Threads threads) {
-  dispatch_float_type(src_dtype, [&](auto d) {
-    using D = decltype(d);
-    convert_n<D, T>(static_cast<D const*>(src), dst, rows, width, threads);
-  });
+  if (avx512_glue()) {
+    glue_avx512f::qk_norm_rope(glue_avx512f::dtype_of<T>(), kGemma, qkv, row_stride, cos_sin, positions, num_tokens,
+                               num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, key_rotation, threads.pool,
+                               threads.num);
+  } else {
+    llama_glue::qk_norm_rope<T, kGemma>(qkv, row_stride, cos_sin, positions, num_tokens, num_heads, num_kv_heads,
+                                        head_dim, q_norm, k_norm, eps, key_rotation, threads);
+  }
 }
 
 template <class T>
 void add_into(T* hidden, T const* y, int num_tokens, int d, Threads threads) {
-  for_tokens(num_tokens, threads, [&](int t) {
-    T* h = hidden + std::int64_t(t) * d;
-    T const* src = y + std::int64_t(t) * d;
-    for (int i = 0; i < d; ++i) h[i] = from_float<T>(to_float(h[i]) + to_float(src[i]));
-  });
+  if (avx512_glue()) {
+    glue_avx512f::add_into(glue_avx512f::dtype_of<T>(), hidden, y, num_tokens, d, threads.pool, threads.num);
+  } else {
+    llama_glue::add_into<T>(hidden, y, num_tokens, d, threads);
+  }
 }
 
-// F.gelu(x, approximate="tanh") in fp32, in torch's CPU kernel's order of operations.
-inline float gelu_tanh(float x) {
-  constexpr float kBeta = float(M_SQRT2 * M_2_SQRTPI * 0.5);
-  constexpr float kKappa = 0.044715f;
-  float const cube = x * x * x;
-  float const inner = kBeta * (x + kKappa * cube);
-  return 0.5f * x * (1.0f + std::tanh(inner));
-}
-
-// inter = act(gate) * up, gate and up the two halves of each gate_up row (F.silu or F.gelu, then a
-// multiply: two roundings to T). kGelu: GeGLU (Gemma), else SwiGLU.
-// On AVX-512 the activations are vectorised (activation.h: within an ulp or two, as libm's), in
-// pieces of kActChunk elements.
 template <class T, bool kGelu>
 void act_mul(T const* gate_up, T* inter, int num_tokens, int n, Threads threads) {
-  constexpr int kActChunk = 256;
-  bool const vector = selected_isa() >= Isa::kAvx512F;
-  for_tokens(num_tokens, threads, [&](int t) {
-    T const* g = gate_up + std::int64_t(t) * 2 * n;
-    T const* u = g + n;
-    T* out = inter + std::int64_t(t) * n;
-    if (!vector) {
-      for (int i = 0; i < n; ++i) {
-        float const gv = to_float(g[i]);
-        float const a = kGelu ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
-        out[i] = from_float<T>(rnd<T>(a) * to_float(u[i]));
-      }
-      return;
-    }
-    float a[kActChunk];
-    for (int i0 = 0; i0 < n; i0 += kActChunk) {
-      int const len = std::min(kActChunk, n - i0);
-      for (int i = 0; i < len; ++i) a[i] = to_float(g[i0 + i]);
-      gated_activation_avx512f(a, a, len, kGelu);
-      for (int i = 0; i < len; ++i) out[i0 + i] = from_float<T>(rnd<T>(a[i]) * to_float(u[i0 + i]));
-    }
-  });
+  if (avx512_glue()) {
+    glue_avx512f::act_mul(glue_avx512f::dtype_of<T>(), kGelu, gate_up, inter, num_tokens, n, threads.pool, threads.num);
+  } else {
+    llama_glue::act_mul<T, kGelu>(gate_up, inter, num_tokens, n, threads);
+  }
 }
+
+using llama_glue::convert_rows;
+using llama_glue::convert_rows_back;
 
 // scratch: the step's shared scratch (the paged-attention partials' region, not in use during a
 // projection), large enough for a W8A8 or A8 projection of the step's tokens.
