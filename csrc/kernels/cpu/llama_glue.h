@@ -136,6 +136,18 @@ inline T norm_elem(float x, float r, T w) {
   }
 }
 
+// One row of rms_norm: dst = norm(row) (kAdd: dst += norm(row)), r its 1 / rms.
+template <class T, bool kGemma, bool kAdd>
+void norm_row(T const* row, T const* weight, T* dst, int d, float r) {
+  for (int i = 0; i < d; ++i) {
+    if constexpr (kAdd) {
+      dst[i] = from_float<T>(to_float(dst[i]) + to_float(norm_elem<T, kGemma>(to_float(row[i]), r, weight[i])));
+    } else {  // not a ternary: a struct-valued one is a copy through memory, which GCC does not vectorise
+      dst[i] = norm_elem<T, kGemma>(to_float(row[i]), r, weight[i]);
+    }
+  }
+}
+
 // out = norm(x) (kAdd: out += norm(x), the residual add of a normed branch, one more rounding). rows:
 // out's row t is the norm of x's row rows[t] (a gather); null: of row t.
 template <class T, bool kGemma, bool kAdd = false>
@@ -143,12 +155,7 @@ void rms_norm(T const* x, T const* weight, T* out, int num_tokens, int d, float 
               std::int64_t const* rows = nullptr) {
   for_tokens(num_tokens, threads, [&](int t) {
     T const* row = x + (rows != nullptr ? rows[t] : std::int64_t(t)) * d;
-    T* dst = out + std::int64_t(t) * d;
-    float const r = inv_rms(row, d, eps);
-    for (int i = 0; i < d; ++i) {
-      T const y = norm_elem<T, kGemma>(to_float(row[i]), r, weight[i]);
-      dst[i] = kAdd ? from_float<T>(to_float(dst[i]) + to_float(y)) : y;
-    }
+    norm_row<T, kGemma, kAdd>(row, weight, out + std::int64_t(t) * d, d, inv_rms(row, d, eps));
   });
 }
 

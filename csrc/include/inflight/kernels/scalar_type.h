@@ -99,10 +99,12 @@ inline float bf16_to_float(std::uint16_t bits) { return float_from_bits(static_c
 
 inline std::uint16_t float_to_bf16(float f) {
   std::uint32_t const u = bits_of_float(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // NaN: quiet
   // Adding 0x7fff plus the lowest kept bit carries into the kept bits exactly when rounding up (ties to
-  // even); an overflow carries into the exponent and gives infinity, as it should.
-  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  // even); an overflow carries into the exponent and gives infinity, as it should. A NaN is kept quiet.
+  // Both computed and one selected (no branch), so that loops over rows of it vectorise.
+  std::uint32_t const rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  std::uint32_t const nan = (u >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 inline float f16_to_float(std::uint16_t bits) {
