@@ -367,6 +367,11 @@ struct AttentionKernels {
   // Prefetch the K and V rows of a tile (this item's KV heads, adjacent in each token's row): the
   // blocks of a sequence are scattered, so the hardware prefetcher restarts at every block, and a
   // decode step streams the whole cache from DRAM (30 layers' caches do not fit in L3).
+  // fp32 cache, 16 sequences x 185 keys, 30 layers' caches, one Zen 4 thread: 55 ns per key and KV head
+  // with it, 69 without (17 with the cache in L3, where prefetching costs 8 %; a plain read of the same
+  // rows in the same order takes 25-30). 1 to 5 tiles ahead, T0 instead of T1, the prefetches issued in
+  // three parts, V pulled into L1 before the scores, or the next sequence's first tiles prefetched at
+  // the end of an item: none moved it beyond this VM's noise (5-10 %).
   static void prefetch_tile(C const* k_cache, C const* v_cache, float const* k_scales, float const* v_scales,
                             int64_t const* rows, int n, int64_t g0, int ng, int hd) {
     int64_t const bytes = int64_t(ng) * hd * int64_t(sizeof(C));

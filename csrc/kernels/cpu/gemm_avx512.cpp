@@ -28,7 +28,10 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
     // One arithmetic per x dtype and shape of the weights, whatever m: W4Dot's (its tiles of 1 to 3
     // rows sum each element alike; W4DotPanel, for many rows, sums them as W4Dot does), the decode
     // kernel, so one row costs what it did; rows too long for its buffer take W4Bf16Dot (bf16 x) or
-    // W4Fma at every m.
+    // W4Fma at every m. The fp32 FMA family (W4Fma, W4Tiled, FmaPanel) is m-invariant too (a row's bits
+    // equal at m = 1..300) and 1.24-1.29x W4DotPanel's speed from 16 rows, but one row through it
+    // (W4Tiled) took 1.5-1.7x W4Dot's time over SmolLM2's 30 layers (Zen 4, 2 threads): the decode
+    // would pay for the batches, so W4Dot's arithmetic stays the invariant one.
     if (gemm_avx512::w4a16_dot_panels(p, pool) || gemm_avx512::w4a16_dot(p, pool)) return;
     if (p.dtype == ScalarType::kBFloat16) {
       gemm_avx512::w4a16_bf16_dot(p, pool);

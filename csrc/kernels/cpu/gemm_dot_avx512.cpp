@@ -280,6 +280,10 @@ struct W4Dot {
 // W4Dot tiles are 3 rows and whose dot products are half as many, 1.0-1.14x from 64 rows and up to
 // 0.84x below. GCC reloads the q vectors per x row rather than keep them in registers; forcing them
 // into registers measured slower.
+// Per chunk a 2 x 4 fp32 tile issues 64 VDPBF16PS, 8 adds and 8 FMAs (the compiled loop: those, its
+// loads, no vector spills). Summing hi and lo in one chain (no add) with 3-row tiles measured no
+// faster at 16-256 rows and one row slower (3.48 against 3.09 ms over 30 SmolLM2 layers, one run;
+// W4Dot's single chain then waits on VDPBF16PS latency): not taken.
 constexpr std::int64_t kDotPanelMinM = 16;
 constexpr std::int64_t kDotPanelMinMBf16 = 64;
 constexpr std::size_t kDotPanelXBytes = 256 * 1024;  // prepared x rows of one M block (L2)
