@@ -13,7 +13,8 @@ is off, so every round computes its prefill. Medians over ``--rounds``; ratio = 
         [--new-tokens 64] [--prompt-len 512] [--batch 16] [--json out.json]
 
 ``q4``: the model as it loads by default (SmolLM2's Q4_1 GGUF: native 4-bit kernels, fp32
-activations); ``bf16``: dequantised to bf16 (dense bf16 GEMMs); ``fp32``: dequantised to fp32.
+activations); ``q4-bf16``: the same 4-bit weights with bf16 activations (``dtype="bfloat16",
+quantization="gguf"``); ``bf16``: dequantised to bf16 (dense bf16 GEMMs); ``fp32``: dequantised to fp32.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from inflight.sampling_params import SamplingParams
 
 CONFIGS = {
     "q4": {},
+    "q4-bf16": {"dtype": "bfloat16", "quantization": "gguf"},
     "bf16": {"dtype": "bfloat16", "quantization": "none"},
     "fp32": {"dtype": "float32", "quantization": "none"},
 }
