@@ -129,9 +129,12 @@ template <class XT, class ST, bool kAsym>
 struct W4Dot {
   static constexpr int kParts = std::is_same_v<XT, BFloat16> ? 1 : 2;  // bf16 x, or hi + lo
   static constexpr int kNR = 4;                                        // weight rows per tile
-  // x rows per tile: MR x kNR accumulators + MR x 4 x kParts x vectors (reused by the kNR rows) + 4
-  // weight vectors must fit the 32 registers.
-  static constexpr int kMaxMR = kParts == 1 ? 3 : 2;
+  // x rows per tile. fp32 / fp16 x: 2 (MR x kNR accumulators + MR x 4 x 2 x vectors reused by the kNR
+  // rows + 4 weight vectors fill the 32 registers). bf16 x: 4, its x vectors read from the scratch (L1)
+  // by each dot product: fewer tiles decode each weight row (16 rows: 4 instead of 3+3+3+3+3+1), measured
+  // on Zen 4 (2 threads, SmolLM2's shapes, alternating builds) 1.2-1.5x at 4-8 rows and 1.04-1.06x at 16
+  // against 3-row tiles, the same at 1-3 and 32-64 rows; 5- and 6-row tiles lost from 8 rows on.
+  static constexpr int kMaxMR = kParts == 1 ? 4 : 2;
   static constexpr std::size_t kScratchBytes = kDotScratchBytes;
   W4A16GemmParams const& p;
   std::int64_t kpad;       // k rounded up to a whole chunk
@@ -267,7 +270,7 @@ struct W4Dot {
 
 // ---- W4DotPanel: W4Dot's arithmetic with the dequantisation shared by every x row -----------------
 //
-// W4Dot rebuilds the bf16 nibble vectors of a weight row for every M tile of 2 or 3 x rows; those
+// W4Dot rebuilds the bf16 nibble vectors of a weight row for every M tile of 2 (bf16 x: 4) x rows; those
 // shifts and masks run on the same Zen 4 vector pipes as VDPBF16PS, so at m >= kDotPanelMinM a panel of
 // weight rows is dequantised once (each row: per chunk the four q vectors, then per chunk the lane
 // scales, then the per-group offset terms), and every M tile multiplies against it. The operations on
@@ -277,8 +280,8 @@ struct W4Dot {
 //
 // Where it wins (2 Zen 4 threads, SmolLM2 shapes, interleaved calls): fp32 x 1.03-1.06x W4Dot at 16
 // rows and 1.07-1.25x at 64-256 (below 16 the panel's stores cost what they save); bf16 x, whose
-// W4Dot tiles are 3 rows and whose dot products are half as many, 1.0-1.14x from 64 rows and up to
-// 0.84x below. GCC reloads the q vectors per x row rather than keep them in registers; forcing them
+// dot products are half as many, 1.0-1.14x from 64 rows and up to 0.84x below (against 3-row W4Dot
+// tiles; the 4-row ones are the same as the panel at 32-64 rows). GCC reloads the q vectors per x row rather than keep them in registers; forcing them
 // into registers measured slower.
 // Per chunk a 2 x 4 fp32 tile issues 64 VDPBF16PS, 8 adds and 8 FMAs (the compiled loop: those, its
 // loads, no vector spills). Summing hi and lo in one chain (no add) with 3-row tiles measured no
