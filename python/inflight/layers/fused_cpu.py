@@ -297,9 +297,9 @@ class FusedCpuLayers:
         key_rotation = key_rotation if int8 else 0
         # The same cache objects as last time (no cache tensor is ever re-pointed in place): only the
         # flags can differ, and the data pointers need not be read again.
-        if self._caches is kv_caches and _same_objects(self._bound, kv_caches):
-            if self._cache_ids[1:] == (window_pool, key_rotation):
-                return
+        same = self._caches is kv_caches and _same_objects(self._bound, kv_caches)
+        if same and self._cache_ids[1:] == (window_pool, key_rotation):
+            return
         tensors = [c.kv for c in kv_caches] if int8 or fp8 else kv_caches
         ids = (tuple(c.data_ptr() for c in tensors), window_pool, key_rotation)
         if self._caches is kv_caches and ids == self._cache_ids:
