@@ -77,12 +77,15 @@ def _same_objects(seen: tuple, caches: list[KvCacheLike]) -> bool:
 def _caches_fuse(kv_caches: list[KvCacheLike]) -> bool:
     """Whether the stack can take these caches: all on the CPU, all INT8 or all FP8, or all float
     tensors of one dtype (bf16 under an fp32 model too: the stack converts q, k, v to it)."""
-    if all(isinstance(c, Int8KvCache) for c in kv_caches) or all(isinstance(c, Fp8KvCache) for c in kv_caches):
+    if all(isinstance(c, Int8KvCache) for c in kv_caches) or all(
+        isinstance(c, Fp8KvCache) for c in kv_caches
+    ):
         return all(c.device.type == "cpu" for c in kv_caches)
     first = kv_caches[0].dtype if kv_caches and isinstance(kv_caches[0], torch.Tensor) else None
     return first in _FLOAT_CACHE_DTYPES and all(
         isinstance(c, torch.Tensor) and c.dtype == first and c.device.type == "cpu" for c in kv_caches
     )
+
 
 # Above this many tokens in a step, a model with dense (fp32 / bf16) projections runs the Python
 # layers: torch's GEMM (oneDNN) is the faster one for a large prefill, the fused kernels for decode.
