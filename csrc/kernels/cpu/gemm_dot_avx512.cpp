@@ -281,8 +281,8 @@ struct W4Dot {
 // Where it wins (2 Zen 4 threads, SmolLM2 shapes, interleaved calls): fp32 x 1.03-1.06x W4Dot at 16
 // rows and 1.07-1.25x at 64-256 (below 16 the panel's stores cost what they save); bf16 x, whose
 // dot products are half as many, 1.0-1.14x from 64 rows and up to 0.84x below (against 3-row W4Dot
-// tiles; the 4-row ones are the same as the panel at 32-64 rows). GCC reloads the q vectors per x row rather than keep them in registers; forcing them
-// into registers measured slower.
+// tiles; the 4-row ones are the same as the panel at 32-64 rows). GCC reloads the q vectors per x
+// row rather than keep them in registers; forcing them into registers measured slower.
 // Per chunk a 2 x 4 fp32 tile issues 64 VDPBF16PS, 8 adds and 8 FMAs (the compiled loop: those, its
 // loads, no vector spills). Summing hi and lo in one chain (no add) with 3-row tiles measured no
 // faster at 16-256 rows and one row slower (3.48 against 3.09 ms over 30 SmolLM2 layers, one run;
