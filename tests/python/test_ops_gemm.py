@@ -350,6 +350,26 @@ def test_batched_rows_equal_decode_rows_across_blocks(isa, invariant, kind, grou
         _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("k", [576, 8192, 16448])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8_rows_with_16bit_x_sum_as_with_fp32_x(isa, invariant, dtype, k):
+    """Int8 weights with bf16 / fp16 x: the one-row and thin kernels widen x to fp32 once per tile of
+    rows into a per-thread scratch (k = 576: whole tiles of rows fit; 8192: fewer rows per tile; 16448:
+    not one row, x is read as it is). Either way each output is the fp32-x row rounded once to the
+    dtype, bit for bit, at 1-5 rows, and it matches the plain-torch reference."""
+    gen = torch.Generator().manual_seed(k)
+    n, group = 21, 64
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.002
+    weight = ops.W8A16Weight(codes, scales, group, None)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    for m in range(1, 6):
+        got, want = weight(x[:m]), weight(x[:m].float()).to(dtype)
+        bad = [i for i in range(m) if not torch.equal(got[i], want[i])]
+        assert not bad, f"m={m}: rows {bad} differ from the fp32-x rows rounded to {dtype}"
+    _close(weight(x), ref.w8a16_gemm(x, codes, scales, group), dtype)
+
+
 def test_gemm_batch_invariance_switch_is_process_wide():
     before = _C.batch_invariant()
     try:
