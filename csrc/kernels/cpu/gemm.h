@@ -28,6 +28,8 @@
 //   gemm_portable.cpp      the portable path: one row-by-row algorithm for int4, int8 and dense weights
 //   gemm_impl.h            the FMA algorithms written once over vector traits (W4Fma, W8Fma, DenseTile,
 //                          the epilogue), instantiated by gemm_avx2.cpp (Vec256) and the AVX-512 files
+//   gemm_fma_panel_impl.h  FmaPanel: gemm_impl.h's W8Fma / W4Fma with each weight dequantised once per
+//                          panel of weight rows (the same bits), for the AVX-512 files
 //   gemm_avx512.h          Vec512 and the AVX-512-only strategies, one file each (listed there)
 //   gemm_avx512f.cpp       AVX-512 without BF16: Vec512, the tiled strategy (gemm_tiled_impl.h) and
 //                          gemm_impl.h's kernels, in namespace gemm_avx512f

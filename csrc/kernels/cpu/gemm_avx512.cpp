@@ -15,7 +15,7 @@
 //  - batch invariant (the default, cpu_features.h): the decode kernels' arithmetic at every m, so that
 //    no result depends on m: int4 through W4Dot, from 16 rows (bf16 x: 64) as W4DotPanel (the same
 //    operations per element, the nibbles dequantised once per panel; W4Bf16Dot / W4Fma for rows too
-//    long for them), int8 through W8Fma, from 16 rows as FmaPanel (gemm_impl.h: the same operations
+//    long for them), int8 through W8Fma, from 16 rows as FmaPanel (gemm_fma_panel_impl.h: the same operations
 //    per element, each weight dequantised once per panel), no bf16 panels and no tiles.
 #include "gemm_avx512.h"
 
@@ -38,7 +38,7 @@ void w4a16_gemm_avx512(W4A16GemmParams const& p, ThreadPool& pool) {
       return;
     }
   } else {
-    // fp32 / fp16 x from 12 rows: W4Fma's products dequantised once per panel (FmaPanel, gemm_impl.h),
+    // fp32 / fp16 x from 12 rows: W4Fma's products dequantised once per panel (FmaPanel, gemm_fma_panel_impl.h),
     // the bits of the tiles below it and 1.07-1.34x their speed.
     bool const fma_panel = p.dtype != ScalarType::kBFloat16 && gemm_avx512::w4a16_fma_panels<Vec512>(p, pool);
     if (fma_panel || gemm_avx512::w4a16_panels(p, pool) || gemm_avx512::w4a16_tiled(p, pool) ||

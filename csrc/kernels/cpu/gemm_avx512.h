@@ -10,11 +10,12 @@
 //   gemm_dot_avx512.cpp    int4 decode: bf16-exact nibbles and VDPBF16PS (W4Dot); its batched form with
 //                          the nibbles dequantised once per panel (W4DotPanel, the same bits); bf16 x with
 //                          rows too long for W4Dot's buffer: VPERMW lookup and VDPBF16PS (W4Bf16Dot)
+//   gemm_fma_panel_impl.h  FmaPanel: W8Fma's / W4Fma's bits with each weight dequantised once per panel
 //   gemm_impl.h            the rest: W4Fma (fp32 / fp16 x, long rows) and W8Fma (int8 decode)
 // Under batch invariance (cpu_features.h, the default) the result may not depend on m: int4 runs W4Dot,
 // from 16 rows (bf16 x: 64) as W4DotPanel, which sums every element as W4Dot does (W4Bf16Dot / W4Fma
-// for long rows) and int8 W8Fma dequantising each weight vector at every m; panels and tiles serve
-// only LLM(batch_invariant=False).
+// for long rows) and int8 W8Fma dequantising each weight vector at every m (from 16 rows as FmaPanel,
+// the same bits); the bf16 panels and the tiles serve only LLM(batch_invariant=False).
 //
 // gemm_avx512f.cpp includes it too, with INFLIGHT_AVX512F_ONLY defined (AVX-512 without BF16): the
 // namespace is then gemm_avx512f and the BF16 parts (Bf16Step; the strategies of the panel and dot files,
@@ -38,6 +39,7 @@
 
 #include <cstdint>
 
+#include "gemm_fma_panel_impl.h"
 #include "gemm_impl.h"
 
 namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA {

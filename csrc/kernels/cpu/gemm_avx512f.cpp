@@ -4,7 +4,7 @@
 // strategies (bf16 panels, VDPBF16PS dot products) are replaced by gemm_impl.h's FMA kernels.
 // Compiled with AVX-512 F/BW/VL/DQ flags; called only when selected_isa() is kAvx512F.
 //
-//  - int4, from 12 rows (bf16 x: 8): FmaPanel (gemm_impl.h: W4Fma's products dequantised once per
+//  - int4, from 12 rows (bf16 x: 8): FmaPanel (gemm_fma_panel_impl.h: W4Fma's products dequantised once per
 //    panel of weight rows into fp32, then DenseTile's 6 x 4 tile; W4Fma's bits).
 //  - int4 / int8, batched fp32 / fp16 x (int8: any x): the tiled kernels (8 x rows by 3 weight rows);
 //    int8 under batch invariance: FmaPanel from 16 rows (W8Fma's bits), W8Fma below.
