@@ -109,6 +109,18 @@ struct Vec512 {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(0xf)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
   }
+  // W4Fma's lookup: a 16-lane table holds the row's group's 16 dequantised weights (q * scale + offset
+  // for q = 0..15, the FMA nibbles() + fmadd would do per weight); VPERMPS indexes it with each lane's
+  // byte, reading only the index's low 4 bits, so the low nibble needs no mask and the high one a shift.
+  static constexpr bool kW4Lookup = true;
+  static Reg w4_table(Reg scale, Reg offset) {
+    return _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), scale, offset);
+  }
+  static void w4_lookup(std::uint8_t const* p, Reg table, Reg& lo, Reg& hi) {
+    __m512i const d = _mm512_cvtepu8_epi32(load_bytes16(p));
+    lo = _mm512_permutexvar_ps(d, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+  }
   static void deinterleave(Reg a, Reg b, Reg& even, Reg& odd) {
     even = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
     odd = _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
