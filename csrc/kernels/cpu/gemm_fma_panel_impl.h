@@ -16,18 +16,20 @@ namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA {
 
 // ---- FmaPanel: the FMA kernels' arithmetic with each weight dequantised once -----------------------
 //
-// W8Fma dequantises every weight vector (q * scale) again for each tile of 4 x rows; W4Fma / W4Tiled (AVX-512 without BF16) redo their nibble lookups per
-// M tile. From kFmaPanelMinM rows, each thread instead dequantises a panel of weight rows once into fp32
-// (the same products, in the order the kernel's lanes consume them) and converts a block of x rows once
-// (widened; for int4 split into even and odd k per 2 W values, as W4Fma splits them), then runs
-// DenseTile's 6 x 4 fp32 tile over both: each element gets the kernel's multiply-adds in the kernel's
-// order (along k from 0, vector by vector, the same lane reduction), so the bits are W8Fma's / W4Fma's
-// at any m. Against the kernels they replace on 2 Zen 4 threads (SmolLM2 / Gemma 3 shapes, interleaved
-// calls): int8 at 16 rows 1.04-1.12x with fp32 x and 1.15-1.31x with bf16 x (against W8Fma before it widened x once per tile; the
-// 576 x 49152 LM head included, once the next panel is prefetched as W8Fma prefetches its next tiles), 1.20-1.41x at 64;
-// 8 rows 0.88-1.19x, 4 rows slower. int4 on AVX-512 without BF16, against W4Tiled (fp32 / fp16 x) and
-// W4Fma (bf16 x): fp32 x 1.10x at 12 rows, 1.07-1.25x at 16-32, 1.26-1.34x at 64-256 (0.96x at 8);
-// bf16 x 1.23-1.28x at 8 rows, 1.5-1.8x from 16; either way about the dense fp32 kernel's time.
+// W8Fma dequantises every weight vector (q * scale) again for each tile of 4 x rows; W4Fma / W4Tiled
+// (AVX-512 without BF16) redo their nibble lookups per M tile. From kFmaPanelMinM rows, each thread
+// instead dequantises a panel of weight rows once into fp32 (the same products, in the order the
+// kernel's lanes consume them) and converts a block of x rows once (widened; for int4 split into even
+// and odd k per 2 W values, as W4Fma splits them), then runs DenseTile's 6 x 4 fp32 tile over both:
+// each element gets the kernel's multiply-adds in the kernel's order (along k from 0, vector by
+// vector, the same lane reduction), so the bits are W8Fma's / W4Fma's at any m. Against the kernels
+// they replace on 2 Zen 4 threads (SmolLM2 / Gemma 3 shapes, interleaved calls): int8 at 16 rows
+// 1.04-1.12x with fp32 x and 1.15-1.31x with bf16 x (against W8Fma before it widened x once per tile;
+// the 576 x 49152 LM head included, once the next panel is prefetched as W8Fma prefetches its next
+// tiles), 1.20-1.41x at 64; 8 rows 0.88-1.19x, 4 rows slower. int4 on AVX-512 without BF16, against
+// W4Tiled (fp32 / fp16 x) and W4Fma (bf16 x): fp32 x 1.10x at 12 rows, 1.07-1.25x at 16-32,
+// 1.26-1.34x at 64-256 (0.96x at 8); bf16 x 1.23-1.28x at 8 rows, 1.5-1.8x from 16; either way about
+// the dense fp32 kernel's time.
 constexpr std::int64_t kFmaPanelMinM = 16;           // int8
 constexpr std::int64_t kFmaPanelMinMInt4 = 12;       // int4, fp32 / fp16 x
 constexpr std::int64_t kFmaPanelMinMInt4Bf16 = 8;    // int4, bf16 x
