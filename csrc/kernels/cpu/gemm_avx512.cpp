@@ -65,7 +65,7 @@ void w8a16_gemm_avx512(W8A16GemmParams const& p, ThreadPool& pool) {
   // panels, which round the weights to bf16, and no tiles, which round otherwise).
   bool const invariant = batch_invariant();
   if (!invariant && (gemm_avx512::w8a16_panels(p, pool) || gemm_avx512::w8a16_tiled(p, pool))) return;
-  if (invariant && gemm_avx512::w8a16_fma_panels<Vec512>(p, pool)) return;  // W8Fma's bits, m >= 16
+  if (invariant && gemm_avx512::w8a16_fma_panels<Vec512>(p, pool)) return;  // W8Fma's bits, m >= 16 (16-bit x: 24)
   // Decode, and bf16 x below the panels' rows (widened to fp32 exactly).
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
     gemm_detail::run_tiles(gemm_avx512::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p, invariant}, p.m, p.n, p.k,

@@ -36,7 +36,7 @@ void w8a16_gemm_avx512f(W8A16GemmParams const& p, ThreadPool& pool) {
   // Batch invariance: W8Fma dequantising each weight vector at every m (the tiles round otherwise).
   bool const invariant = batch_invariant();
   if (!invariant && gemm_avx512f::w8a16_tiled(p, pool)) return;
-  if (invariant && gemm_avx512f::w8a16_fma_panels<Vec512>(p, pool)) return;  // W8Fma's bits, m >= 16
+  if (invariant && gemm_avx512f::w8a16_fma_panels<Vec512>(p, pool)) return;  // W8Fma's bits, m >= 16 (16-bit x: 24)
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
     gemm_detail::run_tiles(gemm_avx512f::W8Fma<Vec512, decltype(xt), decltype(st), fp8>{p, invariant}, p.m, p.n, p.k,
                            p.num_threads, pool);

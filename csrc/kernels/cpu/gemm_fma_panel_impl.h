@@ -30,7 +30,10 @@ namespace inflight::kernels::cpu::INFLIGHT_GEMM_ISA {
 // W4Tiled (fp32 / fp16 x) and W4Fma (bf16 x): fp32 x 1.10x at 12 rows, 1.07-1.25x at 16-32,
 // 1.26-1.34x at 64-256 (0.96x at 8); bf16 x 1.23-1.28x at 8 rows, 1.5-1.8x from 16; either way about
 // the dense fp32 kernel's time.
-constexpr std::int64_t kFmaPanelMinM = 16;           // int8
+// int8 with bf16 / fp16 x: W8Fma widens x once per tile of rows, and then beats the panels at 16 rows
+// (the LM head: 1.08-1.10x) and matches them at 20-28 (same EPYC, alternating builds).
+constexpr std::int64_t kFmaPanelMinM = 16;           // int8, fp32 x
+constexpr std::int64_t kFmaPanelMinM16Bit = 24;      // int8, bf16 / fp16 x
 constexpr std::int64_t kFmaPanelMinMInt4 = 12;       // int4, fp32 / fp16 x
 constexpr std::int64_t kFmaPanelMinMInt4Bf16 = 8;    // int4, bf16 x
 constexpr std::size_t kFmaPanelXBytes = 256 * 1024;  // converted x rows of one M block
@@ -184,10 +187,11 @@ struct FmaPanel {
   }
 };
 
-// W8Fma's bits from kFmaPanelMinM rows (FmaPanel); false (nothing run) below.
+// W8Fma's bits from kFmaPanelMinM rows (16-bit x: kFmaPanelMinM16Bit) as FmaPanel; false (nothing
+// run) below.
 template <class V>
 bool w8a16_fma_panels(W8A16GemmParams const& p, ThreadPool& pool) {
-  if (p.m < kFmaPanelMinM) return false;
+  if (p.m < (p.dtype == ScalarType::kFloat32 ? kFmaPanelMinM : kFmaPanelMinM16Bit)) return false;
   gemm_detail::dispatch_w8(p, [&](auto xt, auto st, auto fp8) {
     using Kernel = FmaPanel<V, decltype(xt), W8PanelFormat<V, decltype(st), fp8>>;
     gemm_detail::run_thread_ranges(Kernel{p}, p.n, gemm_detail::row_bytes(p), p.num_threads, pool);
