@@ -98,11 +98,12 @@ template <class V, class XT, int MR, int kNR, class Params>
 // which rounds the exact scale * (q - 8) once, like the reference); x is split into even and odd k to
 // match the low and high nibbles of kWidth weight bytes. Exact fp32 math on exactly dequantised
 // weights. V: vector traits; XT: x/out storage type; ST: scale/offset storage type; kAsym: offsets given.
-// With V::kW4Lookup (AVX-512) the FMA runs once per row and group on q = 0..15 and each weight is a
-// table lookup (the same values), and the rows kPrefetchTiles tiles on are prefetched: the tile reads
-// its kNR rows interleaved, which alone left one x row waiting on memory. On AVX-512 without BF16 (2
-// Zen 4 threads, INFLIGHT_CPU_ISA=avx512f, SmolLM2's shapes, alternating builds): one row 1.3-1.4x
-// with fp32 x and 1.2x with bf16 x (the prefetch most of it, the lookup 0-8 %), 2-4 rows 1.0-1.1x.
+// The rows kPrefetchTiles tiles on are prefetched (the tile reads its kNR rows interleaved, which alone
+// left one x row waiting on memory), and with V::kW4Lookup (AVX-512) the FMA runs once per row and
+// group on q = 0..15 and each weight is a table lookup (the same values). 2 Zen 4 threads, SmolLM2's
+// shapes, alternating builds: on AVX-512 without BF16 (INFLIGHT_CPU_ISA=avx512f) one row 1.3-1.4x
+// with fp32 x and 1.2x with bf16 x (the prefetch most of it, the lookup 0-8 %), 2-4 rows 1.0-1.1x; on
+// AVX2 (prefetch only) one row 1.3x with fp32 x and 1.2x with bf16 x, 2 rows 1.2x, 4 rows 1.1x.
 template <class V, class XT, class ST, bool kAsym>
 struct W4Fma {
   using Reg = typename V::Reg;
@@ -136,8 +137,8 @@ struct W4Fma {
           Reg const sc = V::bcast(t.s[r] + g);
           Reg const of = kAsym ? V::bcast(t.o[r] + g) : V::mul(sc, minus8);
           Reg wl, wh;
+          if (kb % 128 == 0) _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + ahead + kb / 2), _MM_HINT_T0);
           if constexpr (requires { V::kW4Lookup; }) {
-            if (kb % 128 == 0) _mm_prefetch(reinterpret_cast<char const*>(t.w[r] + ahead + kb / 2), _MM_HINT_T0);
             V::w4_lookup(t.w[r] + kb / 2, V::w4_table(sc, of), wl, wh);
           } else {
             Reg ql, qh;
