@@ -8,7 +8,7 @@
 //    panel of weight rows into fp32, then DenseTile's 6 x 4 tile; W4Fma's bits).
 //  - int4 / int8, batched fp32 / fp16 x (int8: any x): the tiled kernels (8 x rows by 3 weight rows);
 //    int8 under batch invariance: FmaPanel from 16 rows (W8Fma's bits), W8Fma below.
-//  - int4 decode and bf16 x: W4Fma (nibbles widened in registers, 4 weight rows x 4 x rows).
+//  - int4 decode and bf16 x: W4Fma (a 16-entry table lookup per weight, 4 weight rows x 4 x rows).
 //  - int8 decode: W8Fma (one x row scales each group's sum once).
 //  - dense: DenseTile, bf16 widened to fp32 on load.
 #define INFLIGHT_AVX512F_ONLY 1
