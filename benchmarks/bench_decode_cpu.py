@@ -12,12 +12,14 @@ decode at >= 60% of the memory read bandwidth (measured in the same run: bytes o
 tok/s over the bandwidth of torch's fp32 sum of 1 GiB).
 
 How each system runs:
-  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights, fp32 activations), as
-                "inflight-bf16", LLM("smollm2", dtype="bfloat16", quantization="gguf") (the same 4-bit
-                weights, bf16 activations) and, as "inflight-a8", LLM("smollm2",
-                activation_quantization="int8") (the same weights, activations quantised to int8 per
-                group of 32: llama.cpp's arithmetic); prefix reuse off so repeats prefill again, no
-                detokenisation; single-stream times come from the request's own metrics (ttft,
+  inflight      LLM("smollm2") (dtype "auto": native 4-bit weights, fp32 model; activation_quantization
+                "auto": int16 activations into the GEMMs on an AVX512-VNNI CPU, else fp32), as
+                "inflight-fp32act", the same with activation_quantization="none" (fp32 activations
+                into the GEMMs), as "inflight-bf16", LLM("smollm2", dtype="bfloat16", quantization="gguf",
+                activation_quantization="none") (the same 4-bit weights, bf16 activations) and, as
+                "inflight-a8", LLM("smollm2", activation_quantization="int8") (the same weights,
+                activations quantised to int8 per group of 32: llama.cpp's arithmetic); prefix reuse
+                off so repeats prefill again, no detokenisation; single-stream times come from the request's own metrics (ttft,
                 e2e_latency), taken on the executor thread.
   llama.cpp     its low-level API through llama-cpp-python: one llama_decode per step (the prompt in
                 one call, then one token per call; batched: every prompt in one multi-sequence batch,
@@ -33,7 +35,7 @@ source: about 4 minutes on 2 idle cores). Without it, its rows are skipped with 
 
     python benchmarks/bench_decode_cpu.py [--repeats 3] [--threads N] [--max-tokens 128]
         [--skip-transformers] [--skip-llamacpp] [--llamacpp-flash-attn off|on|auto] [--profile] [--profile-variant fp32|bf16|int8]
-        [--inflight-activations fp32 bf16 int8] [--out results.json]
+        [--inflight-activations fp32 fp32act bf16 int8 int16] [--out results.json]
 
 --profile: where inflight's single-stream decode step goes, from torch.profiler over --profile-steps
 steps on the executor thread (inflight's C++ calls are wrapped in profiler ranges so that they show).
@@ -113,16 +115,20 @@ def _batched_row(system: str, runs: list[tuple[float, int]]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- inflight
-# inflight's variants: the default (dtype "auto": 4-bit weights, fp32 activations), 4-bit weights
-# with bf16 activations (LLM(dtype="bfloat16", quantization="gguf")) and 4-bit weights with int8
-# activations (LLM(activation_quantization="int8"): the A8 GEMM, llama.cpp's arithmetic).
+# inflight's variants: the default (dtype "auto": 4-bit weights, fp32 model, activation_quantization
+# "auto": int16 activations into the GEMMs where the CPU has AVX512-VNNI), the same with fp32
+# activations ("none"), 4-bit weights with bf16 activations (LLM(dtype="bfloat16", quantization="gguf",
+# activation_quantization="none")), 4-bit weights with int8 activations (LLM(activation_quantization=
+# "int8"): the A8 GEMM, llama.cpp's arithmetic) and, explicitly, int16 (what "auto" picks with VNNI).
 # With --w8a8 DIR also "inflight-w8a8": a SmoothQuant W8A8 checkpoint of the same model (inflight
 # quantize --method smoothquant of the GGUF dequantised to a Hugging Face directory), int8 activations.
 # Each: (row name, dtype, quantization, activation_quantization).
 INFLIGHT_VARIANTS = {
     "fp32": ("inflight", "auto", None, None),
-    "bf16": ("inflight-bf16", "bfloat16", "gguf", None),
+    "fp32act": ("inflight-fp32act", "auto", None, "none"),
+    "bf16": ("inflight-bf16", "bfloat16", "gguf", "none"),
     "int8": ("inflight-a8", "auto", None, "int8"),
+    "int16": ("inflight-a16", "auto", None, "int16"),
     "w8a8": ("inflight-w8a8", "auto", None, None),
 }
 
@@ -665,10 +671,12 @@ def main() -> None:
         "--inflight-activations",
         nargs="+",
         choices=sorted(INFLIGHT_VARIANTS),
-        default=["fp32", "bf16", "int8"],
-        help='inflight variants: fp32 (the default LLM("smollm2"): 4-bit weights, fp32 activations), '
-        "bf16 (4-bit weights, bf16 activations: dtype='bfloat16', quantization='gguf') and/or int8 (4-bit "
-        "weights, int8 activations: activation_quantization='int8')",
+        default=["fp32", "fp32act", "bf16", "int8"],
+        help='inflight variants: fp32 (the default LLM("smollm2"): 4-bit weights, fp32 model, int16 '
+        "activations into the GEMMs on an AVX512-VNNI CPU), fp32act (fp32 activations: "
+        "activation_quantization='none'), bf16 (4-bit weights, bf16 activations: dtype='bfloat16', "
+        "quantization='gguf', activation_quantization='none'), int8 (activation_quantization='int8') "
+        "and/or int16 (activation_quantization='int16')",
     )
     parser.add_argument(
         "--w8a8",

@@ -12,6 +12,8 @@ Rows (each one engine, loaded in turn):
   4-bit, bf16 KV             the default with kv_cache_config.dtype=bfloat16
   4-bit, int8 activations    activation_quantization=int8: the A8 GEMM (activations quantised to int8 per
                              group of 32, integer products), as llama.cpp runs its quantised weights
+  4-bit, int16 activations   activation_quantization=int16: the same GEMM with 16-bit codes (two int8
+                             limbs per element: A16)
   dequantised fp32           quantization=none: the GGUF's weights dequantised to fp32
   W8A8 SmoothQuant           with --w8a8 DIR: that checkpoint (int8 weights and activations)
   transformers fp32          AutoModelForCausalLM from the same GGUF (dequantised to fp32): the
@@ -41,6 +43,7 @@ ROWS = {
     "4-bit, bf16 activations": {"dtype": "bfloat16", "quantization": "gguf"},
     "4-bit, bf16 KV": {"kv_cache_dtype": "bfloat16"},
     "4-bit, int8 activations": {"activation_quantization": "int8"},
+    "4-bit, int16 activations": {"activation_quantization": "int16"},
     "dequantised fp32": {"dtype": "float32", "quantization": "none"},
 }
 

@@ -251,8 +251,10 @@ inline std::vector<float> to_float_vector(Tensor const& t, char const* name) {
 class A8Weight {
  public:
   A8Weight(int bits, Tensor qweight, Tensor scales, std::optional<Tensor> offsets, int group_size,
-           std::optional<Tensor> bias) {
+           std::optional<Tensor> bias, int act_bits) {
     if (bits != 4 && bits != 8) throw_value_error("bits must be 4 or 8, got " + std::to_string(bits));
+    if (act_bits != 8 && act_bits != 16) throw_value_error("act_bits must be 8 or 16, got " + std::to_string(act_bits));
+    act_bits_ = act_bits;
     Tensor const* off = offsets ? &*offsets : nullptr;
     if (bits == 8 && off != nullptr) throw_value_error("offsets must be None for int8 weights (bits=8)");
     QuantizedWeightArgs const w =
@@ -289,7 +291,7 @@ class A8Weight {
     p.out = out.data();
     p.num_threads = num_threads;
     nb::gil_scoped_release release;
-    p.workspace = thread_workspace(kc::a8_workspace_bytes(p.m, w_));
+    p.workspace = thread_workspace(kc::a8_workspace_bytes(p.m, w_, act_bits_));
     kc::launch_a8_gemm(p, kc::ThreadPool::global());
   }
 
@@ -297,6 +299,7 @@ class A8Weight {
   std::int64_t k() const { return w_.k; }
   int bits() const { return w_.bits; }
   int group_size() const { return group_size_; }
+  int act_bits() const { return act_bits_; }
   bool has_bias() const { return has_bias_; }
   ScalarType bias_type() const { return bias_type_; }
   // Bytes of the packed weight (codes, scales, offsets): what a decode step reads.
@@ -305,11 +308,13 @@ class A8Weight {
   kc::A8GemmParams params() const {
     kc::A8GemmParams p;
     p.weight = &w_;
+    p.act_bits = act_bits_;
     return p;
   }
 
  private:
   kc::A8PackedWeight w_;
+  int act_bits_ = 8;
   int group_size_ = 0;
   bool has_bias_ = false;
   ScalarType bias_type_ = ScalarType::kFloat32;

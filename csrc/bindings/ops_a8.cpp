@@ -21,13 +21,15 @@ INFLIGHT_REGISTER_OPS(a8) {
                        "asymmetric int4, group_size) packed once for the A8 GEMM (copied: the tensors are not kept). "
                        "gemm(x, out, num_threads): out = x @ W^T (+ bias) with x quantised to int8 per group of 32 "
                        "(16 for groups of 16), exact int32 sums per group, bit-identical on every ISA and at every "
-                       "row count.")
-      .def(nb::init<int, Tensor, Tensor, std::optional<Tensor>, int, std::optional<Tensor>>(), "bits"_a, "qweight"_a,
-           "scales"_a, "offsets"_a.none(), "group_size"_a, "bias"_a.none())
+                       "row count. act_bits=16 (A16): x quantised to 16-bit codes per group (two int8 limbs), "
+                       "the same exact integer sums.")
+      .def(nb::init<int, Tensor, Tensor, std::optional<Tensor>, int, std::optional<Tensor>, int>(), "bits"_a,
+           "qweight"_a, "scales"_a, "offsets"_a.none(), "group_size"_a, "bias"_a.none(), "act_bits"_a = 8)
       .def("gemm", &A8Weight::gemm, "x"_a, "out"_a.noconvert(), "num_threads"_a)
       .def_prop_ro("n", &A8Weight::n)
       .def_prop_ro("k", &A8Weight::k)
       .def_prop_ro("bits", &A8Weight::bits)
       .def_prop_ro("group_size", &A8Weight::group_size)
+      .def_prop_ro("act_bits", &A8Weight::act_bits)
       .def_prop_ro("nbytes", &A8Weight::nbytes);
 }

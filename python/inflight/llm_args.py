@@ -502,7 +502,7 @@ class SpeculativeConfig(_Args):
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int16")
 ATTENTION_BACKENDS = ("native", "torch")
 
 
@@ -531,8 +531,10 @@ class LlmArgs(_Args):
         None,
         "int8: natively quantised linear layers (GGUF, `inflight quantize`) quantise their input to int8 per "
         "group of 32 and multiply in integers (VNNI), as llama.cpp does: 3-4x faster GEMMs on an AVX512-VNNI "
-        "CPU, close to but not bit-equal with the float activations; none (default): activations in dtype. "
-        "CPU only",
+        "CPU, close to but not bit-equal with the float activations; int16: the same with 16-bit codes (two "
+        "int8 limbs: ~15 bits per group, GEMM relative error ~2e-5, SmolLM2's perplexity unchanged to 1e-5), "
+        "1.5-2x faster than float activations from 4 rows; none: activations in dtype; auto (default): int16 "
+        "where the CPU has AVX512-VNNI and the model natively quantised layers, else none. CPU only",
         Choice(ACTIVATION_QUANTIZATIONS, optional=True),
     )
     kv_cache_config: KvCacheConfig = arg(None, "the KV cache", Config(KvCacheConfig))

@@ -108,19 +108,33 @@ TEST(A8Quantize, VectorAndPortableGiveTheSameBits) {
     float const scale = std::pow(unit(rng), 4.0f) * 100.0f;  // magnitudes over many octaves
     for (std::int64_t i = 0; i < k; ++i) x[r * k + i] = normal(rng) * scale;
   }
-  for (int group : {16, 32}) {
-    std::int64_t const groups = m * k / group;
-    std::vector<std::int8_t> q1(m * k), q2(m * k);
-    std::vector<float> d1(groups), d2(groups), ds1(groups), ds2(groups);
-    std::vector<std::int32_t> s1(groups), s2(groups);
-    kc::quantize_a8_activations(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q1.data(), d1.data(),
-                                s1.data(), ds1.data());
-    kc::a8_detail::quantize_avx512(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q2.data(), d2.data(),
-                                   s2.data(), ds2.data());
-    EXPECT_EQ(q1, q2) << "group " << group;
-    EXPECT_EQ(s1, s2);
-    EXPECT_EQ(0, std::memcmp(d1.data(), d2.data(), d1.size() * 4));
-    EXPECT_EQ(0, std::memcmp(ds1.data(), ds2.data(), ds1.size() * 4));
+  for (int limbs : {1, 2}) {
+    for (int group : {16, 32}) {
+      std::int64_t const groups = m * k / group;
+      std::vector<std::int8_t> q1(m * k * limbs), q2(m * k * limbs);
+      std::vector<float> d1(groups), d2(groups), ds1(groups), ds2(groups);
+      std::vector<std::int32_t> s1(groups), s2(groups);
+      kc::quantize_a8_activations(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q1.data(), d1.data(),
+                                  s1.data(), ds1.data(), 8 * limbs);
+      kc::a8_detail::quantize_avx512(x.data(), inflight::kernels::ScalarType::kFloat32, m, k, group, q2.data(),
+                                     d2.data(), s2.data(), ds2.data(), limbs);
+      EXPECT_EQ(q1, q2) << "group " << group << ", limbs " << limbs;
+      if (limbs == 2) {  // the limbs make the 16-bit code: 256 h + l within +-32512, its sum sq
+        for (std::int64_t r = 0; r < m; r += 97) {
+          std::int32_t sum = 0;
+          for (std::int64_t i = 0; i < group; ++i) {
+            int const v = 256 * q1[r * 2 * k + i] + q1[r * 2 * k + k + i];
+            EXPECT_LE(std::abs(v), 32512);
+            EXPECT_LE(std::abs(v - x[r * k + i] / d1[r * (k / group)]), 0.5f + 1e-3f);
+            sum += v;
+          }
+          EXPECT_EQ(sum, s1[r * (k / group)]);
+        }
+      }
+      EXPECT_EQ(s1, s2);
+      EXPECT_EQ(0, std::memcmp(d1.data(), d2.data(), d1.size() * 4));
+      EXPECT_EQ(0, std::memcmp(ds1.data(), ds2.data(), ds1.size() * 4));
+    }
   }
 }
 

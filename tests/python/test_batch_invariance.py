@@ -206,7 +206,9 @@ def w4_model_dir(tmp_path_factory):
     return out
 
 
-# "w4-a8": the 4-bit model with int8 activations (activation_quantization="int8", the A8 GEMM).
+# "w4-fp32" / "w4-bf16": the 4-bit model with float activations (activation_quantization="none");
+# "w4-a8" / "w4-a16": with int8 / 16-bit activations (the A8 GEMM; int16 is the default's choice on a
+# CPU with AVX512-VNNI).
 MODELS = [
     ("fp32", "float32"),
     ("bf16", "bfloat16"),
@@ -214,6 +216,8 @@ MODELS = [
     ("w4-bf16", "bfloat16"),
     ("w4-a8-fp32", "float32"),
     ("w4-a8-bf16", "bfloat16"),
+    ("w4-a16-fp32", "float32"),
+    ("w4-a16-bf16", "bfloat16"),
 ]
 
 
@@ -224,7 +228,7 @@ def test_request_is_bit_identical_alone_batched_chunked_and_reused(
     from inflight.llm_args import KvCacheConfig
 
     path = w4_model_dir if model.startswith("w4") else tiny_model_dir("llama")
-    act = "int8" if "-a8-" in model else None
+    act = "int8" if "-a8-" in model else "int16" if "-a16-" in model else "none"
     a, b, others = _prompts()
     batch = [*others[:5], a, *others[5:]]  # A in the middle of 16
 

@@ -31,11 +31,18 @@ def _quantized_dir(tmp_path, arch: str, **overrides):
     return quantize_checkpoint(src, tmp_path / f"{arch}-q", group_size=32, symmetric=False)
 
 
-def _load(path, dtype, backend="native", max_seq_len=256):
+def _load(path, dtype, backend="native", max_seq_len=256, act="none"):
+    """The model with float activations into its GEMMs unless ``act`` says otherwise ("auto" would pick
+    int16 on a VNNI CPU: those GEMMs are compared in their own case)."""
     from inflight.models.loader import load_model
 
     return load_model(
-        path, dtype=dtype, device=torch.device("cpu"), attention_backend=backend, max_seq_len=max_seq_len
+        path,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        attention_backend=backend,
+        max_seq_len=max_seq_len,
+        activation_quantization=act,
     ).model
 
 
@@ -82,9 +89,13 @@ _STEPS = [
     ids=["llama-mha", "llama-gqa", "qwen2", "qwen3", "qwen3-gqa4", "gemma3", "gemma3-hd256"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weights", ["w4a16", "w8a8", "dense"])
+@pytest.mark.parametrize("weights", ["w4a16", "w4a16-int16", "w8a8", "dense"])
 def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, weights):
-    if weights == "w4a16":
+    """The fused stack against the Python layers on the same model; "w4a16-int16": int16 activations
+    (the A16 GEMM in both, the same bits per call; the glue's ulp differences can move a 16-bit code by
+    one step, ~3e-5 of its group's largest value, hence the wider fp32 tolerance)."""
+    a16 = weights == "w4a16-int16"
+    if weights.startswith("w4a16"):
         path = _quantized_dir(tmp_path, arch, **overrides)
     elif weights == "w8a8":
         from inflight.quantization import quantize_smoothquant
@@ -93,7 +104,7 @@ def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, wei
         path = quantize_smoothquant(src, tmp_path / f"{arch}-w8a8", "the cat sat on the mat. " * 40)
     else:
         path = make_tiny_model(tmp_path, arch, with_tokenizer=False, **overrides)
-    model = _load(path, dtype)
+    model = _load(path, dtype, act="int16" if a16 else "none")
     assert FusedCpuLayers.unsupported_reason(model) is None
     kv_fused = PagedKV.for_model(model, num_blocks=32, tokens_per_block=4)
     kv_ref = copy.deepcopy(kv_fused)
@@ -107,7 +118,7 @@ def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, wei
         # fp32: a few ulps of the largest logit (qwen2's tied N(0, 1) embeddings give logits ~80).
         scale = w.abs().max().item()
         tol = (
-            dict(rtol=1e-4, atol=2e-5 * scale)
+            dict(rtol=1e-4, atol=(2e-4 if a16 else 2e-5) * scale)
             if dtype == torch.float32
             else dict(rtol=0.05, atol=0.02 * scale)
         )
@@ -115,7 +126,9 @@ def test_fused_stack_matches_python_layers(tmp_path, arch, overrides, dtype, wei
         if dtype == torch.float32:
             assert torch.equal(g.argmax(-1), w.argmax(-1)), f"step {i}: greedy tokens differ"
     # The caches written by both paths hold the same K/V (only the written slots matter).
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    tol = (
+        dict(rtol=1e-4, atol=1e-3 if a16 else 1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    )
     for layer, (a, b) in enumerate(zip(kv_fused.kv_caches, kv_ref.kv_caches)):
         torch.testing.assert_close(
             a.float(), b.float(), **tol, msg=lambda m, layer=layer: f"layer {layer}: {m}"

@@ -1,9 +1,12 @@
-"""The A8 GEMM (grouped int4 / int8 weights x int8 activations quantised per group of 32 on the fly):
-against its plain-torch twin over every format, row counts 1-17, 64 and 256, awkward k and n; bit for
-bit the same on every ISA path the machine has and at every row count (batch invariance); the
-activation quantisation itself exact (ties to even, signed zeros); and the errors it raises."""
+"""The A8 GEMM (grouped int4 / int8 weights x int8 activations quantised per group of 32 on the fly)
+and its A16 mode (16-bit codes as two int8 limbs): against the plain-torch twin over every format, row
+counts 1-17, 64 and 256, awkward k and n; bit for bit the same on every ISA path the machine has and
+at every row count (batch invariance); the activation quantisation itself exact (ties to even, signed
+zeros, the limbs' edges); and the errors it raises."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -29,8 +32,20 @@ FORMATS = [(4, 32, False), (4, 32, True), (4, 64, False), (4, 128, True), (8, 32
 FORMAT_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in FORMATS]
 
 
+ACT_BITS = [8, 16]
+ACT_IDS = ["a8", "a16"]
+
+
 def _weight(
-    bits: int, group: int, sym: bool, n: int, k: int, seed: int, scale_dtype=torch.float16, bias=True
+    bits: int,
+    group: int,
+    sym: bool,
+    n: int,
+    k: int,
+    seed: int,
+    scale_dtype=torch.float16,
+    bias=True,
+    act_bits: int = 8,
 ):
     """(A8Weight, the dequantised fp32 weight, bias) of a random [n, k] weight."""
     gen = torch.Generator().manual_seed(seed)
@@ -38,9 +53,9 @@ def _weight(
     b = torch.randn(n, generator=gen) if bias else None
     if bits == 4:
         q, s, o = quantize_w4(w, group, sym, scale_dtype)
-        return A8Weight(4, q, s, o, group, b), dequantize_w4(q, s, o, group), b
+        return A8Weight(4, q, s, o, group, b, act_bits), dequantize_w4(q, s, o, group), b
     q, s = quantize_w8(w, group, scale_dtype)
-    return A8Weight(8, q, s, None, group, b), dequantize_w8(q, s, group), b
+    return A8Weight(8, q, s, None, group, b, act_bits), dequantize_w8(q, s, group), b
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -51,18 +66,19 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert ((got.double() - exact).abs() <= tol).all(), (got.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("act_bits", ACT_BITS, ids=ACT_IDS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("m", [*range(1, 18), 64, 256])
-def test_a8_matches_the_reference(fmt, m):
+def test_a8_matches_the_reference(fmt, m, act_bits):
     bits, group, sym = fmt
     n, k = 100, 384  # a partial panel of 64 channels and a partial block of 16
-    w, deq, bias = _weight(bits, group, sym, n, k, seed=m)
+    w, deq, bias = _weight(bits, group, sym, n, k, seed=m, act_bits=act_bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1000 + m)) * 3
     if m > 2:
         x[1] = 0  # an all-zero row: scale 0 in every group, out = bias
         x[2, :32] = 0  # one all-zero group
     got = w(x)
-    _close(got, a8_gemm(x.double().float(), deq, group, bias).to(torch.float64))
+    _close(got, a8_gemm(x.double().float(), deq, group, bias, act_bits).to(torch.float64))
     if m > 2:
         assert torch.equal(got[1], bias)
 
@@ -70,31 +86,35 @@ def test_a8_matches_the_reference(fmt, m):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_a8_input_and_scale_dtypes(fmt, dtype, scale_dtype):
+@pytest.mark.parametrize("act_bits", ACT_BITS, ids=ACT_IDS)
+def test_a8_input_and_scale_dtypes(fmt, dtype, scale_dtype, act_bits):
     bits, group, sym = fmt
     n, k = 65, 256
-    w, deq, _ = _weight(bits, group, sym, n, k, seed=3, scale_dtype=scale_dtype, bias=False)
+    w, deq, _ = _weight(
+        bits, group, sym, n, k, seed=3, scale_dtype=scale_dtype, bias=False, act_bits=act_bits
+    )
     x = torch.randn(7, k).to(dtype)
     got = w(x)
     assert got.dtype == dtype and got.shape == (7, n)
-    _close(got, a8_gemm(x, deq, group).to(torch.float64))
+    _close(got, a8_gemm(x, deq, group, None, act_bits).to(torch.float64))
 
 
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (63, 160), (64, 64), (129, 1056), (960, 576)])
 def test_a8_awkward_shapes(n, k):
-    for bits, group, sym in [(4, 32, False), (8, 16, True)]:
-        w, deq, bias = _weight(bits, group, sym, n, k, seed=n)
+    for (bits, group, sym), act_bits in itertools.product([(4, 32, False), (8, 16, True)], ACT_BITS):
+        w, deq, bias = _weight(bits, group, sym, n, k, seed=n, act_bits=act_bits)
         x = torch.randn(5, k)
-        _close(w(x), a8_gemm(x, deq, group, bias).double())
+        _close(w(x), a8_gemm(x, deq, group, bias, act_bits).double())
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_a8_is_bit_identical_on_every_isa_and_row_count(fmt, dtype):
+@pytest.mark.parametrize("act_bits", ACT_BITS, ids=ACT_IDS)
+def test_a8_is_bit_identical_on_every_isa_and_row_count(fmt, dtype, act_bits):
     """The portable loop and the VNNI tiles do the same operations in the same order; a row's result
     is the same alone, in a batch of any size and under any thread split."""
     bits, group, sym = fmt
-    w, _, _ = _weight(bits, group, sym, 200, 512, seed=5, bias=dtype == torch.float32)
+    w, _, _ = _weight(bits, group, sym, 200, 512, seed=5, bias=dtype == torch.float32, act_bits=act_bits)
     x = (torch.randn(37, 512, generator=torch.Generator().manual_seed(9)) * 4).to(dtype)
     before, threads = _C.cpu_isa(), torch.get_num_threads()
     results = {}
@@ -188,18 +208,54 @@ def test_a8_twin_quantises_exactly_as_the_kernel():
     assert int(q[-1, 6]) == 28
 
 
+def test_a16_activation_quantisation_is_exact():
+    """A16 through an identity int8 weight (unit scales, max |x| = 32512 per group: scale 1): out == q,
+    ties to even, and the codes where the low limb wraps (l = q - 256 h at -128 / 127) come back whole."""
+    k = 64
+    ident = torch.eye(k, dtype=torch.int8)
+    w = A8Weight(8, ident, torch.ones(k, k // 32, dtype=torch.float16), None, 32, act_bits=16)
+    vals = [32512.0, -32512.0, 27.5, 26.5, -2.5, -0.0, 127.5, 128.5, -128.5, -129.0, 255.5, 256.0, -256.5]
+    vals += [383.0, 384.0, -32385.0, -32384.5, 32383.5, 1.49, -1.51, 0.5, 100.25]
+    row = torch.zeros(1, k)
+    row[0, : len(vals)] = torch.tensor(vals)
+    row[0, 32] = -32512.0  # the second group's scale is 1 too
+    row[0, 33:40] = torch.tensor([-32511.5, 32510.5, -0.75, 12345.5, -12344.5, 7.0, -7.0])
+    want = torch.round(row)  # half to even
+    got = w(row)
+    assert torch.equal(got, want)
+    q, d = quantize_a8_activations(row, 32, act_bits=16)
+    assert q.dtype == torch.int16 and torch.equal(q.float(), want) and torch.equal(d, torch.ones(1, 2))
+
+
+def test_a16_twin_quantises_exactly_as_the_kernel():
+    """As the int8 case: through an identity int8 weight with unit fp32 scales the A16 kernel returns
+    q * d (one rounding), bit for bit the twin's, over 200k activations of mixed magnitudes."""
+    gen = torch.Generator().manual_seed(1)
+    ident = A8Weight(8, torch.eye(32, dtype=torch.int8), torch.ones(32, 1), None, 32, act_bits=16)
+    x = torch.randn(6400, 32, generator=gen) * torch.rand(6400, 1, generator=gen).pow(4) * 100
+    x = torch.cat([x, torch.tensor([SMOLLM2_TIE])])
+    q, d = quantize_a8_activations(x, 32, act_bits=16)
+    assert torch.equal(ident(x), q.float() * d)
+
+
 def test_a8_group_and_twin_agree_on_real_model_scales():
     # The reference's activation group: 16 for Q6_K's groups of 16, 32 otherwise.
     assert [a8_group(g) for g in (16, 32, 64, 128)] == [16, 32, 32, 32]
 
 
-def test_a8_is_close_to_the_float_product():
-    """The quantisation error only: per-group int8 activations on a well-scaled int4 product."""
-    w, deq, _ = _weight(4, 32, False, 256, 512, seed=2, bias=False)
-    x = torch.randn(32, 512)
-    exact = x @ deq.T
-    rel = (w(x) - exact).norm() / exact.norm()
-    assert rel < 0.01
+@pytest.mark.parametrize("act_bits,bound", [(8, 0.01), (16, 1e-4)], ids=ACT_IDS)
+def test_a8_is_close_to_the_float_product(act_bits, bound):
+    """The quantisation error only: per-group int8 (A16: 16-bit) activations on a well-scaled int4
+    product (measured: 5e-3 and 2e-5); A16 also with outliers (1 % of the elements 50x larger)."""
+    w, deq, _ = _weight(4, 32, False, 256, 512, seed=2, bias=False, act_bits=act_bits)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 512, generator=gen)
+    exact = x.double() @ deq.double().T
+    rel = (w(x).double() - exact).norm() / exact.norm()
+    assert rel < bound
+    x = x * torch.where(torch.rand(32, 512, generator=gen) < 0.01, 50.0, 1.0)
+    exact = x.double() @ deq.double().T
+    assert (w(x).double() - exact).norm() / exact.norm() < 10 * bound
 
 
 def test_a8_weight_errors_name_the_argument():
@@ -211,6 +267,10 @@ def test_a8_weight_errors_name_the_argument():
         A8Weight(8, q8, s8, s8, 32)
     with pytest.raises(ValueError, match="group_size"):
         A8Weight(4, q, s, o, 16)
+    with pytest.raises(ValueError, match="act_bits must be 8 or 16, got 12"):
+        A8Weight(4, q, s, o, 32, None, 12)
+    with pytest.raises(ValueError, match="act_bits must be 8 or 16"):
+        quantize_a8_activations(torch.randn(2, 64), 32, act_bits=4)
     w = A8Weight(4, q, s, o, 32, torch.zeros(8))
     with pytest.raises(ValueError, match="k"):
         w(torch.randn(2, 32))
@@ -220,21 +280,23 @@ def test_a8_weight_errors_name_the_argument():
     assert w.nbytes > 0 and (w.n, w.k, w.bits, w.group_size) == (8, 64, 4, 32)
 
 
+@pytest.mark.parametrize("mode,act_bits", [("int8", 8), ("int16", 16)], ids=ACT_IDS)
 @pytest.mark.parametrize("cls", [W4A16Linear, W8A16Linear])
-def test_layers_run_int8_activations_on_request(cls):
+def test_layers_run_int8_activations_on_request(cls, mode, act_bits):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 128), torch.randn(96)
     layer = cls.from_weight(weight, bias, group_size=32)
     x = torch.randn(3, 5, 128)
     float_out = layer(x)
-    assert layer.set_activation_quantization("int8") is True
-    assert "int8 activations" in repr(layer)
+    assert layer.set_activation_quantization(mode) is True
+    assert f"{mode} activations" in repr(layer)
+    assert layer.kernel_weight().act_bits == act_bits
     got = layer(x)
     if cls is W4A16Linear:
         deq = dequantize_w4(layer.qweight, layer.scales, layer.offsets, 32)
     else:
         deq = dequantize_w8(layer.qweight, layer.scales, 32)
-    _close(got.view(15, 96), a8_gemm(x.view(15, 128), deq, 32, bias).double())
+    _close(got.view(15, 96), a8_gemm(x.view(15, 128), deq, 32, bias, act_bits).double())
     assert not torch.equal(got, float_out)
     assert layer.set_activation_quantization("none") is False
     assert torch.equal(layer(x), float_out)

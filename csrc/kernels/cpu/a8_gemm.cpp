@@ -18,26 +18,33 @@ bool fits_f16(float v) { return f16_to_float(float_to_f16(v)) == v; }
 
 template <class T>
 void quantize_rows(T const* x, std::int64_t m, std::int64_t k, int group, std::int8_t* q, float* d, std::int32_t* sq,
-                   float* ds) {
+                   float* ds, int limbs) {
   std::int64_t const groups = k / group;
+  float const qmax = limbs == 2 ? kA16Max : 127.0f;
   for (std::int64_t r = 0; r < m; ++r) {
     for (std::int64_t g = 0; g < groups; ++g) {
       T const* xs = x + r * k + g * group;
-      std::int8_t* qs = q + r * k + g * group;
+      std::int8_t* qs = q + r * limbs * k + g * group;
       float amax = 0.0f;
       for (int i = 0; i < group; ++i) amax = std::max(amax, std::fabs(to_float(xs[i])));
-      float const inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      float const inv = amax > 0.0f ? qmax / amax : 0.0f;
       std::int32_t sum = 0;
       for (int i = 0; i < group; ++i) {
-        // |v| <= 127 (and a rounding above): adding and subtracting 1.5 * 2^23 rounds it to an integer,
+        // |v| <= qmax (and a rounding above): adding and subtracting 1.5 * 2^23 rounds it to an integer,
         // half to even, in the default rounding mode, as the vector copy does.
         float const v = to_float(xs[i]) * inv;
         float const rv = (v + 12582912.0f) - 12582912.0f;
-        int const qi = static_cast<int>(std::clamp(rv, -127.0f, 127.0f));
-        qs[i] = static_cast<std::int8_t>(qi);
+        int const qi = static_cast<int>(std::clamp(rv, -qmax, qmax));
+        if (limbs == 2) {
+          int const h = (qi + 128) >> 8;  // an arithmetic shift: floor
+          qs[i] = static_cast<std::int8_t>(h);
+          qs[k + i] = static_cast<std::int8_t>(qi - 256 * h);
+        } else {
+          qs[i] = static_cast<std::int8_t>(qi);
+        }
         sum += qi;
       }
-      float const dg = amax / 127.0f;
+      float const dg = amax / qmax;
       d[r * groups + g] = dg;
       sq[r * groups + g] = sum;
       ds[r * groups + g] = dg * static_cast<float>(sum);
@@ -80,9 +87,12 @@ void gemm_portable_t(A8PackedWeight const& w, a8_detail::Activations const& a, s
         if (c >= w.n) break;
         float f = 0.0f;
         for (std::int64_t g = 0; g < groups; ++g) {
-          std::int8_t const* qs = a.q + r * a.k + g * w.group;
+          std::int8_t const* qs = a.q + r * a.limbs * a.k + g * w.group;
           std::int32_t acc = -w.zero_point * a.sq[r * groups + g];
-          for (int i = 0; i < w.group; ++i) acc += code(w, p, g, cc, i) * qs[i];
+          for (int i = 0; i < w.group; ++i) {
+            int const qi = a.limbs == 2 ? 256 * qs[i] + qs[a.k + i] : qs[i];
+            acc += code(w, p, g, cc, i) * qi;
+          }
           float const sd = scale_at(w, p, g, cc, 0) * a.d[r * groups + g];
           f = std::fma(static_cast<float>(acc), sd, f);
           if (w.asym) f = std::fma(scale_at(w, p, g, cc, 1), a.ds[r * groups + g], f);
@@ -165,14 +175,18 @@ A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales
 }
 
 void quantize_a8_activations(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
-                             float* d, std::int32_t* sq, float* ds) {
+                             float* d, std::int32_t* sq, float* ds, int act_bits) {
+  if (act_bits != 8 && act_bits != 16) {
+    throw std::invalid_argument("a8_gemm: act_bits must be 8 or 16, got " + std::to_string(act_bits));
+  }
+  int const limbs = act_bits / 8;
   switch (dtype) {
     case ScalarType::kFloat32:
-      return quantize_rows(static_cast<float const*>(x), m, k, group, q, d, sq, ds);
+      return quantize_rows(static_cast<float const*>(x), m, k, group, q, d, sq, ds, limbs);
     case ScalarType::kBFloat16:
-      return quantize_rows(static_cast<BFloat16 const*>(x), m, k, group, q, d, sq, ds);
+      return quantize_rows(static_cast<BFloat16 const*>(x), m, k, group, q, d, sq, ds, limbs);
     case ScalarType::kFloat16:
-      return quantize_rows(static_cast<Float16 const*>(x), m, k, group, q, d, sq, ds);
+      return quantize_rows(static_cast<Float16 const*>(x), m, k, group, q, d, sq, ds, limbs);
     default:
       throw std::invalid_argument("a8_gemm: x must be fp32, bf16 or fp16");
   }
@@ -190,10 +204,11 @@ void gemm_portable(A8PackedWeight const& w, Activations const& a, std::int64_t m
 
 }  // namespace a8_detail
 
-std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w) {
+std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w, int act_bits) {
   std::size_t const rows = static_cast<std::size_t>(std::max<std::int64_t>(m, 0));
   std::size_t const per = rows * static_cast<std::size_t>(w.groups()) * 4;
-  return align64(rows * static_cast<std::size_t>(w.k)) + 3 * align64(per);
+  std::size_t const limbs = act_bits == 16 ? 2 : 1;
+  return align64(rows * limbs * static_cast<std::size_t>(w.k)) + 3 * align64(per);
 }
 
 void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
@@ -206,10 +221,14 @@ void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
   if (p.num_threads < 1) {
     throw std::invalid_argument("a8_gemm: num_threads must be >= 1, got " + std::to_string(p.num_threads));
   }
+  if (p.act_bits != 8 && p.act_bits != 16) {
+    throw std::invalid_argument("a8_gemm: act_bits must be 8 or 16, got " + std::to_string(p.act_bits));
+  }
   if (p.m == 0) return;
   if (p.x == nullptr || p.out == nullptr || p.workspace == nullptr) {
     throw std::invalid_argument("a8_gemm: x, out and workspace must be given");
   }
+  int const limbs = p.act_bits / 8;
   A8PackedWeight const& w = *p.weight;
   std::int64_t const groups = w.groups();
   std::size_t const per = align64(static_cast<std::size_t>(p.m * groups) * 4);
@@ -218,13 +237,14 @@ void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
   a.k = w.k;
   a.groups = groups;
   auto* q = reinterpret_cast<std::int8_t*>(base);
-  auto* d = reinterpret_cast<float*>(base + align64(static_cast<std::size_t>(p.m * w.k)));
+  auto* d = reinterpret_cast<float*>(base + align64(static_cast<std::size_t>(p.m * limbs * w.k)));
   auto* sq = reinterpret_cast<std::int32_t*>(reinterpret_cast<unsigned char*>(d) + per);
   auto* ds = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sq) + per);
   a.q = q;
   a.d = d;
   a.sq = sq;
   a.ds = ds;
+  a.limbs = limbs;
 
   // VPDPBUSD needs AVX512-VNNI, which kAvx512 includes and a kAvx512F CPU may have.
   Isa const isa = selected_isa();
@@ -239,10 +259,11 @@ void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
       if (lo >= hi) return;
       void const* x = static_cast<char const*>(p.x) + static_cast<std::size_t>(lo) * row_bytes;
       std::size_t const off = static_cast<std::size_t>(lo * groups);
+      std::int8_t* const qr = q + lo * limbs * w.k;
       if (vnni) {
-        a8_detail::quantize_avx512(x, p.dtype, hi - lo, w.k, w.group, q + lo * w.k, d + off, sq + off, ds + off);
+        a8_detail::quantize_avx512(x, p.dtype, hi - lo, w.k, w.group, qr, d + off, sq + off, ds + off, limbs);
       } else {
-        quantize_a8_activations(x, p.dtype, hi - lo, w.k, w.group, q + lo * w.k, d + off, sq + off, ds + off);
+        quantize_a8_activations(x, p.dtype, hi - lo, w.k, w.group, qr, d + off, sq + off, ds + off, p.act_bits);
       }
     };
     pool.run(std::max(threads, 1), TaskRef(quantize));

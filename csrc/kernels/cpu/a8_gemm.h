@@ -19,6 +19,12 @@
 // row's result depends on that row alone (per-row, per-group scales; one fixed order): the kernel is
 // batch-invariant at every M, decode included.
 //
+// A16 (act_bits = 16) is the same GEMM with ~15-bit activations: per group, d = amax / 32512 and
+// q = round_half_even(x * (32512 / amax)) in [-32512, 32512], held as two int8 limbs q = 256 h + l with
+// h = (q + 128) >> 8 in [-127, 127] and l = q - 256 h in [-128, 127]. Each limb takes the int8 path's
+// VPDPBUSD; the group's sum is acc = 256 * sum_i u[i] * h[i] + sum_i u[i] * l[i] - z * sq (exact in int32:
+// |acc| < 2^28), then the same epilogue. Every row's result again depends on that row alone, at every M.
+//
 // Weights are packed once (A8PackedWeight) in panels of 64 output channels (four blocks of 16), one
 // record per panel and group, the panel's records back to back, so that a panel is one sequential
 // stream (decode reads each weight byte once, from memory): first the codes, int4 as E/8 vectors per
@@ -39,7 +45,8 @@
 
 namespace inflight::kernels::cpu {
 
-inline constexpr int kA8Panel = 64;  // output channels per packed panel (four VPDPBUSD blocks of 16)
+inline constexpr int kA8Panel = 64;         // output channels per packed panel (four VPDPBUSD blocks of 16)
+inline constexpr float kA16Max = 32512.0f;  // A16's largest code, 127 * 256: the high limb stays in int8
 
 struct A8PackedWeight {
   int bits = 4;        // 4 or 8
@@ -77,28 +84,32 @@ struct A8GemmParams {
   std::int64_t m = 0;
   ScalarType dtype = ScalarType::kFloat32;  // of x and out: float32, bfloat16 or float16
   int num_threads = 1;                      // at most this many of the pool's threads
+  int act_bits = 8;                         // 8 (A8) or 16 (A16: two int8 limbs per element)
 };
 
-std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w);
+// The workspace of m rows: k codes per row and limb, then d, sq and ds (k / group each per row).
+std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w, int act_bits = 8);
 
 // Validates (std::invalid_argument naming the field), quantises x into the workspace (threads split the
 // rows) and runs the products (threads split the panels, or the rows when there are few panels).
 void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool);
 
-// The activations of rows [0, m) in the layout above: q [m][k] int8, d, ds [m][k / group] fp32 and
-// sq [m][k / group] int32 (exposed for tests and for the reference). Portable; the VNNI file has a
-// vectorised copy that computes the same bits.
+// The activations of rows [0, m) in the layout above: q [m][limbs][k] int8 (limbs = act_bits / 8: A16's
+// high limb, then its low limb), d, ds [m][k / group] fp32 and sq [m][k / group] int32 (exposed for
+// tests and for the reference). Portable; the VNNI file has a vectorised copy that computes the same
+// bits.
 void quantize_a8_activations(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
-                             float* d, std::int32_t* sq, float* ds);
+                             float* d, std::int32_t* sq, float* ds, int act_bits = 8);
 
 namespace a8_detail {
 // Where the quantised activations are: rows of k int8 codes and k / group scales and sums.
 struct Activations {
-  std::int8_t const* q = nullptr;
+  std::int8_t const* q = nullptr;  // row r, limb j at q + (r * limbs + j) * k
   float const* d = nullptr;
   std::int32_t const* sq = nullptr;
   float const* ds = nullptr;
   std::int64_t k = 0, groups = 0;
+  int limbs = 1;  // 1 (A8) or 2 (A16)
 };
 
 // out rows [m_lo, m_hi) x panels [p_lo, p_hi) of one ISA (the epilogue and the store included).
@@ -107,7 +118,7 @@ void gemm_portable(A8PackedWeight const& w, Activations const& a, std::int64_t m
 void gemm_avx512vnni(A8PackedWeight const& w, Activations const& a, std::int64_t m_lo, std::int64_t m_hi,
                      std::int64_t p_lo, std::int64_t p_hi, void* out, ScalarType dtype);
 void quantize_avx512(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
-                     float* d, std::int32_t* sq, float* ds);
+                     float* d, std::int32_t* sq, float* ds, int limbs);
 }  // namespace a8_detail
 
 }  // namespace inflight::kernels::cpu

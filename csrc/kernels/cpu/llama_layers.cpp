@@ -94,9 +94,9 @@ Layout layout(LlamaLayersParams const& p) {
                              t * ((n + kW8A8Block - 1) / kW8A8Block * kW8A8Block) * sizeof(std::int32_t);
     l.paged_bytes = std::max(l.paged_bytes, w8a8);
   }
-  if (s.a8) {  // the widest A8 projection's scratch (a8_workspace_bytes at the smallest group, 16)
+  if (s.a8) {  // the widest A8 projection's scratch (a8_workspace_bytes at the smallest group, 16, two limbs)
     std::size_t const k = std::size_t(std::max({s.hidden, s.q_size(), s.intermediate}));
-    l.paged_bytes = std::max(l.paged_bytes, aligned(t * k) + 3 * aligned(t * (k / 16) * sizeof(float)));
+    l.paged_bytes = std::max(l.paged_bytes, aligned(2 * t * k) + 3 * aligned(t * (k / 16) * sizeof(float)));
   }
   return l;
 }

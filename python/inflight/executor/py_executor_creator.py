@@ -243,7 +243,7 @@ def _create(
     identity = None
     if num_secondary and kv_config.host_cache_path is not None and kv_config.enable_block_reuse:
         identity = model_identity(
-            args.model, loaded.dtype, args.quantization, parallel, args.activation_quantization
+            args.model, loaded.dtype, args.quantization, parallel, loaded.activation_quantization
         )
     windows = _plan_window_pools(args, cfg, cluster, budget, max_seq_len)
     kv_manager = KVCacheResourceManager.allocate(

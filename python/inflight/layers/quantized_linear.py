@@ -11,8 +11,9 @@
 
 ``set_activation_quantization("int8")`` makes a W4A16 / W8A16 (int8) layer run the A8 GEMM on the CPU
 (:class:`~inflight.ops.gemm.A8Weight`: its input quantised to int8 per group of 32 on the fly, integer
-products), as llama.cpp runs its quantised weights; the model-level switch is
-``LLM(..., activation_quantization="int8")``.
+products), as llama.cpp runs its quantised weights; ``"int16"`` runs the same GEMM with 16-bit codes
+(A16: two int8 limbs, ~15 bits per group); the model-level switch is
+``LLM(..., activation_quantization="int8" | "int16")``.
 
 Build them through ``functools.partial`` as a model's ``linear_factory`` (or ``embedding_factory``);
 activations keep the model dtype, weights stay quantised in memory.
@@ -41,8 +42,9 @@ __all__ = ["ACTIVATION_QUANTIZATIONS", "W4A16Linear", "W8A8Linear", "W8A16Embedd
 
 
 # How the activations entering a weight-only-quantised layer are represented on the CPU: "none" (the
-# model dtype) or "int8" (the A8 GEMM).
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
+# model dtype), "int8" (the A8 GEMM) or "int16" (the same GEMM with two int8 limbs per element: A16).
+ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16")
+_ACT_BITS = {"int8": 8, "int16": 16}
 
 # W8A16Linear's weight formats: the dtype of qweight.
 _W8_FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -111,8 +113,9 @@ class _FusedRows(nn.Module, abc.ABC):
 
     def set_activation_quantization(self, mode: str) -> bool:
         """``"int8"``: the CPU forward runs the A8 GEMM (x quantised to int8 per group on the fly);
-        ``"none"``: activations in the model dtype. Returns whether the layer now runs int8 activations
-        (False for a layer without an A8 kernel, which keeps its own)."""
+        ``"int16"``: the same GEMM with 16-bit codes (A16); ``"none"``: activations in the model dtype.
+        Returns whether the layer now runs quantised activations (False for a layer without an A8
+        kernel, which keeps its own)."""
         if mode not in ACTIVATION_QUANTIZATIONS:
             raise ValueError(
                 f"activation_quantization must be one of {list(ACTIVATION_QUANTIZATIONS)}, got {mode!r}"
@@ -121,7 +124,15 @@ class _FusedRows(nn.Module, abc.ABC):
         if mode != self.activation_quantization:
             self.activation_quantization = mode
             self._packed = None
-        return mode == "int8"
+        return mode != "none"
+
+    def act_bits(self) -> int:
+        """The A8 GEMM's activation bits for this layer's mode (8 or 16); 0 for the model dtype."""
+        return _ACT_BITS.get(self.activation_quantization, 0)
+
+    def _activation_repr(self) -> str:
+        mode = self.activation_quantization
+        return "" if mode == "none" else f", {mode} activations"
 
 
 class W4A16Linear(_FusedRows):
@@ -199,11 +210,17 @@ class W4A16Linear(_FusedRows):
 
     def kernel_weight(self) -> W4A16Weight | A8Weight:
         """The CPU kernel's imported view of the weights (built once, rebuilt after a reload); with int8
-        activations, the A8 GEMM's packed copy."""
+        or int16 activations, the A8 GEMM's packed copy."""
         if self._packed is None:
-            if self.activation_quantization == "int8":
+            if self.act_bits():
                 self._packed = A8Weight(
-                    4, self.qweight, self.scales, self.offsets, self.group_size, self.bias
+                    4,
+                    self.qweight,
+                    self.scales,
+                    self.offsets,
+                    self.group_size,
+                    self.bias,
+                    act_bits=self.act_bits(),
                 )
             else:
                 self._packed = W4A16Weight(
@@ -223,8 +240,7 @@ class W4A16Linear(_FusedRows):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-            f"symmetric={self.symmetric}, bias={self.bias is not None}"
-            + (", int8 activations" if self.activation_quantization == "int8" else "")
+            f"symmetric={self.symmetric}, bias={self.bias is not None}" + self._activation_repr()
         )
 
 
@@ -294,10 +310,12 @@ class W8A16Linear(_FusedRows):
 
     def kernel_weight(self) -> W8A16Weight | A8Weight:
         """The CPU kernel's imported view of the weights (built once, rebuilt after a reload); with int8
-        activations, the A8 GEMM's packed copy."""
+        or int16 activations, the A8 GEMM's packed copy."""
         if self._packed is None:
-            if self.activation_quantization == "int8":
-                self._packed = A8Weight(8, self.qweight, self.scales, None, self.group_size, self.bias)
+            if self.act_bits():
+                self._packed = A8Weight(
+                    8, self.qweight, self.scales, None, self.group_size, self.bias, act_bits=self.act_bits()
+                )
             else:
                 self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
         return self._packed
@@ -314,8 +332,7 @@ class W8A16Linear(_FusedRows):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, group_size={self.group_size}, "
-            f"weight_format={self.weight_format}, bias={self.bias is not None}"
-            + (", int8 activations" if self.activation_quantization == "int8" else "")
+            f"weight_format={self.weight_format}, bias={self.bias is not None}" + self._activation_repr()
         )
 
 

@@ -384,9 +384,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_activation_quantization(self, mode: str) -> int:
         """``"int8"``: every weight-only-quantised linear layer (and a quantised LM head) quantises its
-        input to int8 per group of 32 and runs the A8 GEMM on the CPU; ``"none"``: the model dtype.
-        A MoE layer's experts keep the model dtype (their grouped kernel has no A8 path). Returns how
-        many layers now run int8 activations."""
+        input to int8 per group of 32 and runs the A8 GEMM on the CPU; ``"int16"``: the same with 16-bit
+        codes (A16); ``"none"``: the model dtype. A MoE layer's experts keep the model dtype (their
+        grouped kernel has no A8 path). Returns how many layers now run quantised activations."""
         skip = {id(self)} | {
             id(m) for layer in self.layers if layer.moe is not None for m in layer.moe.modules()
         }

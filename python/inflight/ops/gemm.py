@@ -275,8 +275,11 @@ class A8Weight(_ImportedWeight):
     elements of a row of x to int8 (16 for weights in groups of 16: GGUF Q6_K), sums each group's
     products exactly in int32 (AVX512-VNNI where the CPU has it, else a portable loop: the same bits)
     and scales them in fp32, as llama.cpp multiplies its quantised weights. A row's result depends on
-    that row alone. :func:`inflight.ops.reference.gemm.a8_gemm` is its plain-torch twin (to fp32
-    rounding). The tensors are copied into the packed layout (not kept); ``nbytes`` is its size."""
+    that row alone. ``act_bits=16`` (A16) quantises each group to 16-bit codes instead (held as two
+    int8 limbs, each through the same integer products: ~15 bits of the group's largest value, about
+    twice the int8 path's arithmetic). :func:`inflight.ops.reference.gemm.a8_gemm` is its plain-torch
+    twin (to fp32 rounding). The tensors are copied into the packed layout (not kept); ``nbytes`` is its
+    size."""
 
     def __init__(
         self,
@@ -286,6 +289,7 @@ class A8Weight(_ImportedWeight):
         offsets: torch.Tensor | None,
         group_size: int,
         bias: torch.Tensor | None = None,
+        act_bits: int = 8,
     ) -> None:
         self._w = _C.A8Weight(
             bits,
@@ -294,8 +298,10 @@ class A8Weight(_ImportedWeight):
             None if offsets is None else _cap(offsets),
             group_size,
             None if bias is None else _cap(bias),
+            act_bits,
         )
         self.n, self.k, self.bits, self.group_size = self._w.n, self._w.k, bits, group_size
+        self.act_bits = act_bits
         self.nbytes = self._w.nbytes
 
 

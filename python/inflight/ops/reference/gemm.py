@@ -156,19 +156,28 @@ def a8_group(group_size: int) -> int:
     return 16 if group_size == 16 else 32
 
 
-def quantize_a8_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The A8 GEMM's activations: ``(q [M, K] int8, d [M, K // group] fp32)`` with, per group of
-    ``group`` elements of a row, ``d = max|x| / 127`` and ``q = round_half_even(x * (127 / max|x|))``
-    (0 for an all-zero group): the float operations of the C++ kernels, in their order."""
+A16_MAX = 32512  # A16's largest code (127 * 256): its high int8 limb stays within [-127, 127]
+
+
+def quantize_a8_activations(
+    x: torch.Tensor, group: int = 32, act_bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A8 GEMM's activations: ``(q [M, K], d [M, K // group] fp32)`` with, per group of ``group``
+    elements of a row, ``d = max|x| / Q`` and ``q = round_half_even(x * (Q / max|x|))`` (0 for an
+    all-zero group): the float operations of the C++ kernels, in their order. ``act_bits`` 8: Q = 127,
+    q int8; 16 (A16): Q = :data:`A16_MAX`, q int16 (the kernels hold it as two int8 limbs)."""
+    if act_bits not in (8, 16):
+        raise ValueError(f"act_bits must be 8 or 16, got {act_bits!r}")
     m, k = x.shape
     if k % group != 0:
         raise ValueError(f"x.shape[1] ({k}) must be a multiple of the activation group ({group})")
+    qmax = 127.0 if act_bits == 8 else float(A16_MAX)
     xg = x.float().view(m, k // group, group)
     amax = xg.abs().amax(dim=-1, keepdim=True)
     # A tensor divided by a tensor: torch's scalar / tensor multiplies by a reciprocal (off by an ulp).
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xg * inv).clamp(-127, 127).to(torch.int8)
-    return q.view(m, k), (amax / 127.0).squeeze(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv).clamp(-qmax, qmax).to(torch.int8 if act_bits == 8 else torch.int16)
+    return q.view(m, k), (amax / qmax).squeeze(-1)
 
 
 def a8_gemm(
@@ -176,13 +185,14 @@ def a8_gemm(
     weight: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    act_bits: int = 8,
 ) -> torch.Tensor:
-    """The A8 GEMM's numerics in plain torch: ``x`` quantised per group (:func:`quantize_a8_activations`,
-    group :func:`a8_group`), multiplied by the dequantised ``weight [N, K]`` (fp32, e.g.
+    """The A8 (``act_bits=8``) or A16 GEMM's numerics in plain torch: ``x`` quantised per group
+    (:func:`quantize_a8_activations`, group :func:`a8_group`), multiplied by the dequantised ``weight [N, K]`` (fp32, e.g.
     :func:`dequantize_w4`) in float64, ``+ bias``, rounded once to x's dtype. The kernels sum each
     group's integer products exactly and scale them in fp32, so they agree with this to fp32 rounding
     (not bit for bit: their per-group fp32 multiply-adds round)."""
-    q, d = quantize_a8_activations(x, a8_group(group_size))
+    q, d = quantize_a8_activations(x, a8_group(group_size), act_bits)
     g = a8_group(group_size)
     xq = (q.view(q.shape[0], -1, g).double() * d.double().unsqueeze(-1)).view(q.shape)
     out = xq @ weight.double().T
