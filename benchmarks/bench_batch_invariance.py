@@ -12,9 +12,13 @@ is off, so every round computes its prefill. Medians over ``--rounds``; ratio = 
     python benchmarks/bench_batch_invariance.py [--model smollm2] [--configs q4,bf16] [--rounds 5]
         [--new-tokens 64] [--prompt-len 512] [--batch 16] [--json out.json]
 
-``q4``: the model as it loads by default (SmolLM2's Q4_1 GGUF: native 4-bit kernels, fp32
-activations); ``q4-bf16``: the same 4-bit weights with bf16 activations (``dtype="bfloat16",
-quantization="gguf"``); ``bf16``: dequantised to bf16 (dense bf16 GEMMs); ``fp32``: dequantised to fp32.
+``q4``: the model as it loads by default (SmolLM2's Q4_1 GGUF: native 4-bit kernels, fp32 model,
+activation_quantization "auto": int16 activations into the GEMMs on an AVX512-VNNI CPU, whose A16
+GEMM is batch-invariant in both modes); ``q4-fp32act``: the same with fp32 activations into the GEMMs
+(``activation_quantization="none"``: the float kernels, whose strategies the mode switches);
+``q4-bf16``: the same 4-bit weights with bf16 activations (``dtype="bfloat16", quantization="gguf",
+activation_quantization="none"``); ``bf16``: dequantised to bf16 (dense bf16 GEMMs); ``fp32``:
+dequantised to fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from inflight.sampling_params import SamplingParams
 
 CONFIGS = {
     "q4": {},
-    "q4-bf16": {"dtype": "bfloat16", "quantization": "gguf"},
+    "q4-fp32act": {"activation_quantization": "none"},
+    "q4-bf16": {"dtype": "bfloat16", "quantization": "gguf", "activation_quantization": "none"},
     "bf16": {"dtype": "bfloat16", "quantization": "none"},
     "fp32": {"dtype": "float32", "quantization": "none"},
 }

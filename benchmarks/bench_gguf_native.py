@@ -3,7 +3,9 @@ tensors) decode speed on the CPU, in one run, one system at a time.
 
 Systems:
   inflight          LLM("gemma3-270m"): every tensor type of the file runs natively (Q5_0 / Q8_0 / Q6_K as
-                    W8A16, Q4_K as W4A16, the Q8_0 tied embedding as the W8A16 LM head), fp32 activations
+                    W8A16, Q4_K as W4A16, the Q8_0 tied embedding as the W8A16 LM head), fp32 model,
+                    activation_quantization "auto" (int16 activations into the GEMMs on an AVX512-VNNI CPU)
+  inflight-fp32act  the same with fp32 activations into the GEMMs (activation_quantization="none")
   inflight-bf16     LLM("gemma3-270m", dtype="bfloat16", quantization="gguf"): the same native weights,
                     bf16 activations (and bf16 KV)
   inflight-bf16-deq LLM("gemma3-270m", dtype="bfloat16"): every weight dequantised to bf16 (what the
@@ -90,6 +92,7 @@ def main() -> None:
 
     factories = [
         ("inflight", lambda: InflightRunner(max_kv, "fp32", MODEL)),
+        ("inflight-fp32act", lambda: InflightRunner(max_kv, "fp32act", MODEL)),
         ("inflight-bf16", lambda: InflightRunner(max_kv, "bf16", MODEL)),
         ("inflight-bf16-deq", lambda: InflightRunner(max_kv, "bf16-deq", MODEL)),
         ("inflight-a8", lambda: InflightRunner(max_kv, "int8", MODEL)),

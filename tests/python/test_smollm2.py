@@ -89,6 +89,23 @@ def test_greedy_identical_to_transformers_on_the_same_gguf(reference):
         )
 
 
+@pytest.mark.parametrize("act", ["auto", "none"])
+def test_native_4bit_greedy_identical_to_transformers(reference, act):
+    """The default engine (native Q4_1 / Q8_0 kernels, fp32 model) against the same reference: with the
+    default activation_quantization ("auto": int16 codes into the GEMMs on an AVX512-VNNI CPU) and with
+    fp32 activations. The kernels' weights are the GGUF's values exactly; what differs is the
+    arithmetic (16-bit activation codes, or bf16 hi + lo parts), and no prompt reaches a near-tie."""
+    prompts, expected = reference
+    with LLM("smollm2", activation_quantization=act, kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
+        assert llm.executor.model_engine.model.layers[0].qkv_proj.__class__.__name__ == "W4A16Linear"
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+        )
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        g = o.outputs[0].token_ids
+        assert g == e, f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+
+
 def test_beam_search_identical_to_transformers_on_the_same_gguf(reference, hf_model):
     """K=4 beams, 24 tokens each (EOS ignored), all four returned: the same beams in the same order,
     the same scores, as transformers' generate(num_beams=4) on the same weights."""
