@@ -103,7 +103,9 @@ def test_native_4bit_greedy_identical_to_transformers(reference, act):
         )
     for i, (o, e) in enumerate(zip(outs, expected)):
         g = o.outputs[0].token_ids
-        assert g == e, f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        assert g == e, (
+            f"prompt {i} ({PROMPTS[i]!r}) diverged at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        )
 
 
 def test_beam_search_identical_to_transformers_on_the_same_gguf(reference, hf_model):
