@@ -6,9 +6,12 @@ Text: Python's pydoc topics (`inflight.perplexity.default_text`), or --file. Win
 the first --max-windows of them, the same token windows for every row.
 
 Rows (each one engine, loaded in turn):
-  4-bit, fp32 activations    the default: native GGUF weights (Q4_1; for Gemma Q4_K / Q5_0 / Q6_K / Q8_0),
-                             fp32 activations and KV
-  4-bit, bf16 activations    dtype=bfloat16, quantization=gguf (vLLM's way of running a GGUF)
+  4-bit, default            native GGUF weights (Q4_1; for Gemma Q4_K / Q5_0 / Q6_K / Q8_0), fp32 model and
+                             KV, activation_quantization "auto" (int16 activation codes into the GEMMs on an
+                             AVX512-VNNI CPU, else fp32)
+  4-bit, fp32 activations    the same with activation_quantization=none
+  4-bit, bf16 activations    dtype=bfloat16, quantization=gguf (vLLM's way of running a GGUF),
+                             activation_quantization=none
   4-bit, bf16 KV             the default with kv_cache_config.dtype=bfloat16
   4-bit, int8 activations    activation_quantization=int8: the A8 GEMM (activations quantised to int8 per
                              group of 32, integer products), as llama.cpp runs its quantised weights
@@ -39,8 +42,13 @@ import torch
 from bench_common import cpu_header
 
 ROWS = {
-    "4-bit, fp32 activations": {},
-    "4-bit, bf16 activations": {"dtype": "bfloat16", "quantization": "gguf"},
+    "4-bit, default": {},
+    "4-bit, fp32 activations": {"activation_quantization": "none"},
+    "4-bit, bf16 activations": {
+        "dtype": "bfloat16",
+        "quantization": "gguf",
+        "activation_quantization": "none",
+    },
     "4-bit, bf16 KV": {"kv_cache_dtype": "bfloat16"},
     "4-bit, int8 activations": {"activation_quantization": "int8"},
     "4-bit, int16 activations": {"activation_quantization": "int16"},
