@@ -238,6 +238,32 @@ def test_a16_twin_quantises_exactly_as_the_kernel():
     assert torch.equal(ident(x), q.float() * d)
 
 
+@pytest.mark.parametrize("act_bits", ACT_BITS, ids=ACT_IDS)
+def test_groups_too_small_to_scale_count_as_zero(act_bits):
+    """A group whose max |x| is so small (denormal) that Q / max|x| overflows quantises to zero codes with
+    d = 0, on every ISA and in the twin; its zeros stay zeros (an infinite scale turned 0 into -Q), and
+    the row's other groups are unaffected."""
+    k = 64
+    w = A8Weight(8, torch.eye(k, dtype=torch.int8), torch.ones(k, k // 32), None, 32, None, act_bits)
+    x = torch.zeros(2, k)
+    x[0, :4] = torch.tensor([1e-39, -2e-39, 0.0, 5e-40])
+    x[0, 32:35] = torch.tensor([3.0, -1.5, 0.25])
+    x[1, :32] = 1e-30  # small but scalable: kept
+    q, d = quantize_a8_activations(x, 32, act_bits)
+    assert torch.equal(q[0, :32], torch.zeros(32, dtype=q.dtype)) and d[0, 0] == 0
+    before = _C.cpu_isa()
+    try:
+        for isa in ("portable", "avx2", "avx512f", "avx512"):
+            if _C.set_cpu_isa(isa) != isa:
+                continue
+            got = w(x)
+            assert torch.equal(got, q.float() * d.repeat_interleave(32, dim=1)), isa
+            assert torch.equal(got[0, :32], torch.zeros(32)), isa
+            assert got[0, 32] == 3.0 and got[1, 0] > 0, isa
+    finally:
+        _C.set_cpu_isa(before)
+
+
 def test_a8_group_and_twin_agree_on_real_model_scales():
     # The reference's activation group: 16 for Q6_K's groups of 16, 32 otherwise.
     assert [a8_group(g) for g in (16, 32, 64, 128)] == [16, 32, 32, 32]

@@ -27,7 +27,9 @@ void quantize_rows(T const* x, std::int64_t m, std::int64_t k, int group, std::i
       std::int8_t* qs = q + r * limbs * k + g * group;
       float amax = 0.0f;
       for (int i = 0; i < group; ++i) amax = std::max(amax, std::fabs(to_float(xs[i])));
-      float const inv = amax > 0.0f ? qmax / amax : 0.0f;
+      // A group so small that qmax / amax overflows (amax below ~1e-35) counts as all zero.
+      bool const tiny = amax > 0.0f && std::isinf(qmax / amax);
+      float const inv = amax > 0.0f && !tiny ? qmax / amax : 0.0f;
       std::int32_t sum = 0;
       for (int i = 0; i < group; ++i) {
         // |v| <= qmax (and a rounding above): adding and subtracting 1.5 * 2^23 rounds it to an integer,
@@ -44,7 +46,7 @@ void quantize_rows(T const* x, std::int64_t m, std::int64_t k, int group, std::i
         }
         sum += qi;
       }
-      float const dg = amax / qmax;
+      float const dg = tiny ? 0.0f : amax / qmax;
       d[r * groups + g] = dg;
       sq[r * groups + g] = sum;
       ds[r * groups + g] = dg * static_cast<float>(sum);

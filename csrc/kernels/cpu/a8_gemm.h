@@ -7,7 +7,8 @@
 // E, the epilogue group, is 32, or 16 for weights in groups of 16 (GGUF Q6_K's sub-blocks); weights in
 // groups of 64 or 128 repeat their scale over each 32. Per row m of x and group g (elements g*E ..):
 //   amax      = max |x|                          (over the group, in fp32)
-//   q[i]      = round_half_even(x[i] * (127 / amax)) in [-127, 127]   (0 for an all-zero group)
+//   q[i]      = round_half_even(x[i] * (127 / amax)) in [-127, 127]   (0 for an all-zero group, and
+//               d = 0, for one so small that 127 / amax overflows)
 //   d         = amax / 127,   sq = sum q[i] (int32),   ds = d * float(sq)
 // and per output channel n, with the weight's unsigned codes u (int4: 0..15; int8: q + 128), its zero
 // point z (asymmetric int4: 0; symmetric int4: 8; int8: 128), scale s and, asymmetric, offset o:

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "a8_gemm.h"
@@ -56,7 +57,9 @@ void quantize_t(T const* x, std::int64_t m, std::int64_t k, std::int8_t* q, floa
         amax_v = _mm512_max_ps(amax_v, _mm512_and_ps(v[j], abs_mask));
       }
       float const amax = _mm512_reduce_max_ps(amax_v);  // a max and an integer sum: any order
-      float const inv = amax > 0.0f ? kMax / amax : 0.0f;
+      // A group so small that kMax / amax overflows (amax below ~1e-35) counts as all zero.
+      bool const tiny = amax > 0.0f && std::isinf(kMax / amax);
+      float const inv = amax > 0.0f && !tiny ? kMax / amax : 0.0f;
       __m512 const inv_v = _mm512_set1_ps(inv);
       __m512i sum = _mm512_setzero_si512();
       for (int j = 0; j < kV; ++j) {
@@ -75,7 +78,7 @@ void quantize_t(T const* x, std::int64_t m, std::int64_t k, std::int8_t* q, floa
         sum = _mm512_add_epi32(sum, qi);
       }
       std::int32_t const total = _mm512_reduce_add_epi32(sum);
-      float const dg = amax / kMax;
+      float const dg = tiny ? 0.0f : amax / kMax;
       d[r * groups + g] = dg;
       sq[r * groups + g] = total;
       ds[r * groups + g] = dg * static_cast<float>(total);

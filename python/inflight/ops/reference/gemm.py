@@ -164,7 +164,7 @@ def quantize_a8_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The A8 GEMM's activations: ``(q [M, K], d [M, K // group] fp32)`` with, per group of ``group``
     elements of a row, ``d = max|x| / Q`` and ``q = round_half_even(x * (Q / max|x|))`` (0 for an
-    all-zero group): the float operations of the C++ kernels, in their order. ``act_bits`` 8: Q = 127,
+    all-zero group, and q = 0, d = 0 for one so small that Q / max|x| overflows): the float operations of the C++ kernels, in their order. ``act_bits`` 8: Q = 127,
     q int8; 16 (A16): Q = :data:`A16_MAX`, q int16 (the kernels hold it as two int8 limbs)."""
     if act_bits not in (8, 16):
         raise ValueError(f"act_bits must be 8 or 16, got {act_bits!r}")
@@ -176,8 +176,11 @@ def quantize_a8_activations(
     amax = xg.abs().amax(dim=-1, keepdim=True)
     # A tensor divided by a tensor: torch's scalar / tensor multiplies by a reciprocal (off by an ulp).
     inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    tiny = torch.isinf(inv)  # amax so small that the scale overflows: the group counts as zero
+    inv = torch.where(tiny, torch.zeros_like(inv), inv)
     q = torch.round(xg * inv).clamp(-qmax, qmax).to(torch.int8 if act_bits == 8 else torch.int16)
-    return q.view(m, k), (amax / qmax).squeeze(-1)
+    d = torch.where(tiny, torch.zeros_like(amax), amax / qmax)
+    return q.view(m, k), d.squeeze(-1)
 
 
 def a8_gemm(
