@@ -84,6 +84,21 @@ def test_w8a8_activation_quantisation_rounds_half_to_even():
     assert q.tolist() == [[127, 0, 2, -2, 64]] and s.item() == pytest.approx(1.0)
 
 
+def test_w8a8_row_too_small_to_scale_counts_as_zero(isa):
+    """A token whose max |x| is so small (denormal) that 127 / max|x| overflows: zero codes and scale on
+    every ISA, in the twin and on the device path (an infinite scale turned its zeros into -max|x|)."""
+    q, scales, _, bias = _weights(16, 64)
+    x = torch.zeros(2, 64)
+    x[0, :3] = torch.tensor([1e-39, -2e-39, 5e-40])
+    x[1] = torch.randn(64)
+    codes, s = quantize_w8a8_activations(x)
+    assert codes[0].abs().sum() == 0 and s[0] == 0 and s[1] > 0
+    got = W8A8Weight(q, scales, None, bias)(x)
+    assert torch.equal(got[0], bias)
+    assert torch.equal(got, w8a8_gemm(x, q, scales, None, bias))
+    assert torch.equal(got, w8a8_gemm_any(x, q, scales, None, bias))
+
+
 def test_w8a8_bad_arguments():
     q, scales, smooth, _ = _weights(32, 64)
     with pytest.raises(TypeError, match="qweight"):

@@ -25,8 +25,10 @@ void quantize_rows(T const* x, float const* smooth, std::int64_t m, std::int64_t
     T const* row = x + r * k;
     float amax = 0.0f;
     for (std::int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(smoothed(row, i)));
-    float const inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    row_scales[r] = amax / 127.0f;
+    // A row so small that 127 / amax overflows (amax below ~4e-37) counts as all zero.
+    bool const tiny = amax > 0.0f && std::isinf(127.0f / amax);
+    float const inv = amax > 0.0f && !tiny ? 127.0f / amax : 0.0f;
+    row_scales[r] = tiny ? 0.0f : amax / 127.0f;
     std::uint8_t* q = qa + r * kp;
     for (std::int64_t i = 0; i < k; ++i) {
       // |v| <= 127 (and slightly above by rounding): adding and subtracting 1.5 * 2^23 rounds it to an

@@ -237,8 +237,10 @@ def w8a8_gemm(
     amax = xs.abs().amax(dim=-1)
     positive = amax > 0
     inv = torch.where(positive, torch.full_like(amax, 127.0) / torch.where(positive, amax, 1.0), 0.0)
+    tiny = torch.isinf(inv)  # a row so small that the scale overflows counts as zero (as the CPU kernel)
+    inv = torch.where(tiny, 0.0, inv)
     q = torch.round(xs * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    row_scales = amax / torch.full_like(amax, 127.0)
+    row_scales = torch.where(tiny, 0.0, amax / torch.full_like(amax, 127.0))
     out = int8_mm(q, qweight).float() * (row_scales.unsqueeze(1) * scales.float().unsqueeze(0))
     if bias is not None:
         out = out + bias.float()

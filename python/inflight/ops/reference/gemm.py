@@ -120,15 +120,18 @@ def quantize_w8a8_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W8A8's per-token quantisation: ``(q [M, K] int8, row_scales [M] fp32)`` with
     ``xs = x * smooth``, ``row_scale = max|xs| / 127`` and ``q = round_half_even(xs * (127 / max|xs|))``
-    (q = 0 for an all-zero row), the float operations the C++ kernel does, in its order."""
+    (q = 0 for an all-zero row; q = 0 and row_scale = 0 for one so small that 127 / max|xs| overflows), the
+    float operations the C++ kernel does, in its order."""
     xs = x.float()
     if smooth is not None:
         xs = xs * smooth.float()
     amax = xs.abs().amax(dim=-1)
     # A tensor divided by a tensor: torch's scalar / tensor multiplies by a reciprocal (off by an ulp).
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    tiny = torch.isinf(inv)  # a row so small that the scale overflows counts as zero
+    inv = torch.where(tiny, torch.zeros_like(inv), inv)
     q = torch.round(xs * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q, amax / 127.0
+    return q, torch.where(tiny, torch.zeros_like(amax), amax / 127.0)
 
 
 def w8a8_gemm(
