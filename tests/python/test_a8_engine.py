@@ -178,3 +178,21 @@ def test_smollm2_int8_activations_perplexity_within_2_percent():
                 assert llm.executor.model_engine.model.embedding.activation_quantization == "int8"
     assert ppl["int8"] == pytest.approx(ppl["none"], rel=0.02)
     assert ppl["int16"] == pytest.approx(ppl["none"], rel=1e-4)
+
+
+def test_quantised_activations_pack_their_weights_at_load(w4_dirs):
+    """The A8 / A16 packed weights (a second copy of the quantised weights) are built by load_model, before
+    the engine sizes its KV pool from the free memory, not at the first forward; float activations
+    build nothing extra."""
+    from inflight.models.loader import load_model
+
+    qdir, _ = w4_dirs
+    for mode in ("int8", "int16", "none"):
+        loaded = load_model(qdir, activation_quantization=mode)
+        assert loaded.activation_quantization == mode
+        layers = [m for m in loaded.model.modules() if hasattr(m, "kernel_weight")]
+        assert layers
+        for layer in layers:
+            assert (layer._packed is not None) == (mode != "none"), (mode, layer)
+            if mode != "none":
+                assert layer._packed.act_bits == (8 if mode == "int8" else 16)

@@ -354,4 +354,15 @@ def load_model(
             8 if act_mode == "int8" else 16,
             count,
         )
+    if act_mode != "none":
+        _pack_now(net)
     return LoadedModel(net, config, tokenizer_fn(), dtype, act_mode)
+
+
+def _pack_now(net: torch.nn.Module) -> None:
+    """Builds the A8 GEMM's packed weights now, not at the first forward: they are a second copy of the
+    quantised weights (about their size), which the KV budget, sized from the free memory next, must
+    see."""
+    for module in net.modules():
+        if getattr(module, "activation_quantization", "none") != "none" and hasattr(module, "kernel_weight"):
+            module.kernel_weight()
