@@ -4,7 +4,8 @@
 Rows:
   inflight fp32 (dequantised)   quantization=none, dtype=float32: the GGUF's weights dequantised, as
                                 transformers runs them (the like-for-like row)
-  inflight 4-bit (default)      the default engine: native Q4_1 weights, fp32 activations
+  inflight 4-bit (default)      the default engine: native Q4_1 weights, fp32 model (int16 activation
+                                codes into the GEMMs on an AVX512-VNNI CPU: activation_quantization "auto")
   transformers fp32             AutoModelForCausalLM from the same GGUF, dequantised
 
 Workloads: "1 prompt" (one request, K beams: latency-bound) and "N prompts" (N requests at once; the
