@@ -32,4 +32,7 @@ INFLIGHT_REGISTER_OPS(a8) {
       .def_prop_ro("group_size", &A8Weight::group_size)
       .def_prop_ro("act_bits", &A8Weight::act_bits)
       .def_prop_ro("nbytes", &A8Weight::nbytes);
+  m.def("a8_vectorised", &inflight::kernels::cpu::a8_vectorised,
+        "Whether the A8 / A16 GEMM runs its AVX512-VNNI tiles with the CPU kernels selected now (else its "
+        "portable loop).");
 }

@@ -206,6 +206,12 @@ void gemm_portable(A8PackedWeight const& w, Activations const& a, std::int64_t m
 
 }  // namespace a8_detail
 
+bool a8_vectorised() {
+  // VPDPBUSD needs AVX512-VNNI, which kAvx512 includes and a kAvx512F CPU may have.
+  Isa const isa = selected_isa();
+  return isa == Isa::kAvx512 || (isa == Isa::kAvx512F && cpu_features().avx512vnni);
+}
+
 std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w, int act_bits) {
   std::size_t const rows = static_cast<std::size_t>(std::max<std::int64_t>(m, 0));
   std::size_t const per = rows * static_cast<std::size_t>(w.groups()) * 4;
@@ -248,9 +254,7 @@ void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool) {
   a.ds = ds;
   a.limbs = limbs;
 
-  // VPDPBUSD needs AVX512-VNNI, which kAvx512 includes and a kAvx512F CPU may have.
-  Isa const isa = selected_isa();
-  bool const vnni = isa == Isa::kAvx512 || (isa == Isa::kAvx512F && cpu_features().avx512vnni);
+  bool const vnni = a8_vectorised();
 
   {  // The activations by rows (each group's scale depends on that group alone).
     std::size_t const row_bytes = static_cast<std::size_t>(w.k) * scalar_type_size(p.dtype);

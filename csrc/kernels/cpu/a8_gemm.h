@@ -95,6 +95,9 @@ std::size_t a8_workspace_bytes(std::int64_t m, A8PackedWeight const& w, int act_
 // rows) and runs the products (threads split the panels, or the rows when there are few panels).
 void launch_a8_gemm(A8GemmParams const& p, ThreadPool& pool);
 
+// Whether launch_a8_gemm runs the VNNI tiles with the CPU kernels selected now (else the portable loop).
+bool a8_vectorised();
+
 // The activations of rows [0, m) in the layout above: q [m][limbs][k] int8 (limbs = act_bits / 8: A16's
 // high limb, then its low limb), d, ds [m][k / group] fp32 and sq [m][k / group] int32 (exposed for
 // tests and for the reference). Portable; the VNNI file has a vectorised copy that computes the same

@@ -160,10 +160,9 @@ def check_quantization(value: str | None) -> str:
 def a16_vectorised() -> bool:
     """Whether the A8 / A16 GEMM runs its AVX512-VNNI tiles with the CPU kernels selected now (else
     its portable loop, far slower than the float kernels)."""
-    from inflight import ops
+    from inflight import _C
 
-    isa = ops.cpu_isa()
-    return isa == "avx512" or (isa == "avx512f" and bool(ops.cpu_features()["avx512vnni"]))
+    return bool(_C.a8_vectorised())
 
 
 def check_activation_quantization(value: str | None, device: torch.device) -> str:
@@ -230,7 +229,7 @@ def load_model(
     the same with 16-bit codes (A16: ~15 bits per group); a model without such layers is a ValueError.
     "none": activations in ``dtype``. None / "auto" (the default): "int16" where the CPU runs the A16
     GEMM's VNNI tiles and the model has natively quantised layers (its perplexity equals the float
-    activations' to 1e-5; 1.5-2x faster from 4 rows), else "none".  LoadedModel records the outcome.
+    activations' to 1e-5; 1.5-2x faster from 4 rows), else "none". LoadedModel records the outcome.
 
     ``tp``: this process's tensor-parallel rank; the model keeps only its slice of each tensor (the
     file is read whole, the other slices are dropped as they are read). ``stage``: this process's
