@@ -59,10 +59,12 @@ def _weight(
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within the output dtype's rounding of the float64 reference (plus fp32 sums' error)."""
+    """Within two roundings to the output dtype (the reference's own, of its float64 value, and the
+    kernel's, of its fp32 sum: one ulp apart where they straddle a rounding boundary) plus fp32 sums'
+    error."""
     exact = want.double()
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}[got.dtype]
-    tol = exact.abs() * ulp + 1e-5 * exact.abs().max()
+    tol = exact.abs() * 2 * ulp + 1e-5 * exact.abs().max()
     assert ((got.double() - exact).abs() <= tol).all(), (got.double() - exact).abs().max()
 
 
@@ -93,7 +95,7 @@ def test_a8_input_and_scale_dtypes(fmt, dtype, scale_dtype, act_bits):
     w, deq, _ = _weight(
         bits, group, sym, n, k, seed=3, scale_dtype=scale_dtype, bias=False, act_bits=act_bits
     )
-    x = torch.randn(7, k).to(dtype)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(11)).to(dtype)
     got = w(x)
     assert got.dtype == dtype and got.shape == (7, n)
     _close(got, a8_gemm(x, deq, group, None, act_bits).to(torch.float64))
@@ -103,7 +105,7 @@ def test_a8_input_and_scale_dtypes(fmt, dtype, scale_dtype, act_bits):
 def test_a8_awkward_shapes(n, k):
     for (bits, group, sym), act_bits in itertools.product([(4, 32, False), (8, 16, True)], ACT_BITS):
         w, deq, bias = _weight(bits, group, sym, n, k, seed=n, act_bits=act_bits)
-        x = torch.randn(5, k)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k))
         _close(w(x), a8_gemm(x, deq, group, bias, act_bits).double())
 
 
