@@ -295,6 +295,59 @@ class A8Weight {
     kc::launch_a8_gemm(p, kc::ThreadPool::global());
   }
 
+  // Writes the tensors it was packed from (exact): qweight ([n, k / 2] uint8 or [n, k] int8), scales and,
+  // asymmetric int4, offsets ([n, k / group_size] fp32).
+  void unpack(Tensor qweight, Tensor scales, std::optional<Tensor> offsets) const {
+    bool const int4 = w_.bits == 4;
+    require_dtype(qweight, "qweight", int4 ? ScalarType::kUInt8 : ScalarType::kInt8);
+    require_shape(qweight, "qweight", {w_.n, int4 ? w_.k / 2 : w_.k}, int4 ? "[n, k / 2]" : "[n, k]");
+    require_dtype(scales, "scales", ScalarType::kFloat32);
+    require_shape(scales, "scales", {w_.n, w_.k / group_size_}, "[n, k / group_size]");
+    Tensor const* off = offsets ? &*offsets : nullptr;
+    if ((off != nullptr) != w_.asym) {
+      throw_value_error(w_.asym ? "offsets must be given: the weight is asymmetric int4"
+                                : "offsets must be None: the weight has no offsets");
+    }
+    if (off != nullptr) {
+      require_dtype(*off, "offsets", ScalarType::kFloat32);
+      require_shape(*off, "offsets", {w_.n, w_.k / group_size_}, "[n, k / group_size]");
+    }
+    require_cpu_contiguous({{&qweight, "qweight"}, {&scales, "scales"}, {off, "offsets"}});
+    nb::gil_scoped_release release;
+    kc::unpack_a8_weight(w_, group_size_, qweight.data(), static_cast<float*>(scales.data()),
+                         off != nullptr ? static_cast<float*>(off->data()) : nullptr);
+  }
+
+  // out[i] = row ids[i] of an int8 weight, dequantised (code x scale in fp32, rounded to out's dtype): the
+  // embedding lookup of a tied int8 embedding whose head holds only this packed copy.
+  void embed(Tensor ids, Tensor out) const {
+    if (w_.bits != 8) throw_value_error("embed needs int8 weights (bits=8), got bits=" + std::to_string(w_.bits));
+    require_ndim(ids, "ids", 1, "[m]");
+    std::int64_t const m = std::int64_t(ids.shape(0));
+    require_vector(ids, "ids", ScalarType::kInt64, m, "[m]");
+    require_shape(out, "out", {m, w_.k}, "[m, k]");
+    ScalarType const t = float_type(out, "out");
+    require_cpu_contiguous({{&ids, "ids"}, {&out, "out"}});
+    auto const* v = static_cast<std::int64_t const*>(ids.data());
+    for (std::int64_t i = 0; i < m; ++i) {
+      if (v[i] < 0 || v[i] >= w_.n) {
+        throw_value_error("ids[" + std::to_string(i) + "] = " + std::to_string(v[i]) + " is outside 0 .. " +
+                          std::to_string(w_.n - 1));
+      }
+    }
+    nb::gil_scoped_release release;
+    std::vector<float> row(static_cast<std::size_t>(w_.k));
+    inflight::kernels::dispatch_float_type(t, [&](auto zero) {
+      using T = decltype(zero);
+      T* o = static_cast<T*>(out.data());
+      for (std::int64_t i = 0; i < m; ++i) {
+        kc::a8_int8_row(w_, v[i], row.data());
+        for (std::int64_t j = 0; j < w_.k; ++j) o[i * w_.k + j] = inflight::kernels::from_float<T>(row[j]);
+      }
+    });
+  }
+
+  kc::A8PackedWeight const& packed() const { return w_; }
   std::int64_t n() const { return w_.n; }
   std::int64_t k() const { return w_.k; }
   int bits() const { return w_.bits; }

@@ -70,6 +70,13 @@ inline std::int64_t check_logits_rows(Tensor const& rows, Tensor const& logits, 
   return n;
 }
 
+// set_head's final norm: [hidden] in the model dtype.
+inline void check_final_norm(Tensor const& final_norm, ScalarType dtype, int hidden) {
+  require_dtype_of(final_norm, "final_norm", dtype, "the model dtype");
+  require_shape(final_norm, "final_norm", {hidden}, "[hidden_size]");
+  require_cpu_contiguous({{&final_norm, "final_norm"}});
+}
+
 // set_embedding's arguments: table [vocab, hidden] in the model dtype, or int8 with scales [vocab,
 // hidden / group] float16; scale finite (0: none).
 inline kernels::cpu::LlamaEmbed make_llama_embed(Tensor const& table, Tensor const* scales, int group, float scale,
@@ -100,6 +107,23 @@ inline kernels::cpu::LlamaEmbed make_llama_embed(Tensor const& table, Tensor con
   if (!std::isfinite(scale)) throw_value_error("scale must be finite, got " + std::to_string(scale));
   e.table = table.data();
   e.vocab = vocab;
+  e.scale = scale;
+  return e;
+}
+
+// set_embedding_packed's argument: a tied int8 embedding's head, packed for the A8 GEMM (bits 8, k =
+// hidden), whose rows the stack then reads (LlamaEmbed::kA8Packed); scale as above.
+inline kernels::cpu::LlamaEmbed make_packed_llama_embed(kernels::cpu::A8PackedWeight const& w, float scale,
+                                                        int hidden) {
+  if (w.bits != 8) throw_value_error("head must hold int8 weights (bits=8), got bits=" + std::to_string(w.bits));
+  if (w.k != hidden) {
+    throw_value_error("head must have k = hidden_size (" + std::to_string(hidden) + "), got " + std::to_string(w.k));
+  }
+  if (!std::isfinite(scale)) throw_value_error("scale must be finite, got " + std::to_string(scale));
+  kernels::cpu::LlamaEmbed e;
+  e.kind = kernels::cpu::LlamaEmbed::Kind::kA8Packed;
+  e.packed = &w;
+  e.vocab = w.n;
   e.scale = scale;
   return e;
 }

@@ -26,6 +26,12 @@ INFLIGHT_REGISTER_OPS(a8) {
       .def(nb::init<int, Tensor, Tensor, std::optional<Tensor>, int, std::optional<Tensor>, int>(), "bits"_a,
            "qweight"_a, "scales"_a, "offsets"_a.none(), "group_size"_a, "bias"_a.none(), "act_bits"_a = 8)
       .def("gemm", &A8Weight::gemm, "x"_a, "out"_a.noconvert(), "num_threads"_a)
+      .def("unpack", &A8Weight::unpack, "qweight"_a.noconvert(), "scales"_a.noconvert(), "offsets"_a.none(),
+           "Writes the tensors it was packed from, exactly: qweight ([n, k/2] uint8 or [n, k] int8), scales "
+           "and (asymmetric int4) offsets ([n, k/group_size] float32).")
+      .def("embed", &A8Weight::embed, "ids"_a, "out"_a.noconvert(),
+           "out[i] = row ids[i] of an int8 weight (bits=8) dequantised: code x scale in fp32, rounded to out's "
+           "dtype (ids [m] int64, out [m, k]).")
       .def_prop_ro("n", &A8Weight::n)
       .def_prop_ro("k", &A8Weight::k)
       .def_prop_ro("bits", &A8Weight::bits)

@@ -166,9 +166,7 @@ class LlamaLayerStack {
   // The model's end (llama_layers.h, LlamaHead): final_norm [hidden] and the LM head's weight object
   // (hidden -> vocab rows). forward() then also computes the logits of the rows it is given.
   void set_head(Tensor final_norm, nb::object head, std::int64_t vocab) {
-    require_dtype_of(final_norm, "final_norm", shape_.dtype, kModelDtype);
-    require_shape(final_norm, "final_norm", {shape_.hidden}, "[hidden_size]");
-    require_cpu_contiguous({{&final_norm, "final_norm"}});
+    check_final_norm(final_norm, shape_.dtype, shape_.hidden);
     require_at_least(vocab, 1, "vocab");
     kc::LinearOp op = linear_op(head, "head", shape_.hidden, vocab);
     if (op.kind == kc::LinearOp::Kind::kW8A8) {
@@ -184,17 +182,23 @@ class LlamaLayerStack {
 
   bool has_head() const { return has_head_; }
 
-  // The model's start (llama_layers.h, LlamaEmbed): table [vocab, hidden] in the model dtype, or int8 codes
-  // with scales [vocab, hidden / group] float16; scale: the factor the embeddings are multiplied by (Gemma),
-  // 0 for none. forward() given input_ids then embeds them into hidden first.
+  // The model's start (llama_layers.h, LlamaEmbed; the arguments: make_llama_embed). forward() given
+  // input_ids then embeds them into hidden first.
   void set_embedding(Tensor table, std::optional<Tensor> scales, int group, float scale) {
     embed_ = make_llama_embed(table, scales ? &*scales : nullptr, group, scale, shape_.hidden, shape_.dtype);
     embed_tensors_ = {std::move(table)};
     if (scales) embed_tensors_.push_back(std::move(*scales));
-    has_embed_ = true;
   }
 
-  bool has_embedding() const { return has_embed_; }
+  // The same start, from a tied int8 embedding held only as its head's A8 packed copy.
+  void set_embedding_packed(nb::object head, float scale) {
+    if (!nb::isinstance<A8Weight>(head)) throw_type_error("head must be an A8Weight");
+    embed_ = make_packed_llama_embed(nb::cast<A8Weight const&>(head).packed(), scale, shape_.hidden);
+    embed_tensors_.clear();
+    embed_object_ = std::move(head);
+  }
+
+  bool has_embedding() const { return embed_.vocab > 0; }  // set by either
 
   // One cache per layer: [2, num_blocks, tokens_per_block, num_kv_heads, head_dim] in a float dtype (the
   // model's, or another: q, k and v are then converted to it and the attention output back), or
@@ -323,7 +327,7 @@ class LlamaLayerStack {
     // The step's token ids (set_embedding), embedded into hidden before the layers; the head's rows
     // (set_head): logits [len(logits_rows), vocab] in the model dtype.
     if (input_ids) {
-      if (!has_embed_) throw_value_error("input_ids need an embedding: call set_embedding() first");
+      if (!has_embedding()) throw_value_error("input_ids need an embedding: call set_embedding() first");
       check_token_ids(*input_ids, nt, embed_.vocab);
     }
     if (logits.has_value() != logits_rows.has_value()) {
@@ -518,7 +522,7 @@ class LlamaLayerStack {
   bool has_head_ = false;
   kc::LlamaEmbed embed_;               // set_embedding(): the token embedding
   std::vector<Tensor> embed_tensors_;  // kept alive
-  bool has_embed_ = false;
+  nb::object embed_object_;            // set_embedding_packed(): the A8Weight, kept alive
   bool caches_set_ = false;
   int window_blocks_ = 0;  // VSWA: num_blocks of the window-pool layers' caches (0: none)
   std::mutex mutex_;       // one forward at a time (the workspace is shared)
@@ -584,6 +588,8 @@ INFLIGHT_REGISTER_OPS(llama_layers) {
            "model dtype (F.embedding), or int8 codes with scales [vocab, hidden_size / group] float16 (code x "
            "scale in fp32, rounded to the model dtype); scale != 0: then multiplied by it (Gemma's sqrt(hidden) "
            "in the model dtype).")
+      .def("set_embedding_packed", &LlamaLayerStack::set_embedding_packed, "head"_a, "scale"_a = 0.0f,
+           "set_embedding from a tied int8 embedding held only as its head's A8Weight (bits=8): the same values.")
       .def_prop_ro("has_embedding", &LlamaLayerStack::has_embedding)
       .def("set_head", &LlamaLayerStack::set_head, "final_norm"_a, "head"_a, "vocab"_a,
            "The model's end, run by forward() when it is given logits: the final RMSNorm (Gemma's with gemma=True) "

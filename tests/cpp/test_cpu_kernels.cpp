@@ -18,6 +18,7 @@
 #include "thread_pool.h"
 
 namespace kc = inflight::kernels::cpu;
+namespace ik = inflight::kernels;
 
 namespace {
 
@@ -139,6 +140,58 @@ TEST(A8Quantize, VectorAndPortableGiveTheSameBits) {
 }
 
 // ---- the layer stack's glue: AVX-512 copy against the baseline copy ----------------------------------
+
+// pack_a8_weight's inverse gives back the tensors exactly (int4 with and without offsets, int8; groups
+// of 16 to 128; scales that fp16 holds and ones it does not), and a8_int8_row is code x scale in fp32.
+TEST(A8Pack, UnpackGivesBackTheTensorsAndRowsDequantise) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Case {
+    int bits, group;
+    bool asym, f16;
+  };
+  for (Case const c : {Case{4, 32, true, true}, Case{4, 64, false, true}, Case{4, 128, true, false},
+                       Case{8, 16, false, true}, Case{8, 32, false, false}, Case{8, 128, false, true}}) {
+    std::int64_t const n = 70, k = 256, wg = k / c.group;
+    std::vector<std::uint8_t> q(static_cast<std::size_t>(c.bits == 4 ? n * k / 2 : n * k));
+    for (auto& b : q) b = static_cast<std::uint8_t>(byte(rng));
+    if (c.bits == 8) {
+      for (auto& b : q) b = b == 128 ? 0 : b;  // int8 codes in [-127, 127]
+    }
+    std::vector<float> s(static_cast<std::size_t>(n * wg)), o(s.size());
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      // values fp16 holds, or ones with more mantissa bits
+      s[i] = normal(rng) * 0.01f;
+      o[i] = normal(rng);
+      if (c.f16) {
+        s[i] = ik::to_float(ik::from_float<ik::Float16>(s[i]));
+        o[i] = ik::to_float(ik::from_float<ik::Float16>(o[i]));
+      }
+    }
+    kc::A8PackedWeight const w =
+        kc::pack_a8_weight(c.bits, q.data(), s.data(), c.asym ? o.data() : nullptr, nullptr, n, k, c.group);
+    EXPECT_EQ(w.f16_scales, c.f16);
+    std::vector<std::uint8_t> q2(q.size(), 0xAA);
+    std::vector<float> s2(s.size(), -1.0f), o2(o.size(), -1.0f);
+    kc::unpack_a8_weight(w, c.group, q2.data(), s2.data(), c.asym ? o2.data() : nullptr);
+    EXPECT_EQ(q2, q) << "bits " << c.bits << " group " << c.group;
+    EXPECT_EQ(s2, s) << "bits " << c.bits << " group " << c.group;
+    if (c.asym) EXPECT_EQ(o2, o) << "group " << c.group;
+    if (c.bits == 8) {
+      std::vector<float> row(static_cast<std::size_t>(k));
+      for (std::int64_t r : {std::int64_t{0}, std::int64_t{63}, std::int64_t{64}, n - 1}) {
+        kc::a8_int8_row(w, r, row.data());
+        for (std::int64_t i = 0; i < k; ++i) {
+          float const want = float(static_cast<std::int8_t>(q[r * k + i])) * s[r * wg + i / c.group];
+          ASSERT_EQ(row[i], want) << "row " << r << " element " << i;
+        }
+      }
+    }
+    EXPECT_THROW(kc::unpack_a8_weight(w, c.group, q2.data(), s2.data(), c.asym ? nullptr : o2.data()),
+                 std::invalid_argument);
+  }
+}
 
 namespace {
 

@@ -224,3 +224,29 @@ def test_speculative_ngram_greedy_identical_and_accepted_on_a_grounded_prompt():
     steps = sum(s["spec_decode"]["num_requests_with_drafts"] for s in stats)
     accepted = sum(s["spec_decode"]["num_accepted_tokens"] for s in stats)
     assert steps > 0 and 1 + accepted / steps > 1.5, (steps, accepted)
+
+
+def test_int16_default_holds_the_weights_once():
+    """With A16 activations (the default on a VNNI CPU) the Q4_1 layers and the tied Q8_0 embedding hold
+    only their packed copies (the embedding is read from its head's packed rows), and the greedy tokens
+    equal those of the same model that keeps every checkpoint tensor."""
+    from inflight.layers.quantized_linear import W4A16Linear, W8A16Embedding
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    runs = []
+    for packed_only in (True, False):
+        with LLM(
+            "smollm2", activation_quantization="int16", kv_cache_config=KvCacheConfig(max_tokens=4096)
+        ) as llm:
+            model = llm.executor.model_engine.model
+            layers = [m for m in model.modules() if isinstance(m, (W4A16Linear, W8A16Embedding))]
+            assert len(layers) == 4 * len(model.layers) + 1
+            assert all(m.originals_dropped for m in layers)
+            if not packed_only:
+                for m in layers:
+                    m.set_packed_only(False)
+                model.invalidate_fused_layers()
+            runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+            assert all(m.originals_dropped == packed_only for m in layers)
+            assert model.fused_layers().has_embedding
+    assert runs[0] == runs[1]

@@ -176,6 +176,51 @@ A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales
   return w;
 }
 
+void unpack_a8_weight(A8PackedWeight const& w, int group_size, void* qweight, float* scales, float* offsets) {
+  std::string const where = "unpack_a8_weight: ";
+  if (group_size < w.group || group_size % w.group != 0 || w.k % group_size != 0 ||
+      (group_size != w.group && w.group != 32)) {
+    throw std::invalid_argument(where + "group_size " + std::to_string(group_size) +
+                                " is not the one the weight was packed with");
+  }
+  if (w.asym != (offsets != nullptr)) {
+    throw std::invalid_argument(where + (w.asym ? "offsets must be given for an asymmetric weight"
+                                                : "offsets must be null for a symmetric weight"));
+  }
+  std::int64_t const wgroups = w.k / group_size, groups = w.groups(), stride = group_size / w.group;
+  for (std::int64_t c = 0; c < w.n; ++c) {
+    std::int64_t const p = c / kA8Panel;
+    int const cc = static_cast<int>(c % kA8Panel);
+    for (std::int64_t g = 0; g < groups; ++g) {
+      if (g % stride == 0) {  // a group of 64 / 128 repeats its scale over each 32: take the first
+        std::int64_t const dst = c * wgroups + g / stride;
+        scales[dst] = scale_at(w, p, g, cc, 0);
+        if (w.asym) offsets[dst] = scale_at(w, p, g, cc, 1);
+      }
+      for (int i = 0; i < w.group; ++i) {
+        std::int64_t const e = g * w.group + i;
+        int const u = code(w, p, g, cc, i);
+        if (w.bits == 4) {
+          std::uint8_t& dst = static_cast<std::uint8_t*>(qweight)[c * (w.k / 2) + e / 2];
+          dst = (e % 2) != 0 ? static_cast<std::uint8_t>((dst & 0x0F) | (u << 4))
+                             : static_cast<std::uint8_t>((dst & 0xF0) | u);
+        } else {
+          static_cast<std::int8_t*>(qweight)[c * w.k + e] = static_cast<std::int8_t>(u - 128);
+        }
+      }
+    }
+  }
+}
+
+void a8_int8_row(A8PackedWeight const& w, std::int64_t row, float* out) {
+  std::int64_t const p = row / kA8Panel;
+  int const cc = static_cast<int>(row % kA8Panel);
+  for (std::int64_t g = 0; g < w.groups(); ++g) {
+    float const s = scale_at(w, p, g, cc, 0);
+    for (int i = 0; i < w.group; ++i) out[g * w.group + i] = float(code(w, p, g, cc, i) - 128) * s;
+  }
+}
+
 void quantize_a8_activations(void const* x, ScalarType dtype, std::int64_t m, std::int64_t k, int group, std::int8_t* q,
                              float* d, std::int32_t* sq, float* ds, int act_bits) {
   if (act_bits != 8 && act_bits != 16) {

@@ -77,6 +77,17 @@ struct A8PackedWeight {
 A8PackedWeight pack_a8_weight(int bits, void const* qweight, float const* scales, float const* offsets,
                               float const* bias, std::int64_t n, std::int64_t k, int group_size);
 
+// The inverse of pack_a8_weight: writes the original qweight (bits 4: [n, k / 2] uint8; 8: [n, k] int8), scales
+// and (asymmetric int4) offsets ([n, k / group_size] fp32: the packed values, exact) of a packed weight.
+// group_size is the one it was packed with (groups of 64 and 128 are stored as repeated groups of 32).
+// Lets a layer drop its original tensors once packed and rebuild them on demand.
+void unpack_a8_weight(A8PackedWeight const& w, int group_size, void* qweight, float* scales, float* offsets);
+
+// Row `row` of a packed int8 weight (bits 8) dequantised: out[i] = float(code) * scale in fp32, as
+// W8A16Embedding.embed computes a token's embedding from the tensors (the tied head's packed copy then
+// serves the lookup too).
+void a8_int8_row(A8PackedWeight const& w, std::int64_t row, float* out);
+
 struct A8GemmParams {
   void const* x = nullptr;                 // [m, k], dtype, row-major contiguous
   A8PackedWeight const* weight = nullptr;  // packed once

@@ -138,14 +138,15 @@ struct LlamaStep {
 // The model's start (the first pipeline stage's), before the layers: step.hidden's rows are the
 // embeddings of step.input_ids, as the Python model computes them. kDense: a row of the table in the
 // model dtype (F.embedding); kInt8: int8 codes times their group's fp16 scale in fp32, rounded to the model
-// dtype (W8A16Embedding.embed). With scale != 0 (Gemma: sqrt(hidden) rounded to the model dtype) each
-// value is then multiplied by it and rounded again.
+// dtype (W8A16Embedding.embed); kA8Packed: the same values read from the head's A8 packed copy. With scale != 0 (Gemma:
+// sqrt(hidden) rounded to the model dtype) each value is then multiplied by it and rounded again.
 struct LlamaEmbed {
-  enum class Kind : int { kDense = 0, kInt8 = 1 };
+  enum class Kind : int { kDense = 0, kInt8 = 1, kA8Packed = 2 };
   Kind kind = Kind::kDense;
-  void const* table = nullptr;   // [vocab, hidden]: model dtype (kDense) or int8 (kInt8)
-  void const* scales = nullptr;  // kInt8: [vocab, hidden / group] float16
-  int group = 0;                 // kInt8
+  A8PackedWeight const* packed = nullptr;  // kA8Packed: the tied head's packed int8 rows (a8_int8_row)
+  void const* table = nullptr;             // [vocab, hidden]: model dtype (kDense) or int8 (kInt8)
+  void const* scales = nullptr;            // kInt8: [vocab, hidden / group] float16
+  int group = 0;                           // kInt8
   std::int64_t vocab = 0;
   float scale = 0.0f;  // 0: none
 };

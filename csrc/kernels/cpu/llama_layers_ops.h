@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "a8_gemm.h"
 #include "dense_gemm.h"
@@ -142,6 +143,11 @@ void embed_tokens(LlamaEmbed const& e, std::int64_t const* ids, T* hidden, int n
     std::int64_t const id = ids[t];
     if (e.kind == LlamaEmbed::Kind::kDense) {
       std::memcpy(dst, static_cast<T const*>(e.table) + id * d, std::size_t(d) * sizeof(T));
+    } else if (e.kind == LlamaEmbed::Kind::kA8Packed) {
+      thread_local std::vector<float> row;
+      row.resize(std::size_t(d));
+      a8_int8_row(*e.packed, id, row.data());
+      for (int i = 0; i < d; ++i) dst[i] = from_float<T>(row[i]);
     } else {
       auto const* q = static_cast<std::int8_t const*>(e.table) + id * d;
       auto const* sc = static_cast<Float16 const*>(e.scales) + id * (d / e.group);

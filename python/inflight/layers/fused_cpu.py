@@ -145,14 +145,14 @@ class FusedCpuLayers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 proj = getattr(layer, name, None)
                 if isinstance(proj, (W4A16Linear, W8A16Linear, W8A8Linear)):
-                    weight = proj.qweight
+                    device = proj.weight_device  # not proj.qweight: that would rebuild dropped tensors
                 elif isinstance(proj, Linear):
-                    weight = proj.weight
-                    if weight.dtype != model.dtype:
-                        return f"layers[{i}].{name} holds {weight.dtype}, the model runs {model.dtype}"
+                    device = proj.weight.device
+                    if proj.weight.dtype != model.dtype:
+                        return f"layers[{i}].{name} holds {proj.weight.dtype}, the model runs {model.dtype}"
                 else:
                     return f"layers[{i}].{name} is a {type(proj).__name__} (no fused kernel)"
-                if weight.device.type != "cpu":
+                if device.type != "cpu":
                     return "not on the CPU"
         return None
 
@@ -221,7 +221,7 @@ class FusedCpuLayers:
             return 0
         head = model.lm_head_shard if model.lm_head_shard is not None else model.embedding
         if isinstance(head, (W4A16Linear, W8A16Linear)):
-            if head.qweight.device.type != "cpu":
+            if head.weight_device.type != "cpu":
                 return 0
             weight, vocab = _kernel_weight(head), head.out_features
         elif head is None and model.lm_head is not None:
@@ -246,6 +246,9 @@ class FusedCpuLayers:
             else 0.0
         )
         emb = model.embedding
+        if emb is not None and emb.originals_dropped:  # its rows live only in its head's packed copy
+            stack.set_embedding_packed(emb.kernel_weight()._w, scale)
+            return True
         if emb is not None:
             q, s = emb.qweight.detach(), emb.scales.detach()
             if q.dtype != torch.int8 or s.dtype != torch.float16 or q.device.type != "cpu":

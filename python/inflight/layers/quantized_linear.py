@@ -75,6 +75,85 @@ class _FusedRows(nn.Module, abc.ABC):
         self._row_offsets = tuple(offsets)
         self._packed = None  # the kernel's view of the weights (kernel_weight()), built on first use
         self.activation_quantization = "none"
+        # Whether a packed copy (the A8 GEMM's) replaces the checkpoint tensors (set_packed_only()), and the
+        # tensors it replaced: name -> dtype, rebuilt from the packed copy when read.
+        self._packed_only = False
+        self._released: dict[str, torch.dtype] | None = None
+
+    # ---- one copy of the weights --------------------------------------------------------------------
+    # The A8 GEMM's packed weights are a copy (another layout) of qweight / scales / offsets. With
+    # set_packed_only(), the layer drops those tensors once the copy is built (halving the weights'
+    # memory) and rebuilds them, exactly, when anything reads them: an attribute read, state_dict(),
+    # load_state_dict(), .to() / .cuda(). A read also drops the packed copy (the caller may write to the
+    # tensors), so the next CPU forward packs again and drops the tensors again: a tensor kept from
+    # before that no longer feeds the layer. named_buffers() does not list dropped tensors.
+
+    def set_packed_only(self, on: bool = True) -> None:
+        """Hold only the packed weights once they are built (the A8 / A16 GEMM's; the other kernels
+        read the tensors themselves). Off: the tensors are rebuilt now and kept."""
+        self._packed_only = bool(on) and self._can_drop_originals()
+        if not self._packed_only:
+            self._restore_originals()
+        elif isinstance(self._packed, A8Weight):
+            self._drop_originals()
+
+    def _can_drop_originals(self) -> bool:
+        return True
+
+    @property
+    def originals_dropped(self) -> bool:
+        """Whether the checkpoint tensors are dropped now (the packed copy holds the weights)."""
+        return self._released is not None
+
+    @property
+    def weight_device(self) -> torch.device:
+        """The weights' device (read without rebuilding dropped tensors)."""
+        return torch.device("cpu") if self._released is not None else self.qweight.device
+
+    def _drop_originals(self) -> None:
+        if self._released is not None:
+            return
+        released = {}
+        for name in ("qweight", "scales", "offsets"):
+            t = self._buffers.get(name)
+            if t is not None:
+                released[name] = t.dtype
+                del self._buffers[name]
+        self._released = released
+
+    def _unpacked(self) -> dict[str, torch.Tensor]:
+        qweight, scales, offsets = self._packed.unpack()
+        tensors = {"qweight": qweight, "scales": scales, "offsets": offsets}
+        return {name: tensors[name].to(dtype) for name, dtype in self._released.items()}
+
+    def _restore_originals(self) -> None:
+        if self._released is None:
+            return
+        tensors = self._unpacked()
+        self._released = None
+        self._buffers.update(tensors)
+        self._packed = None
+
+    def __getattr__(self, name: str):
+        released = self.__dict__.get("_released")
+        if released is not None and name in released:
+            self._restore_originals()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._released is not None:  # rebuilt for the caller; the layer keeps the packed copy
+            for name, t in self._unpacked().items():
+                destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._restore_originals()
+        self._packed = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _after_pack(self) -> None:
+        if self._packed_only and isinstance(self._packed, A8Weight):
+            self._drop_originals()
 
     @torch.no_grad()
     def _copy_rows(self, shard: int, name: str, tensor: torch.Tensor) -> None:
@@ -100,10 +179,11 @@ class _FusedRows(nn.Module, abc.ABC):
         """The checkpoint tensor names (suffixes) this layer loads."""
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
-        self._copy_rows(shard, name, tensor)
+        self._copy_rows(shard, name, tensor)  # reading the tensor rebuilds it if it was dropped
         self._packed = None
 
     def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() / ... replace the tensors
+        self._restore_originals()
         self._packed = None
         return super()._apply(fn, recurse)
 
@@ -122,6 +202,7 @@ class _FusedRows(nn.Module, abc.ABC):
             )
         mode = mode if self.supports_int8_activations() else "none"
         if mode != self.activation_quantization:
+            self._restore_originals()  # the new kernel packs from the tensors
             self.activation_quantization = mode
             self._packed = None
         return mode != "none"
@@ -222,6 +303,7 @@ class W4A16Linear(_FusedRows):
                     self.bias,
                     act_bits=self.act_bits(),
                 )
+                self._after_pack()
             else:
                 self._packed = W4A16Weight(
                     self.qweight, self.scales, self.offsets, self.group_size, self.bias
@@ -316,6 +398,7 @@ class W8A16Linear(_FusedRows):
                 self._packed = A8Weight(
                     8, self.qweight, self.scales, None, self.group_size, self.bias, act_bits=self.act_bits()
                 )
+                self._after_pack()
             else:
                 self._packed = W8A16Weight(self.qweight, self.scales, self.group_size, self.bias)
         return self._packed
@@ -433,6 +516,11 @@ class W8A16Embedding(W8A16Linear):
         self.embedding_dim = embedding_dim
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._released is not None and ids.device.type == "cpu":  # the head's packed rows: same values
+            flat = ids.reshape(-1)
+            rows = torch.empty(flat.shape[0], self.embedding_dim, dtype=self.dtype)
+            self._packed.embed(flat.to(torch.int64).contiguous(), rows)
+            return rows.view(*ids.shape, self.embedding_dim)
         q = self.qweight.index_select(0, ids.reshape(-1))
         s = self.scales.index_select(0, ids.reshape(-1))
         g = self.embedding_dim // self.group_size

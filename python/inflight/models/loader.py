@@ -359,9 +359,12 @@ def load_model(
 
 
 def _pack_now(net: torch.nn.Module) -> None:
-    """Builds the A8 GEMM's packed weights now, not at the first forward: they are a second copy of the
-    quantised weights (about their size), which the KV budget, sized from the free memory next, must
-    see."""
+    """Builds the A8 GEMM's packed weights now, not at the first forward, and drops the tensors they
+    were packed from (rebuilt exactly if anything reads them: see ``set_packed_only``), so the weights
+    are held once when the KV budget is sized from the free memory next. The tied int8 embedding keeps
+    its rows (the lookup reads them) beside its head's packed copy."""
     for module in net.modules():
         if getattr(module, "activation_quantization", "none") != "none" and hasattr(module, "kernel_weight"):
+            if hasattr(module, "set_packed_only"):
+                module.set_packed_only()
             module.kernel_weight()

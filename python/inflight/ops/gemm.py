@@ -305,6 +305,27 @@ class A8Weight(_ImportedWeight):
         self.n, self.k, self.bits, self.group_size = self._w.n, self._w.k, bits, group_size
         self.act_bits = act_bits
         self.nbytes = self._w.nbytes
+        self.asymmetric = offsets is not None
+
+    def embed(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[i]`` = row ``ids[i]`` of an int8 weight dequantised (code x scale in fp32, rounded to
+        ``out``'s dtype): a tied int8 embedding's lookup from its head's packed copy. Returns ``out``."""
+        self._w.embed(_cap(ids), to_dlpack(out))
+        return out
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The tensors it was packed from, rebuilt exactly: ``(qweight, scales, offsets)`` with
+        ``qweight`` uint8 ``[N, K//2]`` (4-bit) or int8 ``[N, K]``, ``scales`` (and ``offsets`` for
+        asymmetric int4, else None) float32 ``[N, K//group_size]`` (the values given, in fp32)."""
+        n, k, g = self.n, self.k, self.k // self.group_size
+        if self.bits == 4:
+            qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        else:
+            qweight = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, g, dtype=torch.float32)
+        offsets = torch.empty(n, g, dtype=torch.float32) if self.asymmetric else None
+        self._w.unpack(to_dlpack(qweight), to_dlpack(scales), None if offsets is None else to_dlpack(offsets))
+        return qweight, scales, offsets
 
 
 def dense_gemm(
