@@ -135,8 +135,8 @@ INFLIGHT_VARIANTS = {
 
 def model_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes one decode step must read from memory at least: every weight once (unique storages of
-    the parameters and buffers; a tied embedding counts once, as the LM head reads it whole), without
-    the RoPE tables (a row per position is read)."""
+    the parameters and buffers, and the packed copy of a layer that holds only that; a tied embedding
+    counts once, as the LM head reads it whole), without the RoPE tables (a row per position is read)."""
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t is None or "cos_sin" in name or "inv_freq" in name:
@@ -145,6 +145,9 @@ def model_bytes_per_token(model: torch.nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
+    for module in model.modules():
+        if getattr(module, "originals_dropped", False):
+            total += module.kernel_weight().nbytes
     return total
 
 
