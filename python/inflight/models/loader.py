@@ -363,8 +363,15 @@ def _pack_now(net: torch.nn.Module) -> None:
     were packed from (rebuilt exactly if anything reads them: see ``set_packed_only``), so the weights
     are held once when the KV budget is sized from the free memory next. The tied int8 embedding keeps
     its rows (the lookup reads them) beside its head's packed copy."""
+    packed = dropped = 0
     for module in net.modules():
         if getattr(module, "activation_quantization", "none") != "none" and hasattr(module, "kernel_weight"):
             if hasattr(module, "set_packed_only"):
                 module.set_packed_only()
-            module.kernel_weight()
+            packed += getattr(module.kernel_weight(), "nbytes", 0)
+            dropped += getattr(module, "originals_dropped", False)
+    logger.info(
+        "packed weights: %.1f MiB; %d layers hold only them (their checkpoint tensors dropped)",
+        packed / 2**20,
+        dropped,
+    )
