@@ -215,8 +215,22 @@ class W8A8Weight {
     kc::launch_w8a8_gemm(p, kc::ThreadPool::global());
   }
 
+  // Writes the tensors it was packed from (exact): qweight [n, k] int8 and scales [n] fp32.
+  void unpack(Tensor qweight, Tensor scales) const {
+    require_dtype(qweight, "qweight", ScalarType::kInt8);
+    require_shape(qweight, "qweight", {w_.n, w_.k}, "[n, k]");
+    require_vector(scales, "scales", ScalarType::kFloat32, w_.n, "[n]");
+    require_cpu_contiguous({{&qweight, "qweight"}, {&scales, "scales"}});
+    nb::gil_scoped_release release;
+    kc::unpack_w8a8_weight(w_, static_cast<std::int8_t*>(qweight.data()), static_cast<float*>(scales.data()));
+  }
+
   std::int64_t n() const { return w_.n; }
   std::int64_t k() const { return w_.k; }
+  // Bytes of the packed weight (codes, column sums, scales).
+  std::int64_t nbytes() const {
+    return static_cast<std::int64_t>(w_.data.size() + 4 * (w_.wsum.size() + w_.scales.size()));
+  }
   // The weight-side params for the fused layer stack (x, out, m, dtype, workspace, threads per call).
   kc::W8A8GemmParams params() const {
     kc::W8A8GemmParams p;

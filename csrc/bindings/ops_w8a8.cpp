@@ -24,6 +24,9 @@ INFLIGHT_REGISTER_OPS(w8a8) {
       .def(nb::init<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>>(), "qweight"_a, "scales"_a,
            "smooth"_a.none(), "bias"_a.none())
       .def("gemm", &W8A8Weight::gemm, "x"_a, "out"_a.noconvert(), "num_threads"_a)
+      .def("unpack", &W8A8Weight::unpack, "qweight"_a.noconvert(), "scales"_a.noconvert(),
+           "Writes the tensors it was packed from, exactly: qweight [n, k] int8, scales [n] float32.")
       .def_prop_ro("n", &W8A8Weight::n)
-      .def_prop_ro("k", &W8A8Weight::k);
+      .def_prop_ro("k", &W8A8Weight::k)
+      .def_prop_ro("nbytes", &W8A8Weight::nbytes);
 }

@@ -17,8 +17,9 @@ import torch
 from model_utils import PagedKV
 from test_fused_layers import _STEPS, _load, _quantized_dir, _run_steps
 
-from inflight.layers.quantized_linear import W4A16Linear, W8A16Linear
-from inflight.ops.gemm import A8Weight
+from inflight.layers.quantized_linear import W4A16Linear, W8A8Linear, W8A16Linear
+from inflight.ops.gemm import A8Weight, W8A8Weight
+from inflight.quantization.smoothquant import quantize_per_channel
 from inflight.quantization.w4a16 import quantize_w4, quantize_w8
 
 # (bits, group_size, symmetric)
@@ -60,6 +61,17 @@ def test_unpack_gives_back_the_packed_tensors_exactly(bits, group, symmetric, sc
         assert torch.equal(o2.to(scale_dtype), o) and torch.equal(o2, o.float())
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (70, 100), (3, 7)])
+def test_w8a8_unpack_gives_back_the_packed_tensors_exactly(n, k):
+    g = torch.Generator().manual_seed(n)
+    q, s = quantize_per_channel(torch.randn(n, k, generator=g))
+    packed = W8A8Weight(q, s, torch.rand(k, generator=g) + 0.5)
+    q2, s2 = packed.unpack()
+    assert q2.dtype == torch.int8 and torch.equal(q2, q)
+    assert s2.dtype == torch.float32 and torch.equal(s2, s.float())
+    assert packed.nbytes >= n * k
+
+
 def test_unpack_and_embed_refuse_wrong_tensors():
     q, s, o = _weights(4, 32, False, 64, 128, torch.float16)
     packed = A8Weight(4, q, s, o, 32)
@@ -96,15 +108,33 @@ def _layer(cls, bits, symmetric, mode):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
     bias = torch.randn(96, generator=g)
+    if cls is W8A8Linear:  # SmoothQuant's W8A8: per-channel int8, its own int8 activations
+        layer = W8A8Linear(128, (96,), bias=True)
+        q, s = quantize_per_channel(w)
+        for name, t in (
+            ("qweight", q),
+            ("scales", s),
+            ("smooth", torch.rand(128, generator=g) + 0.5),
+            ("bias", bias),
+        ):
+            layer.load_shard(0, name, t)
+        return layer
     layer = cls.from_weight(w, bias, group_size=32, **({"symmetric": symmetric} if bits == 4 else {}))
     layer.set_activation_quantization(mode)
     return layer
 
 
 @pytest.mark.parametrize(
-    "cls,bits,symmetric", [(W4A16Linear, 4, False), (W4A16Linear, 4, True), (W8A16Linear, 8, True)]
+    "cls,bits,symmetric,mode",
+    [
+        (W4A16Linear, 4, False, "int8"),
+        (W4A16Linear, 4, False, "int16"),
+        (W4A16Linear, 4, True, "int16"),
+        (W8A16Linear, 8, True, "int8"),
+        (W8A16Linear, 8, True, "int16"),
+        (W8A8Linear, 8, True, None),
+    ],
 )
-@pytest.mark.parametrize("mode", ["int8", "int16"])
 def test_a_packed_only_layer_drops_and_rebuilds_its_tensors(cls, bits, symmetric, mode):
     kept = _layer(cls, bits, symmetric, mode)
     layer = _layer(cls, bits, symmetric, mode)
@@ -118,7 +148,7 @@ def test_a_packed_only_layer_drops_and_rebuilds_its_tensors(cls, bits, symmetric
     assert not layer.originals_dropped  # nothing packed yet
     assert torch.equal(layer(x), want)
     assert layer.originals_dropped and layer.weight_device == torch.device("cpu")
-    assert {n for n, _ in layer.named_buffers()} == {"bias"}
+    assert {n for n, _ in layer.named_buffers()} == ({"bias", "smooth"} if cls is W8A8Linear else {"bias"})
     assert torch.equal(layer(x), want)
 
     # state_dict() rebuilds the tensors for the caller and keeps the layer packed-only
@@ -147,13 +177,18 @@ def test_a_packed_only_layer_drops_and_rebuilds_its_tensors(cls, bits, symmetric
     assert torch.equal(layer(x), want)
     assert layer.originals_dropped
 
-    # another activation mode, or off, rebuilds the tensors first
-    layer.set_activation_quantization("none")
-    assert not layer.originals_dropped
-    kept.set_activation_quantization("none")
-    assert torch.equal(layer(x), kept(x))
-    assert not layer.originals_dropped  # the float kernel reads the tensors themselves
-    layer.set_activation_quantization(mode)
+    if mode is not None:  # another activation mode, or off, rebuilds the tensors first
+        layer.set_activation_quantization("none")
+        assert not layer.originals_dropped
+        kept.set_activation_quantization("none")
+        assert torch.equal(layer(x), kept(x))
+        assert not layer.originals_dropped  # the float kernel reads the tensors themselves
+        layer.set_activation_quantization(mode)
+    else:  # W8A8: a shard loaded into a packed-only layer (rebuilt, overwritten, packed again)
+        layer.load_shard(0, "scales", want_tensors["scales"] * 2)
+        assert not layer.originals_dropped and not torch.equal(layer(x), want)
+        layer.load_shard(0, "scales", want_tensors["scales"])
+        assert torch.equal(layer(x), want)
     layer(x)
     assert layer.originals_dropped
     layer.set_packed_only(False)

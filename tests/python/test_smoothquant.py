@@ -156,6 +156,9 @@ def test_w8a8_model_through_the_engine(w8a8_dir, make_llm):
     with torch.no_grad():
         first = hf(torch.tensor([prompt])).logits[0, -1].argmax().item()
     assert got.outputs[0].token_ids[0] == first
+    # The weights are held once: each W8A8 layer keeps only its packed copy, through the steps too.
+    w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert w8a8 and all(m.originals_dropped for m in w8a8)
 
 
 def test_smoothquant_needs_a_calibration_file(tiny_model_dir, tmp_path, capsys):

@@ -86,6 +86,15 @@ W8A8PackedWeight pack_w8a8_weight(std::int8_t const* qweight, float const* scale
   return w;
 }
 
+void unpack_w8a8_weight(W8A8PackedWeight const& w, std::int8_t* qweight, float* scales) {
+  for (std::int64_t j = 0; j < w.n; ++j) {
+    std::int64_t const b = j / kW8A8Block, c = j % kW8A8Block;
+    std::int8_t const* src = w.data.data() + b * w.k4 * kW8A8Block * 4;
+    for (std::int64_t i = 0; i < w.k; ++i) qweight[j * w.k + i] = src[(i / 4) * kW8A8Block * 4 + c * 4 + i % 4];
+    scales[j] = w.scales[static_cast<std::size_t>(j)];
+  }
+}
+
 void quantize_w8a8_activations(void const* x, ScalarType dtype, float const* smooth, std::int64_t m, std::int64_t k,
                                std::uint8_t* qa, float* row_scales) {
   switch (dtype) {

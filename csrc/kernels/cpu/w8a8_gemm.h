@@ -44,6 +44,9 @@ struct W8A8PackedWeight {
 // qweight [n, k] int8 row-major, scales [n] fp32.
 W8A8PackedWeight pack_w8a8_weight(std::int8_t const* qweight, float const* scales, std::int64_t n, std::int64_t k);
 
+// The inverse of pack_w8a8_weight: qweight [n, k] int8 and scales [n] fp32, exactly as packed.
+void unpack_w8a8_weight(W8A8PackedWeight const& w, std::int8_t* qweight, float* scales);
+
 struct W8A8GemmParams {
   void const* x = nullptr;                   // [m, k], dtype, row-major contiguous
   W8A8PackedWeight const* weight = nullptr;  // packed once

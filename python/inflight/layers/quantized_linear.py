@@ -91,14 +91,16 @@ class _FusedRows(nn.Module, abc.ABC):
     def set_packed_only(self, on: bool = True) -> None:
         """Hold only the packed weights once they are built (the A8 / A16 GEMM's; the other kernels
         read the tensors themselves). Off: the tensors are rebuilt now and kept."""
-        self._packed_only = bool(on) and self._can_drop_originals()
+        self._packed_only = bool(on)
         if not self._packed_only:
             self._restore_originals()
-        elif isinstance(self._packed, A8Weight):
-            self._drop_originals()
+        else:
+            self._after_pack()
 
-    def _can_drop_originals(self) -> bool:
-        return True
+    def packs_a_copy(self) -> bool:
+        """Whether the CPU kernel packs its own copy of the weights (the A8 / A16 GEMM's, W8A8's); the
+        float-activation kernels read the tensors themselves."""
+        return self.act_bits() != 0
 
     @property
     def originals_dropped(self) -> bool:
@@ -122,8 +124,7 @@ class _FusedRows(nn.Module, abc.ABC):
         self._released = released
 
     def _unpacked(self) -> dict[str, torch.Tensor]:
-        qweight, scales, offsets = self._packed.unpack()
-        tensors = {"qweight": qweight, "scales": scales, "offsets": offsets}
+        tensors = dict(zip(("qweight", "scales", "offsets"), self._packed.unpack()))
         return {name: tensors[name].to(dtype) for name, dtype in self._released.items()}
 
     def _restore_originals(self) -> None:
@@ -152,7 +153,7 @@ class _FusedRows(nn.Module, abc.ABC):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _after_pack(self) -> None:
-        if self._packed_only and isinstance(self._packed, A8Weight):
+        if self._packed_only and isinstance(self._packed, (A8Weight, W8A8Weight)):  # copies, not views
             self._drop_originals()
 
     @torch.no_grad()
@@ -451,6 +452,7 @@ class W8A8Linear(_FusedRows):
         if name != "smooth":
             super().load_shard(shard, name, tensor)
             return
+        self._restore_originals()  # the packed copy is rebuilt with the new vector
         if tuple(tensor.shape) != (self.in_features,):
             raise ValueError(
                 f"shape mismatch for smooth: expected ({self.in_features},), got {tuple(tensor.shape)}"
@@ -469,7 +471,11 @@ class W8A8Linear(_FusedRows):
         if self._packed is None:
             bias = None if self.bias is None else self.bias.float()
             self._packed = W8A8Weight(self.qweight, self.scales, self.smooth, bias)
+            self._after_pack()
         return self._packed
+
+    def packs_a_copy(self) -> bool:
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -353,23 +353,24 @@ def load_model(
             8 if act_mode == "int8" else 16,
             count,
         )
-    if act_mode != "none":
+    if device.type == "cpu":
         _pack_now(net)
     return LoadedModel(net, config, tokenizer_fn(), dtype, act_mode)
 
 
 def _pack_now(net: torch.nn.Module) -> None:
-    """Builds the A8 GEMM's packed weights now, not at the first forward, and drops the tensors they
-    were packed from (rebuilt exactly if anything reads them: see ``set_packed_only``), so the weights
-    are held once when the KV budget is sized from the free memory next. The tied int8 embedding keeps
-    its rows (the lookup reads them) beside its head's packed copy."""
+    """Builds the packed weights of the kernels that copy them (the A8 / A16 GEMM's, W8A8's) now, not at
+    the first forward, and drops the tensors they were packed from (rebuilt exactly when read: see
+    ``set_packed_only``; a tied int8 embedding's lookup reads its head's packed rows), so that the weights
+    are held once when the KV budget is sized from the free memory next."""
     packed = dropped = 0
     for module in net.modules():
-        if getattr(module, "activation_quantization", "none") != "none" and hasattr(module, "kernel_weight"):
-            if hasattr(module, "set_packed_only"):
-                module.set_packed_only()
-            packed += getattr(module.kernel_weight(), "nbytes", 0)
-            dropped += getattr(module, "originals_dropped", False)
+        if hasattr(module, "packs_a_copy") and module.packs_a_copy():
+            module.set_packed_only()
+            packed += module.kernel_weight().nbytes
+            dropped += module.originals_dropped
+    if not packed:
+        return
     logger.info(
         "packed weights: %.1f MiB; %d layers hold only them (their checkpoint tensors dropped)",
         packed / 2**20,

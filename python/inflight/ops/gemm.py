@@ -269,6 +269,15 @@ class W8A8Weight(_ImportedWeight):
             None if bias is None else _cap(bias),
         )
         self.n, self.k = self._w.n, self._w.k
+        self.nbytes = self._w.nbytes
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors it was packed from, rebuilt exactly: ``(qweight, scales)``, int8 ``[N, K]`` and
+        float32 ``[N]``."""
+        qweight = torch.empty(self.n, self.k, dtype=torch.int8)
+        scales = torch.empty(self.n, dtype=torch.float32)
+        self._w.unpack(to_dlpack(qweight), to_dlpack(scales))
+        return qweight, scales
 
 
 class A8Weight(_ImportedWeight):
