@@ -1,13 +1,15 @@
 // CPU kernel pieces that have no Python entry point of their own: the vectorised gated-MLP activations
 // (activation.h) against float64, the A8 GEMM's two activation quantisers (a8_gemm.h) against each
-// other, bit for bit, and the fused layer stack's glue (llama_glue.h) built for AVX-512 against its
-// baseline copy (this file's own instantiation), bit for bit. Tests of a path the CPU lacks are skipped.
+// other, bit for bit, the A8 and W8A8 packs' inverses (unpack_a8_weight, unpack_w8a8_weight) against the
+// packed tensors, and the fused layer stack's glue (llama_glue.h) built for AVX-512 against its baseline
+// copy (this file's own instantiation), bit for bit. Tests of a path the CPU lacks are skipped.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "a8_gemm.h"
@@ -16,6 +18,7 @@
 #include "llama_glue.h"
 #include "llama_glue_isa.h"
 #include "thread_pool.h"
+#include "w8a8_gemm.h"
 
 namespace kc = inflight::kernels::cpu;
 namespace ik = inflight::kernels;
@@ -190,6 +193,25 @@ TEST(A8Pack, UnpackGivesBackTheTensorsAndRowsDequantise) {
     }
     EXPECT_THROW(kc::unpack_a8_weight(w, c.group, q2.data(), s2.data(), c.asym ? nullptr : o2.data()),
                  std::invalid_argument);
+  }
+}
+
+// pack_w8a8_weight's inverse gives back the codes and scales exactly (k not a multiple of 4, n not one of 16).
+TEST(W8A8Pack, UnpackGivesBackTheTensors) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> code(-127, 127);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto const [n, k] : {std::pair<std::int64_t, std::int64_t>{16, 64}, {37, 101}, {3, 5}}) {
+    std::vector<std::int8_t> q(static_cast<std::size_t>(n * k));
+    for (auto& v : q) v = static_cast<std::int8_t>(code(rng));
+    std::vector<float> s(static_cast<std::size_t>(n));
+    for (auto& v : s) v = normal(rng) * 0.01f;
+    kc::W8A8PackedWeight const w = kc::pack_w8a8_weight(q.data(), s.data(), n, k);
+    std::vector<std::int8_t> q2(q.size(), 99);
+    std::vector<float> s2(s.size(), -1.0f);
+    kc::unpack_w8a8_weight(w, q2.data(), s2.data());
+    EXPECT_EQ(q2, q) << "n " << n << " k " << k;
+    EXPECT_EQ(s2, s) << "n " << n << " k " << k;
   }
 }
 
