@@ -75,13 +75,14 @@ class _FusedRows(nn.Module, abc.ABC):
         self._row_offsets = tuple(offsets)
         self._packed = None  # the kernel's view of the weights (kernel_weight()), built on first use
         self.activation_quantization = "none"
-        # Whether a packed copy (the A8 GEMM's) replaces the checkpoint tensors (set_packed_only()), and the
+        # Whether a packed copy (packs_a_copy()) replaces the checkpoint tensors (set_packed_only()), and the
         # tensors it replaced: name -> dtype, rebuilt from the packed copy when read.
         self._packed_only = False
         self._released: dict[str, torch.dtype] | None = None
 
     # ---- one copy of the weights --------------------------------------------------------------------
-    # The A8 GEMM's packed weights are a copy (another layout) of qweight / scales / offsets. With
+    # The A8 / A16 GEMM's and W8A8's packed weights are a copy (another layout) of qweight / scales (/
+    # offsets). With
     # set_packed_only(), the layer drops those tensors once the copy is built (halving the weights'
     # memory) and rebuilds them, exactly, when anything reads them: an attribute read, state_dict(),
     # load_state_dict(), .to() / .cuda(). A read also drops the packed copy (the caller may write to the
@@ -89,8 +90,9 @@ class _FusedRows(nn.Module, abc.ABC):
     # before that no longer feeds the layer. named_buffers() does not list dropped tensors.
 
     def set_packed_only(self, on: bool = True) -> None:
-        """Hold only the packed weights once they are built (the A8 / A16 GEMM's; the other kernels
-        read the tensors themselves). Off: the tensors are rebuilt now and kept."""
+        """Hold only the packed weights once they are built (the A8 / A16 GEMM's, W8A8's: see
+        packs_a_copy; the other kernels read the tensors themselves). Off: the tensors are rebuilt now
+        and kept."""
         self._packed_only = bool(on)
         if not self._packed_only:
             self._restore_originals()
@@ -180,7 +182,8 @@ class _FusedRows(nn.Module, abc.ABC):
         """The checkpoint tensor names (suffixes) this layer loads."""
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
-        self._copy_rows(shard, name, tensor)  # reading the tensor rebuilds it if it was dropped
+        self._restore_originals()  # a shard overwrites part of the tensors: the rest must be there
+        self._copy_rows(shard, name, tensor)
         self._packed = None
 
     def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() / ... replace the tensors
@@ -452,7 +455,7 @@ class W8A8Linear(_FusedRows):
         if name != "smooth":
             super().load_shard(shard, name, tensor)
             return
-        self._restore_originals()  # the packed copy is rebuilt with the new vector
+        self._restore_originals()  # as the other tensors: the packed copy is rebuilt with the new vector
         if tuple(tensor.shape) != (self.in_features,):
             raise ValueError(
                 f"shape mismatch for smooth: expected ({self.in_features},), got {tuple(tensor.shape)}"
