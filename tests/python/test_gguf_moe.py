@@ -265,3 +265,53 @@ def test_fused_expert_group_validates_its_input(moe_gguf):
     with pytest.raises((TypeError, ValueError), match="x"):
         op.run(to_dlpack(x.double()), to_dlpack(counts), to_dlpack(out), 1)
     op.run(to_dlpack(x), to_dlpack(counts), to_dlpack(out), 1)  # all rows to expert 0: fine
+
+
+@pytest.mark.parametrize("moe_gguf", [("qwen3", "Q4_0", "Q8_0")], indirect=True, ids=["qwen3"])
+def test_tokenizer_cache_keeps_large_vocabularies_once(moe_gguf, tmp_path, monkeypatch):
+    """A small vocabulary is converted each time and never cached; one of at least CACHE_MIN_VOCAB
+    tokens is cached, read back without converting, and a new version of the file replaces its entry."""
+    import os
+
+    import transformers
+
+    from inflight.models import gguf_loader
+
+    path = moe_gguf[0]
+    root = tmp_path / "cache"
+    monkeypatch.setenv("INFLIGHT_CACHE", str(root))
+    conversions = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(kwargs["gguf_file"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    entries = lambda: sorted(p.name for p in (root / "gguf-tokenizers").glob("*"))  # noqa: E731
+
+    want = gguf_loader.load_gguf_tokenizer(path)
+    assert len(want) < gguf_loader.CACHE_MIN_VOCAB and conversions == [path.name]
+    assert not (root / "gguf-tokenizers").exists()
+
+    monkeypatch.setattr(gguf_loader, "CACHE_MIN_VOCAB", 0)
+    gguf_loader.load_gguf_tokenizer(path)
+    first = entries()
+    assert len(conversions) == 2 and len(first) == 1 and first[0].startswith(path.stem + "-")
+    assert (root / "gguf-tokenizers" / first[0] / "tokenizer.json").is_file()
+    cached = gguf_loader.load_gguf_tokenizer(path)
+    assert len(conversions) == 2, "the cached entry was not read"
+    text = "hello world 123"
+    assert cached.encode(text) == want.encode(text) and cached.get_vocab() == want.get_vocab()
+
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version of the file
+    gguf_loader.load_gguf_tokenizer(path)
+    second = entries()
+    assert len(conversions) == 3 and len(second) == 1 and second != first
+    other = tmp_path / "elsewhere" / path.name  # the same name, another file: its own entry
+    other.parent.mkdir()
+    other.write_bytes(path.read_bytes())
+    gguf_loader.load_gguf_tokenizer(other)
+    assert len(conversions) == 4 and len(entries()) == 2 and set(second) < set(entries())
