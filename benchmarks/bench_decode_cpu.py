@@ -708,7 +708,8 @@ def main() -> None:
         )
 
     torch.set_num_threads(args.threads)
-    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import load_gguf_tokenizer
 
     path = resolve_known_model("smollm2")
     tokenizer = load_gguf_tokenizer(path)

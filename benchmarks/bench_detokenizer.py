@@ -30,7 +30,8 @@ import time
 
 
 def _tokenizer():
-    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(resolve_known_model("smollm2"))
 

@@ -68,7 +68,8 @@ def main() -> None:
         p.error("--repeats and --threads must be >= 1, --max-tokens >= 2")
     torch.set_num_threads(args.threads)
 
-    from inflight.models.gguf_loader import GEMMA_CHAT_TEMPLATE, load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import GEMMA_CHAT_TEMPLATE, load_gguf_tokenizer
     from inflight.ops import cpu_info, describe_cpu
 
     path = resolve_known_model(MODEL)

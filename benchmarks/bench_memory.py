@@ -65,7 +65,8 @@ def chat_ids(model: str) -> list[int]:
     """The chat prompt's token ids (as benchmarks/bench_decode_cpu.py builds them)."""
     from bench_decode_cpu import CHAT
 
-    from inflight.models.gguf_loader import GEMMA_CHAT_TEMPLATE, load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import GEMMA_CHAT_TEMPLATE, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(resolve_known_model(model))
     template = None if tokenizer.chat_template else GEMMA_CHAT_TEMPLATE  # Gemma's file has none

@@ -285,7 +285,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ks = sorted(set(args.ks))
 
-    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(resolve_known_model("smollm2"))
 

@@ -124,7 +124,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import load_gguf_tokenizer
     from inflight.perplexity import default_text
 
     path = resolve_known_model(args.model)

@@ -26,7 +26,8 @@ def tiny_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from inflight.models.gguf_loader import load_gguf_tokenizer, resolve_known_model
+    from inflight.models.gguf_loader import resolve_known_model
+    from inflight.models.gguf_tokenizer import load_gguf_tokenizer
 
     path = resolve_known_model("smollm2")
     if path is None or not path.is_file():

@@ -275,7 +275,7 @@ def test_tokenizer_cache_keeps_large_vocabularies_once(moe_gguf, tmp_path, monke
 
     import transformers
 
-    from inflight.models import gguf_loader
+    from inflight.models import gguf_tokenizer
 
     path = moe_gguf[0]
     root = tmp_path / "cache"
@@ -291,27 +291,27 @@ def test_tokenizer_cache_keeps_large_vocabularies_once(moe_gguf, tmp_path, monke
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
     entries = lambda: sorted(p.name for p in (root / "gguf-tokenizers").glob("*"))  # noqa: E731
 
-    want = gguf_loader.load_gguf_tokenizer(path)
-    assert len(want) < gguf_loader.CACHE_MIN_VOCAB and conversions == [path.name]
+    want = gguf_tokenizer.load_gguf_tokenizer(path)
+    assert len(want) < gguf_tokenizer.CACHE_MIN_VOCAB and conversions == [path.name]
     assert not (root / "gguf-tokenizers").exists()
 
-    monkeypatch.setattr(gguf_loader, "CACHE_MIN_VOCAB", 0)
-    gguf_loader.load_gguf_tokenizer(path)
+    monkeypatch.setattr(gguf_tokenizer, "CACHE_MIN_VOCAB", 0)
+    gguf_tokenizer.load_gguf_tokenizer(path)
     first = entries()
     assert len(conversions) == 2 and len(first) == 1 and first[0].startswith(path.stem + "-")
     assert (root / "gguf-tokenizers" / first[0] / "tokenizer.json").is_file()
-    cached = gguf_loader.load_gguf_tokenizer(path)
+    cached = gguf_tokenizer.load_gguf_tokenizer(path)
     assert len(conversions) == 2, "the cached entry was not read"
     text = "hello world 123"
     assert cached.encode(text) == want.encode(text) and cached.get_vocab() == want.get_vocab()
 
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version of the file
-    gguf_loader.load_gguf_tokenizer(path)
+    gguf_tokenizer.load_gguf_tokenizer(path)
     second = entries()
     assert len(conversions) == 3 and len(second) == 1 and second != first
     other = tmp_path / "elsewhere" / path.name  # the same name, another file: its own entry
     other.parent.mkdir()
     other.write_bytes(path.read_bytes())
-    gguf_loader.load_gguf_tokenizer(other)
+    gguf_tokenizer.load_gguf_tokenizer(other)
     assert len(conversions) == 4 and len(entries()) == 2 and set(second) < set(entries())

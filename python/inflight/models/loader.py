@@ -27,7 +27,7 @@ from inflight.layers.quantized_linear import (
     W8A16Linear,
 )
 from inflight.layers.torch_attention import TorchAttentionBackend
-from inflight.models import gguf_loader
+from inflight.models import gguf_loader, gguf_tokenizer
 from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 from inflight.parallel.comm import SINGLE, TensorParallel
@@ -279,7 +279,7 @@ def load_model(
                 }
                 _warn_dequantised(path, unsupported, dtype, "all weights are dequantised")
             weights = gguf_loader.iter_gguf_tensors(reader, config, dtype)
-        tokenizer_fn = lambda: gguf_loader.load_gguf_tokenizer(path, config)  # noqa: E731
+        tokenizer_fn = lambda: gguf_tokenizer.load_gguf_tokenizer(path, config)  # noqa: E731
     elif path.is_dir():
         if mode == "gguf":
             raise ValueError(f"quantization='gguf' needs a .gguf file, got the directory {str(path)!r}")
