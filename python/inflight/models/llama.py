@@ -436,10 +436,8 @@ class LlamaForCausalLM(nn.Module):
             if self.config.is_gemma and embed_ids is None:  # scaled by sqrt(hidden), rounded to the dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         if self.rotary.grows and positions.numel():  # the CPU's RoPE tables grow to the positions used
-            top = int(positions.max()) + 1
-            self.rotary.ensure(top)
-            if self.rotary_local is not None:
-                self.rotary_local.ensure(top)
+            for table in filter(None, (self.rotary, self.rotary_local)):
+                table.ensure(int(positions.max()) + 1)
         if not self._key_rotation_set and kv_caches and isinstance(kv_caches[0], Int8KvCache):
             self._set_key_rotation()
         if run_fused:
