@@ -8,18 +8,21 @@ Systems (per model; SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M by default):
                      (``set_packed_only(False)``): the weights twice, as before stop 43
   inflight-fp32act   activation_quantization="none": the float kernels read the checkpoint tensors
   inflight-int8      activation_quantization="int8"
+  inflight-baseline  with --baseline DIR: the default from the inflight package in DIR (an earlier commit)
   llama.cpp          the same file through llama-cpp-python's C API (when llama_cpp is importable), a
                      context of --kv-tokens tokens
   transformers       AutoModelForCausalLM from the same GGUF (dequantised to fp32), with --transformers
 
 Each system runs in its own process: resident set size (RSS, /proc) after its imports, after loading the
 model (for inflight: LLM(...) with a KV pool of --kv-tokens tokens), and after generating --max-tokens
-greedy tokens for one chat prompt; "model" = after generating minus after the imports (what the system
+greedy tokens for one chat prompt (tokenised by the parent, so a child loads no tokenizer but its system's
+own: inflight's engine holds one, llama.cpp its vocabulary, and the transformers child loads the one a
+transformers user would); "model" = after generating minus after the imports (what the system
 adds), "peak" = the process's maximum RSS (ru_maxrss; the GGUF file's mapped pages count while read).
 inflight's "weights held" = every tensor the model holds plus every packed kernel copy.
 
     python benchmarks/bench_memory.py [--models smollm2,gemma3-270m] [--max-tokens 32] [--kv-tokens 4096]
-        [--skip-llamacpp] [--transformers] [--out FILE]   (default: docs/bench/memory-<cpu>-cpu.json)
+        [--skip-llamacpp] [--transformers] [--baseline DIR] [--out FILE]   (default: docs/bench/memory-<cpu>-cpu.json)
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def chat_ids(model: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def child(system: str, model: str, max_tokens: int, kv_tokens: int) -> dict:
+def child(system: str, model: str, max_tokens: int, kv_tokens: int, prompt: list[int]) -> dict:
     out: dict = {"system": system, "model": model}
     if system.startswith("inflight"):
         import inflight  # noqa: F401 (its imports count as the baseline)
@@ -84,7 +87,7 @@ def child(system: str, model: str, max_tokens: int, kv_tokens: int) -> dict:
 
         out["rss_imports"] = rss_mib()
         kv = KvCacheConfig(max_tokens=kv_tokens)
-        llm = LLM(model, activation_quantization=_ACT[system], kv_cache_config=kv)
+        llm = LLM(model, activation_quantization=_ACT.get(system), kv_cache_config=kv)
         net = llm.executor.model_engine.model
         if system == "inflight-both":
             for m in net.modules():
@@ -95,7 +98,6 @@ def child(system: str, model: str, max_tokens: int, kv_tokens: int) -> dict:
             net.invalidate_fused_layers()
         out["rss_loaded"] = rss_mib()
         out["weights_held_mib"] = weights_held(net) / 2**20
-        prompt = chat_ids(model)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
         llm.generate(prompt, params, use_tqdm=False)
         out["rss_after"] = rss_mib()
@@ -110,7 +112,7 @@ def child(system: str, model: str, max_tokens: int, kv_tokens: int) -> dict:
         runner = LlamaCppRunner(path, threads=os.cpu_count() or 1, max_len=kv_tokens)
         runner._use_context(1)
         out["rss_loaded"] = rss_mib()
-        runner.single(chat_ids(model), max_tokens)
+        runner.single(prompt, max_tokens)
         out["rss_after"] = rss_mib()
         runner.close()
     elif system == "transformers":
@@ -118,14 +120,17 @@ def child(system: str, model: str, max_tokens: int, kv_tokens: int) -> dict:
         from transformers import AutoModelForCausalLM
 
         from inflight.models.gguf_loader import resolve_known_model
+        from inflight.models.gguf_tokenizer import load_gguf_tokenizer
 
         path = resolve_known_model(model)
         out["rss_imports"] = rss_mib()
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+        tokenizer = load_gguf_tokenizer(path)  # what a transformers user loads beside the model
         out["rss_loaded"] = rss_mib()
-        ids = torch.tensor([chat_ids(model)])
+        ids = torch.tensor([prompt])
         with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            gen = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        out["text_chars"] = len(tokenizer.decode(gen[0, ids.shape[1] :]))
         out["rss_after"] = rss_mib()
     else:
         raise ValueError(f"unknown system {system!r}")
@@ -142,10 +147,19 @@ def main() -> None:
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--transformers", action="store_true", help="also the fp32 transformers model")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="also run the default from the inflight package in DIR (e.g. an earlier commit's python/ "
+        "with its built _C module), as the system inflight-baseline",
+    )
     p.add_argument("--child", nargs=2, metavar=("SYSTEM", "MODEL"), help=argparse.SUPPRESS)
+    p.add_argument("--prompt-ids", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(child(a.child[0], a.child[1], a.max_tokens, a.kv_tokens)))
+        prompt = [int(x) for x in a.prompt_ids.split(",")]
+        print("RESULT " + json.dumps(child(a.child[0], a.child[1], a.max_tokens, a.kv_tokens, prompt)))
         return
 
     import importlib.util
@@ -161,14 +175,22 @@ def main() -> None:
         if not (s == "llama.cpp" and (a.skip_llamacpp or importlib.util.find_spec("llama_cpp") is None))
         and not (s == "transformers" and not a.transformers)
     ]
+    if a.baseline:
+        systems.insert(1, "inflight-baseline")
     header = cpu_header()
     print(header)
-    runs = [(m, s) for m in a.models.split(",") for s in systems]
+    models = a.models.split(",")
+    # The prompt is tokenised here, once: no child loads a tokenizer it would not need.
+    prompts = {m: ",".join(map(str, chat_ids(m))) for m in models}
+    runs = [(m, s) for m in models for s in systems]
     results = []
     for model, system in tqdm(runs, desc="systems", unit="process"):
-        cmd = [sys.executable, __file__, "--child", system, model]
+        cmd = [sys.executable, __file__, "--child", system, model, "--prompt-ids", prompts[model]]
         cmd += ["--max-tokens", str(a.max_tokens), "--kv-tokens", str(a.kv_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ)
+        if system == "inflight-baseline":
+            env["PYTHONPATH"] = os.pathsep.join([a.baseline, *filter(None, [env.get("PYTHONPATH")])])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             raise RuntimeError(f"{system} on {model} failed:\n{proc.stderr[-3000:]}")

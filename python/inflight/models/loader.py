@@ -36,6 +36,7 @@ from inflight.quantization.fp8 import FP8_METHOD, fp8_group_size, iter_fp8_tenso
 from inflight.quantization.smoothquant import W8A8_METHOD
 from inflight.utils.checkpoint_files import iter_safetensors
 from inflight.utils.dtypes import checkpoint_dtype, parse_dtype
+from inflight.utils.host_memory import drop_tokenizer_build_tables, release_free_heap
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -355,7 +356,25 @@ def load_model(
         )
     if device.type == "cpu":
         _pack_now(net)
-    return LoadedModel(net, config, tokenizer_fn(), dtype, act_mode)
+    tokenizer = tokenizer_fn()
+    _release_load_garbage(path, tokenizer)
+    return LoadedModel(net, config, tokenizer, dtype, act_mode)
+
+
+def _release_load_garbage(path: Path, tokenizer) -> None:
+    """After loading: drop the tokenizer's Python copy of the vocabulary it was built from, then give the
+    freed heap back to the OS (logged)."""
+    entries = drop_tokenizer_build_tables(tokenizer)
+    freed = release_free_heap()
+    if freed is not None:
+        logger.info(
+            "returned %.0f MiB of freed heap to the OS after loading %s%s",
+            freed,
+            path.name,
+            f" (the tokenizer's Python copy of {entries} vocabulary entries and merges dropped)"
+            if entries
+            else "",
+        )
 
 
 def _pack_now(net: torch.nn.Module) -> None:
