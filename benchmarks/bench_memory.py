@@ -139,6 +139,15 @@ def child(system: str, model: str, max_tokens: int, kv_tokens: int, prompt: list
     return out
 
 
+def _run_child(args: list[str], tag: str, env) -> str:
+    """Runs this script with ``args`` in a fresh process; returns its output line after ``tag``."""
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(tag)), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{proc.stderr[-3000:]}")
+    return line[len(tag) :]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2,gemma3-270m")
@@ -156,7 +165,11 @@ def main() -> None:
     )
     p.add_argument("--child", nargs=2, metavar=("SYSTEM", "MODEL"), help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", default="", help=argparse.SUPPRESS)
+    p.add_argument("--prompt-of", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.prompt_of:
+        print("PROMPT " + ",".join(map(str, chat_ids(a.prompt_of))))
+        return
     if a.child:
         prompt = [int(x) for x in a.prompt_ids.split(",")]
         print("RESULT " + json.dumps(child(a.child[0], a.child[1], a.max_tokens, a.kv_tokens, prompt)))
@@ -180,21 +193,19 @@ def main() -> None:
     header = cpu_header()
     print(header)
     models = a.models.split(",")
-    # The prompt is tokenised here, once: no child loads a tokenizer it would not need.
-    prompts = {m: ",".join(map(str, chat_ids(m))) for m in models}
+    # The prompt is tokenised once per model, in a process of its own: no system's child loads a tokenizer
+    # it would not need, and this process stays small (a child's ru_maxrss starts at its parent's RSS,
+    # which Linux keeps across exec).
+    prompts = {m: _run_child(["--prompt-of", m], "PROMPT ", os.environ) for m in models}
     runs = [(m, s) for m in models for s in systems]
     results = []
     for model, system in tqdm(runs, desc="systems", unit="process"):
-        cmd = [sys.executable, __file__, "--child", system, model, "--prompt-ids", prompts[model]]
+        cmd = ["--child", system, model, "--prompt-ids", prompts[model]]
         cmd += ["--max-tokens", str(a.max_tokens), "--kv-tokens", str(a.kv_tokens)]
         env = dict(os.environ)
         if system == "inflight-baseline":
             env["PYTHONPATH"] = os.pathsep.join([a.baseline, *filter(None, [env.get("PYTHONPATH")])])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"{system} on {model} failed:\n{proc.stderr[-3000:]}")
-        results.append(json.loads(line[len("RESULT ") :]))
+        results.append(json.loads(_run_child(cmd, "RESULT ", env)))
 
     print(f"\nResident memory, MiB (KV pool / context {a.kv_tokens} tokens, {a.max_tokens} generated tokens)")
     print(
