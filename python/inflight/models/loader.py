@@ -324,6 +324,11 @@ def load_model(
         )
     config.check_max_seq_len(max_seq_len if max_seq_len is not None else config.max_position_embeddings)
     backend = make_attention_backend(attention_backend, device)
+    # The tokenizer first: its load is transient-heavy (a JSON parse of the whole vocabulary), and its
+    # garbage goes back to the OS before the weights arrive, so the two peaks do not add up.
+    tokenizer = tokenizer_fn()
+    entries = drop_tokenizer_build_tables(tokenizer)
+    release_free_heap()
     net = LlamaForCausalLM(
         config, dtype, backend, max_seq_len=max_seq_len, device=device, tp=tp, stage=stage, **factories
     )
@@ -356,15 +361,13 @@ def load_model(
         )
     if device.type == "cpu":
         _pack_now(net)
-    tokenizer = tokenizer_fn()
-    _release_load_garbage(path, tokenizer)
+    _release_load_garbage(path, entries)
     return LoadedModel(net, config, tokenizer, dtype, act_mode)
 
 
-def _release_load_garbage(path: Path, tokenizer) -> None:
-    """After loading: drop the tokenizer's Python copy of the vocabulary it was built from, then give the
-    freed heap back to the OS (logged)."""
-    entries = drop_tokenizer_build_tables(tokenizer)
+def _release_load_garbage(path: Path, entries: int) -> None:
+    """After loading: give the freed heap back to the OS (logged, with the ``entries`` of the tokenizer's
+    Python vocabulary and merges dropped before the weights were read)."""
     freed = release_free_heap()
     if freed is not None:
         logger.info(
