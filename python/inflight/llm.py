@@ -111,15 +111,15 @@ class LLM:
             )
 
     # ------------------------------------------------------------------ requests
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of a text prompt (as ``generate`` tokenizes it: with the tokenizer's special
-        tokens, e.g. a BOS)."""
+        tokens, e.g. a BOS, unless ``add_special_tokens`` is False)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer files: pass prompts as lists of token ids")
         self._check_text_size("prompt", [text])
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @property
     def max_prompt_bytes(self) -> int:

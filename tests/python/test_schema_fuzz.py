@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: 
 from inflight import LLM, KvCacheConfig  # noqa: E402
 from inflight.serve.app import build_app  # noqa: E402
 
-MAX_EXAMPLES = 60  # per operation: 6 operations, a few hundred requests
+MAX_EXAMPLES = 60  # per operation: 8 operations, a few hundred requests
 STATUSES: dict[int, int] = {}  # status -> count, for the check at the end
 
 

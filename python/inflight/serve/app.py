@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inflight import __version__
 from inflight.serve.kserve import ROUTES as KSERVE_ROUTES
+from inflight.serve.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from inflight.serve.pages import FEED, PAGES
 from inflight.serve.protocol import APIError, error_body, validation_error_to_api_error
 from inflight.serve.routes import ROUTES
@@ -41,6 +42,7 @@ def build_app(
     version: str | None = None,
     stall_timeout: float = 120.0,
     web: bool = True,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name`` (and any ``aliases``).
 
@@ -49,7 +51,7 @@ def build_app(
     ``version`` (``GET /version``): inflight's by default. ``stall_timeout``: seconds without engine
     progress (work pending) after which ``/health`` answers 503. ``web``: serve the chat page (``/``)
     and the dashboard (``/dashboard``) of :mod:`inflight.serve.pages`; the engine-stats feed is served
-    either way.
+    either way. ``max_request_bytes``: the largest request body (413 above it; None: no limit).
     """
     models = SingleModel(
         llm,
@@ -59,16 +61,21 @@ def build_app(
         version=version if version is not None else __version__,
         stall_timeout=stall_timeout,
     )
-    app = build_models_app(models, web=web)
+    app = build_models_app(models, web=web, max_request_bytes=max_request_bytes)
     app.state.server = models.state
     return app
 
 
-def build_models_app(models: ModelSet, *, web: bool = True) -> FastAPI:
+def build_models_app(
+    models: ModelSet, *, web: bool = True, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """The app over a :class:`ModelSet` (``app.state.models``): one model, or a model repository's
-    (:mod:`inflight.serve.repository`, whose routes this adds)."""
+    (:mod:`inflight.serve.repository`, whose routes this adds). Request bodies over
+    ``max_request_bytes`` get 413 (:class:`~inflight.serve.limits.BodyLimit`)."""
     app = FastAPI(title="inflight", version=models.version, docs_url=None, redoc_url=None)
     app.state.models = models
+    refused = models.metrics.request_rejected.labels(reason="request_too_large")
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refused=refused.inc)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -259,6 +259,25 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True  # vLLM's extension
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (tokenised as /v1/completions does) or ``messages``
+    (rendered by the chat template as /v1/chat/completions does), exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: MessagesField = None
+    add_special_tokens: bool | None = None  # a prompt: default True; messages: the template places them
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: the text of ``tokens``."""
+
+    model: str | None = None
+    tokens: TokenIdsField
+
+
 # OpenAI fields this server does not implement, with the values that mean "not used" (accepted).
 _NOOP: dict[str, Any] = {
     "echo": (False,),

@@ -1,6 +1,7 @@
 """The endpoints, as plain functions of the server state and the request: ``GET /health``,
 ``/version``, ``/v1/models``, ``/metrics`` (Prometheus text), ``POST /v1/completions`` and
-``/v1/chat/completions`` (both streaming with SSE, :mod:`inflight.serve.streaming`).
+``/v1/chat/completions`` (both streaming with SSE, :mod:`inflight.serve.streaming`), vLLM's ``POST
+/tokenize`` and ``/detokenize``.
 
 Each takes the served :class:`~inflight.serve.state.ModelSet` as ``models`` (FastAPI passes
 ``app.state.models`` through the :data:`Models` dependency), the completions look up the request's
@@ -26,6 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from inflight.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     build_sampling_params,
     check_extra_fields,
@@ -108,6 +111,54 @@ async def list_models(models: Models):
 async def metrics(models: Models):
     body, content_type = models.metrics.render()
     return Response(body, media_type=content_type)
+
+
+# ---------------------------------------------------------------------------------------------- /tokenize
+
+
+def _tokenizer_of(state: ServerState, field: str):
+    if state.tokenizer is None:
+        raise bad_request(f"{field}: this model has no tokenizer files", param=field)
+    return state.tokenizer
+
+
+async def tokenize(models: Models, body: TokenizeRequest):
+    """vLLM's: the token ids a prompt or a conversation becomes here (as the completion endpoints
+    tokenise it), their count and the context they must fit (``max_model_len``)."""
+    state = models.openai_state(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
+    if body.prompt is not None:
+        _tokenizer_of(state, "prompt")
+        ids = await state.tokenize(body.prompt, body.add_special_tokens is not False)
+    else:
+        if body.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens: with messages the chat template places the special tokens; only false "
+                "is accepted",
+                param="add_special_tokens",
+            )
+        ids = await _chat_prompt(state, parse_messages(body.messages), body.add_generation_prompt)
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.llm.max_seq_len, "tokens": ids, "token_strs": strs}
+
+
+async def detokenize(models: Models, body: DetokenizeRequest):
+    """vLLM's: the text of a list of token ids (special tokens included); an id outside the
+    vocabulary is a 400 naming its position, its value and the vocabulary size."""
+    state = models.openai_state(body.model)
+    ids = body.tokens
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("tokens must be a list of integer token ids", param="tokens")
+    vocab = state.llm.model_config.vocab_size
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(
+            f"tokens[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab})", param=f"tokens[{bad}]"
+        )
+    tok = _tokenizer_of(state, "tokens")
+    text = await asyncio.to_thread(tok.decode, ids) if len(ids) > 4096 else tok.decode(ids)
+    return {"prompt": text}
 
 
 # ---------------------------------------------------------------------------------------------- disconnects
@@ -291,4 +342,6 @@ ROUTES = (
     ("GET", "/metrics", metrics),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
 )

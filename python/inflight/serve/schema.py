@@ -104,10 +104,22 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
     text = {
         400: "invalid request",
         404: "unknown model",
+        413: "request body over the server's --max-request-bytes",
         500: "engine failure",
         503: "draining, engine not running or stalled, or the queue is full",
     }
@@ -127,11 +139,16 @@ RESPONSES: dict[str, dict[int, dict[str, Any]]] = {
             "description": "Prometheus text format",
         }
     },
-    "/v1/completions": {200: {"model": CompletionResponse, "content": _SSE}, **_errors(400, 404, 500, 503)},
+    "/v1/completions": {
+        200: {"model": CompletionResponse, "content": _SSE},
+        **_errors(400, 404, 413, 500, 503),
+    },
     "/v1/chat/completions": {
         200: {"model": ChatCompletionResponse, "content": _SSE},
-        **_errors(400, 404, 500, 503),
+        **_errors(400, 404, 413, 500, 503),
     },
+    "/tokenize": {200: {"model": TokenizeResponse}, **_errors(400, 404, 413)},
+    "/detokenize": {200: {"model": DetokenizeResponse}, **_errors(400, 404, 413)},
 }
 
 

@@ -31,6 +31,7 @@ import torch
 from inflight.llm import LLM
 from inflight.llm_args import LlmArgs, add_cli_arguments
 from inflight.serve.extras import SERVE_MODULES, require_extra
+from inflight.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 # The token budget of a serving step: it bounds how long one long prompt's chunk holds up everyone's
 # decode. vLLM's 2048 on a GPU; on a CPU a step costs ~4 ms per prompt token late in an 8k-token prompt
@@ -130,6 +131,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="/health answers 503 when the engine has had work pending and finished no step for this long "
         "(default 120)",
+    )
+    net.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="BYTES",
+        help="largest request body; a larger one gets 413 before it is read whole (default 64 MiB; 0: no limit)",
     )
     net.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     net.add_argument(
@@ -305,6 +313,12 @@ def _shutdown_llm(llm, timeout: float = 60.0) -> None:
         logger.error("the engine did not shut down within %.0f s", timeout)
 
 
+def _body_limit(args) -> int | None:
+    if args.max_request_bytes < 0:
+        raise ValueError(f"--max-request-bytes must be >= 0 (0: no limit), got {args.max_request_bytes}")
+    return args.max_request_bytes or None
+
+
 def run(args) -> int:
     """``inflight serve``: builds the LLM, serves it until SIGTERM/SIGINT, drains, exits 0."""
     require_extra(SERVE_MODULES, "serve")
@@ -315,6 +329,7 @@ def run(args) -> int:
         raise ValueError(f"--max-queue-size must be >= 1, got {args.max_queue_size}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    _body_limit(args)  # a bad value fails before any model loads
     if args.model_repository is not None:
         return _run_repository(args)
     if args.load_model or args.model_control_mode != "none":
@@ -330,6 +345,7 @@ def run(args) -> int:
             aliases=aliases,
             stall_timeout=args.health_stall_timeout,
             web=args.web,
+            max_request_bytes=_body_limit(args),
         )
         server = _server_for(app, args)
         logger.info(
@@ -382,7 +398,7 @@ def _run_repository(args) -> int:
     )
     try:
         repository.load_at_startup(args.load_model)
-        app = build_models_app(repository, web=args.web)
+        app = build_models_app(repository, web=args.web, max_request_bytes=_body_limit(args))
         server = _server_for(app, args)
         logger.info(
             "serving the model repository %s on http://%s:%d (%s ready)",

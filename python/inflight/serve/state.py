@@ -161,13 +161,13 @@ class ServerState:
         return len(jobs)
 
     # -- requests
-    async def tokenize(self, prompt: str) -> list[int]:
+    async def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids; a prompt the engine refuses to tokenize (too large, not valid
         Unicode) is a 400 naming ``prompt``."""
         try:
             if len(prompt) > _LONG_TEXT:
-                return await asyncio.to_thread(self.llm.encode, prompt)
-            return self.llm.encode(prompt)
+                return await asyncio.to_thread(self.llm.encode, prompt, add_special_tokens)
+            return self.llm.encode(prompt, add_special_tokens)
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
 
