@@ -152,3 +152,27 @@ def test_body_limit_values(llm):
         assert resp.status_code == 200
     finally:
         unlimited.stop()
+
+
+def test_grpc_messages_over_the_limit_are_refused(llm):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    np = pytest.importorskip("numpy")
+    srv = LiveServer(llm, name=MODEL, grpc=True, max_request_bytes=LIMIT)
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+
+    def inputs(text: str) -> list:
+        t = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+        t.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
+        m = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+        m.set_data_from_numpy(np.array([[2]], dtype=np.int32))
+        return [t, m]
+
+    try:
+        with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED|larger than max"):
+            client.infer(MODEL, inputs("x" * (2 * LIMIT)))
+        assert client.infer(MODEL, inputs("Hello")).as_numpy("text_output") is not None
+    finally:
+        client.close()
+        srv.stop()

@@ -74,6 +74,7 @@ def build_models_app(
     ``max_request_bytes`` get 413 (:class:`~inflight.serve.limits.BodyLimit`)."""
     app = FastAPI(title="inflight", version=models.version, docs_url=None, redoc_url=None)
     app.state.models = models
+    app.state.max_request_bytes = max_request_bytes  # the gRPC API's message limit too
     refused = models.metrics.request_rejected.labels(reason="request_too_large")
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refused=refused.inc)
     app.add_exception_handler(APIError, _api_error)

@@ -384,10 +384,12 @@ def _stream_values(row: LLMRequest, comp) -> dict[str, np.ndarray]:
     return {"text_output": text, "cum_log_probs": cum, "output_log_probs": lps}
 
 
-async def start_grpc(models, host: str, port: int):
+async def start_grpc(models, host: str, port: int, max_message_bytes: int | None = None):
     """Starts the gRPC server for a :class:`~inflight.serve.state.ModelSet` on the running event loop;
-    returns (server, bound port)."""
-    server = grpc.aio.server()
+    returns (server, bound port). ``max_message_bytes``: the largest request message (the HTTP
+    API's body limit; None: no limit); a larger one fails with RESOURCE_EXHAUSTED."""
+    limit = max_message_bytes if max_message_bytes is not None else -1
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     pbg.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

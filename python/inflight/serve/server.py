@@ -219,8 +219,9 @@ def _make_server_class():
                 logger.warning("gRPC API off: %s (pip install 'tritonclient[grpc]')", exc)
                 return
             try:
+                limit = getattr(self.config.app.state, "max_request_bytes", None)
                 self.grpc_server, self.grpc_port = await start_grpc(
-                    self.state, self.config.host, self.grpc_port
+                    self.state, self.config.host, self.grpc_port, limit
                 )
             except (OSError, RuntimeError) as exc:
                 logger.warning("gRPC API off: %s", exc)
