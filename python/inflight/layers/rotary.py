@@ -102,7 +102,7 @@ class RotaryEmbedding(nn.Module):
             signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
             blocks.append(torch.stack((emb.cos(), signed_sin), dim=1).to(dtype=self.dtype))
         table = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        return table[: stop - start] if table.shape[0] != stop - start else table
+        return table[: stop - start]  # the last block may run past stop
 
     def ensure(self, positions: int) -> None:
         """Grow the table to hold at least ``positions`` rows (at least doubling it, at most
@@ -127,6 +127,16 @@ class RotaryEmbedding(nn.Module):
         """Gather once per step: (cos, signed_sin), each ``[T, 1, head_dim]`` to broadcast over heads."""
         cs = self.cos_sin.index_select(0, positions)
         return cs[:, 0:1, :], cs[:, 1:2, :]
+
+
+def grow_tables(tables, positions: torch.Tensor) -> None:
+    """Grows the tables (None entries skipped; all of one model, so they grow together) to hold the
+    step's ``positions``: one max over them, and only while the first table still grows."""
+    tables = [t for t in tables if t is not None]
+    if tables and tables[0].grows and positions.numel():
+        top = int(positions.max()) + 1
+        for table in tables:
+            table.ensure(top)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

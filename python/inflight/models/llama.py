@@ -33,7 +33,7 @@ from inflight.layers.fused_cpu import FusedCpuLayers
 from inflight.layers.linear import Linear, LinearFactory
 from inflight.layers.norm import GemmaRMSNorm, RMSNorm
 from inflight.layers.quantized_linear import W8A16Linear
-from inflight.layers.rotary import RotaryEmbedding, apply_rotary
+from inflight.layers.rotary import RotaryEmbedding, apply_rotary, grow_tables
 from inflight.layers.torch_attention import TorchAttentionBackend
 from inflight.models.config import ModelConfig
 from inflight.models.moe import make_moe_block, split_stacked_experts
@@ -435,9 +435,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden = F.embedding(input_ids, self.embed_tokens)
             if self.config.is_gemma and embed_ids is None:  # scaled by sqrt(hidden), rounded to the dtype
                 hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        if self.rotary.grows and positions.numel():  # the CPU's RoPE tables grow to the positions used
-            for table in filter(None, (self.rotary, self.rotary_local)):
-                table.ensure(int(positions.max()) + 1)
+        grow_tables((self.rotary, self.rotary_local), positions)  # the CPU's tables follow the positions
         if not self._key_rotation_set and kv_caches and isinstance(kv_caches[0], Int8KvCache):
             self._set_key_rotation()
         if run_fused:
